@@ -1,0 +1,8 @@
+"""muon_dist: an FSDP2/DTensor-native distributed Muon optimizer."""
+
+from muon_dist import kernels
+from muon_dist.optimizer import Muon
+from muon_dist.routing import normalize_fqn, param_groups
+
+__all__ = ["Muon", "kernels", "normalize_fqn", "param_groups"]
+__version__ = "0.1.0"

@@ -1,6 +1,10 @@
 """Newton–Schulz orthogonalization: coefficient sets, torch reference and Triton kernels."""
 
-from muon_dist.kernels.coefficients import COEFFICIENT_SETS, CoefficientSchedule, resolve_coefficients
+from muon_dist.kernels.coefficients import (
+    COEFFICIENT_SETS,
+    CoefficientSchedule,
+    resolve_coefficients,
+)
 from muon_dist.kernels.dispatch import BACKENDS, newton_schulz
 from muon_dist.kernels.reference import newton_schulz_torch
 

@@ -42,6 +42,7 @@ COEFFICIENT_SETS: dict[str, tuple[tuple[tuple[float, float, float], ...], float]
     "polar_express": (_POLAR_EXPRESS, 1.02),
 }
 
+
 def resolve_coefficients(coefficients: Coefficients, steps: int) -> CoefficientSchedule:
     """Expand a set name or an explicit list into exactly ``steps`` triples.
 
@@ -64,7 +65,9 @@ def resolve_coefficients(coefficients: Coefficients, steps: int) -> CoefficientS
     return CoefficientSchedule(steps=expanded, norm_scale=norm_scale)
 
 
-def _validate_triples(coefficients: Sequence[Sequence[float]]) -> tuple[tuple[float, float, float], ...]:
+def _validate_triples(
+    coefficients: Sequence[Sequence[float]],
+) -> tuple[tuple[float, float, float], ...]:
     message = f"coefficients={coefficients!r} must be a set name or a non-empty list of (a, b, c)"
     triples: list[tuple[float, float, float]] = []
     try:

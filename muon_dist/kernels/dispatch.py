@@ -6,6 +6,11 @@ import torch
 
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.reference import DEFAULT_EPS, newton_schulz_torch
+from muon_dist.kernels.triton_ns import (
+    TRITON_DTYPES,
+    newton_schulz_triton,
+    triton_available,
+)
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -14,11 +19,29 @@ def validate_backend(backend: str) -> None:
     """Reject unknown names and a Triton request on a machine that cannot run it."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; choose one of {list(BACKENDS)}")
-    if backend == "triton" and not torch.cuda.is_available():
+    if backend == "triton" and not triton_available():
         raise RuntimeError(
-            "backend='triton' needs a CUDA device and none is available; "
-            "use backend='auto' or backend='torch' on this machine"
+            "backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 for CPU "
+            "tests), and this machine lacks one; use backend='auto' or backend='torch' here"
         )
+
+
+def prefer_triton(m: int, n: int, batch: int) -> bool:
+    """Whether the Triton kernels should beat torch for ``batch`` CUDA matrices of m×n.
+
+    The symmetric kernels halve the FLOPs of the two Gram products, which pays once the
+    matrices are large enough to fill the GPU with tiles, or many small ones are batched.
+    Placeholder thresholds pending GPU measurement (scripts/bench_kernels.py): retune them
+    from its speedup column.
+    """
+    return min(m, n) >= 512 or batch >= 8
+
+
+def _auto_uses_triton(X: torch.Tensor, dtype: torch.dtype) -> bool:
+    if X.ndim < 2 or not X.is_cuda or dtype not in TRITON_DTYPES or not triton_available():
+        return False
+    batch = X.numel() // max(X.size(-2) * X.size(-1), 1)
+    return prefer_triton(X.size(-2), X.size(-1), batch)
 
 
 def newton_schulz(
@@ -29,6 +52,13 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Orthogonalize a matrix or a batch of matrices (any leading dims); returns ``dtype``."""
+    """Orthogonalize a matrix or a batch of matrices (any leading dims); returns ``dtype``.
+
+    "torch" runs the reference; "triton" the Triton kernels (CUDA tensors, or CPU tensors
+    under TRITON_INTERPRET=1); "auto" takes Triton for CUDA tensors where
+    ``prefer_triton`` says it is faster, torch otherwise.
+    """
     validate_backend(backend)
+    if backend == "triton" or (backend == "auto" and _auto_uses_triton(X, dtype)):
+        return newton_schulz_triton(X, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)
     return newton_schulz_torch(X, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)

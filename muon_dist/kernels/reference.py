@@ -23,7 +23,9 @@ def newton_schulz_torch(
     ``eps`` only.
     """
     if X.ndim < 2:
-        raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(X.shape)}")
+        raise ValueError(
+            f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(X.shape)}"
+        )
     schedule = resolve_coefficients(coefficients, steps)
     batch_shape = X.shape[:-2]
     Y = X.reshape(-1, X.size(-2), X.size(-1)).to(dtype)

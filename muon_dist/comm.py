@@ -1,0 +1,62 @@
+"""Packed all-to-all exchange of shard pieces: one collective per bucket and direction.
+
+Pieces are packed per peer in plan order, so a buffer needs no headers: sender and receiver
+derive the same sizes and offsets from the same plan. Nothing is padded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from muon_dist.plan import BlockPiece, LocalPiece, split_sizes
+
+PieceT = TypeVar("PieceT", LocalPiece, BlockPiece)
+
+
+def pack(
+    pieces: Sequence[PieceT],
+    read: Callable[[PieceT], torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Copy each piece into one flat buffer of ``dtype``, casting on the way."""
+    total = sum(math.prod(p.shape) for p in pieces)
+    buffer = torch.empty(total, dtype=dtype, device=device)
+    offset = 0
+    for piece in pieces:
+        numel = math.prod(piece.shape)
+        buffer[offset : offset + numel].view(piece.shape).copy_(read(piece))
+        offset += numel
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, pieces: Sequence[PieceT]) -> Iterator[tuple[PieceT, torch.Tensor]]:
+    """Views of a received buffer, one per piece, shaped like the piece."""
+    offset = 0
+    for piece in pieces:
+        numel = math.prod(piece.shape)
+        yield piece, buffer[offset : offset + numel].view(piece.shape)
+        offset += numel
+
+
+def start_exchange(
+    send: torch.Tensor,
+    sends: Sequence[PieceT],
+    recvs: Sequence[LocalPiece] | Sequence[BlockPiece],
+    world_size: int,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Issue the asynchronous all-to-all; the caller waits on the returned work."""
+    send_splits = split_sizes(sends, world_size)
+    recv_splits = split_sizes(recvs, world_size)
+    recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+    work = dist.all_to_all_single(
+        recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, async_op=True
+    )
+    if work is None:
+        raise RuntimeError("all_to_all_single(async_op=True) returned no work handle")
+    return recv, work

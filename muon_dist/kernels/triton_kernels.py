@@ -1,0 +1,180 @@
+"""Triton kernels for the symmetric products of a Newton–Schulz step.
+
+``A = X·Xᵀ`` and ``B = b·A + c·A·A`` are both symmetric, and ``A·A = A·Aᵀ`` because ``A`` is,
+so one kernel computes ``out = alpha·P·Pᵀ + beta·Y`` for both: only the tiles on or below the
+diagonal are computed (about half the FLOPs of a plain matmul) and each is also written to
+its mirrored position. Importing this module imports Triton; the driver imports it lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from muon_dist.kernels.triton_ns import interpret_mode
+
+_INTERPRET = interpret_mode()
+
+
+def _gpu_configs() -> list[triton.Config]:
+    """A short list so the first call on a new shape compiles and times only a few kernels.
+
+    Square 128 tiles feed the Hopper tensor cores best on large Gram matrices; 64 tiles keep
+    enough programs in flight when the batch is small and the matrices are too.
+    """
+    shapes = [
+        (128, 64, 8, 3),
+        (128, 64, 8, 4),
+        (128, 64, 4, 4),
+        (64, 64, 4, 4),
+        (64, 128, 4, 3),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+        for bm, bk, warps, stages in shapes
+    ]
+
+
+def _interpreter_configs() -> list[triton.Config]:
+    """One small config: the CPU interpreter's cost grows with block volume, and it has no timer."""
+    return [triton.Config({"BLOCK_M": 32, "BLOCK_K": 32}, num_warps=1, num_stages=1)]
+
+
+def _bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> list[float]:
+    """Time autotune candidates briefly: a few ms each keeps first-call tuning short."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+@triton.autotune(
+    configs=_interpreter_configs() if _INTERPRET else _gpu_configs(),
+    key=["M", "K", "batch_class", "HAS_Y"],
+    do_bench=_bench,
+)
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _sym_product_kernel(
+    p_ptr,
+    y_ptr,
+    out_ptr,
+    M,
+    K,
+    batch_class,  # autotune key only: the best tile size depends on how many programs run
+    stride_pb,
+    stride_pm,
+    stride_pk,
+    stride_yb,
+    stride_ym,
+    stride_yn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    HAS_Y: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[b] = alpha·P[b]·P[b]ᵀ (+ beta·Y[b])`` for one lower-triangular tile of one matrix."""
+    pid = tl.program_id(0)
+    tiles_per_side = tl.cdiv(M, BLOCK_M)
+    tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2
+    batch = pid // tiles_per_matrix
+    tile = pid - batch * tiles_per_matrix
+    # Invert tile = row·(row+1)/2 + col (col <= row); the float root can be off by one.
+    row = ((tl.sqrt(8.0 * tile.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+    row = tl.where(row * (row + 1) // 2 > tile, row - 1, row)
+    row = tl.where((row + 1) * (row + 2) // 2 <= tile, row + 1, row)
+    col = tile - row * (row + 1) // 2
+
+    batch = batch.to(tl.int64)  # batch·m·n can exceed 2**31
+    p_base = p_ptr + batch * stride_pb
+    offs_r = row * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = col * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past M are clamped to valid rows for the loads and masked out at the store.
+    rows_r = (offs_r % M).to(tl.int64)
+    rows_c = (offs_c % M).to(tl.int64)
+    a_ptrs = p_base + rows_r[:, None] * stride_pm + offs_k[None, :] * stride_pk
+    b_ptrs = p_base + rows_c[:, None] * stride_pm + offs_k[None, :] * stride_pk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = offs_k[None, :] < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_pk
+        b_ptrs += BLOCK_K * stride_pk
+
+    result = acc * alpha
+    out_r = offs_r.to(tl.int64)
+    out_c = offs_c.to(tl.int64)
+    mask = (offs_r[:, None] < M) & (offs_c[None, :] < M)
+    if HAS_Y:
+        y_ptrs = y_ptr + batch * stride_yb + out_r[:, None] * stride_ym + out_c[None, :] * stride_yn
+        result += beta * tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    result = result.to(out_ptr.dtype.element_ty)
+
+    o_base = out_ptr + batch * stride_ob
+    tl.store(o_base + out_r[:, None] * stride_om + out_c[None, :] * stride_on, result, mask=mask)
+    if row != col:
+        mirror_ptrs = o_base + out_c[:, None] * stride_om + out_r[None, :] * stride_on
+        tl.store(mirror_ptrs, tl.trans(result), mask=tl.trans(mask))
+
+
+def _batch_class(batch: int) -> int:
+    """Bucket the batch (1, 2, 4, ..., 64) so stacks of similar size share a tuning result."""
+    return min(1 << max(batch - 1, 0).bit_length(), 64)
+
+
+def sym_product(
+    P: torch.Tensor,
+    out: torch.Tensor,
+    alpha: float = 1.0,
+    Y: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> torch.Tensor:
+    """Write ``alpha·P·Pᵀ + beta·Y`` for a batch ``P`` of shape [batch, m, k] into ``out``.
+
+    ``out`` is [batch, m, m] in any floating dtype; ``Y`` (same shape as ``out``) must be
+    symmetric, since only its lower-triangular tiles are read. Accumulates in fp32; fp32
+    operands use exact ("ieee") products rather than TF32 so the CPU tests are meaningful.
+    """
+    batch, m, k = P.shape
+    if out.shape != (batch, m, m):
+        raise ValueError(f"out must have shape {(batch, m, m)}, got {tuple(out.shape)}")
+    if Y is not None and Y.shape != out.shape:
+        raise ValueError(f"Y must have shape {tuple(out.shape)}, got {tuple(Y.shape)}")
+    if batch == 0 or m == 0:
+        return out
+    y_strides = Y.stride() if Y is not None else (0, 0, 0)
+
+    def grid(meta: dict) -> tuple[int]:
+        side = triton.cdiv(m, meta["BLOCK_M"])
+        return (batch * side * (side + 1) // 2,)
+
+    _sym_product_kernel[grid](
+        P,
+        Y,
+        out,
+        m,
+        k,
+        _batch_class(batch),
+        *P.stride(),
+        *y_strides,
+        *out.stride(),
+        float(alpha),
+        float(beta),
+        HAS_Y=Y is not None,
+        INPUT_PRECISION="ieee" if P.dtype == torch.float32 else "tf32",
+    )
+    return out

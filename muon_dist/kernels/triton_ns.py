@@ -1,0 +1,97 @@
+"""Newton–Schulz on Triton symmetric kernels, with the reference's exact semantics.
+
+Triton is imported only when a kernel runs, so ``import muon_dist`` works without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+
+import torch
+
+from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
+from muon_dist.kernels.reference import DEFAULT_EPS
+
+# Dtypes tl.dot takes with fp32 accumulation; float64 stays on the torch reference.
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpret_mode() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), as it decides."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def triton_available() -> bool:
+    """True where the Triton backend can run: Triton imports and CUDA or the interpreter is on."""
+    return _triton_importable() and (torch.cuda.is_available() or interpret_mode())
+
+
+def newton_schulz_triton(
+    X: torch.Tensor,
+    steps: int = 5,
+    coefficients: Coefficients = "quintic",
+    eps: float = DEFAULT_EPS,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Same contract as ``newton_schulz_torch``, with ``X·Xᵀ`` and ``b·A + c·A·A`` in Triton.
+
+    Only the symmetric products use Triton: they compute half the tiles of a plain matmul.
+    ``a·X + B·X`` is a general product and stays on ``torch.baddbmm`` (cuBLAS); a Triton
+    variant is worth adding only if it measures faster there.
+    """
+    if X.ndim < 2:
+        raise ValueError(
+            f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(X.shape)}"
+        )
+    if dtype not in TRITON_DTYPES:
+        raise TypeError(
+            f"the Triton Newton–Schulz runs in one of {TRITON_DTYPES}, got dtype={dtype}; "
+            "use backend='torch' for other dtypes"
+        )
+    if not X.is_cuda and not interpret_mode():
+        raise RuntimeError(
+            f"the Triton Newton–Schulz needs a CUDA tensor, got one on {X.device}; move it to "
+            "the GPU, use backend='torch', or set TRITON_INTERPRET=1 (slow, for tests)"
+        )
+    schedule = resolve_coefficients(coefficients, steps)
+    from muon_dist.kernels.triton_kernels import sym_product
+
+    batch_shape = X.shape[:-2]
+    Y = X.reshape(-1, X.size(-2), X.size(-1)).to(dtype)
+    tall = Y.size(-2) > Y.size(-1)
+    if tall:
+        Y = Y.mT
+    batch, m, _ = Y.shape
+    norm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    # Dividing into a fresh contiguous buffer also materialises the transpose, once.
+    contiguous = torch.empty(Y.shape, dtype=dtype, device=Y.device)
+    Y = torch.div(Y, (norm * schedule.norm_scale + eps).to(dtype), out=contiguous)
+    with _on_device(Y.device):
+        A = Y.new_empty(batch, m, m)
+        B = torch.empty_like(A)
+        spare = torch.empty_like(Y)
+        for a, b, c in schedule.steps:
+            sym_product(Y, out=A)
+            sym_product(A, out=B, alpha=c, Y=A, beta=b)
+            torch.baddbmm(Y, B, Y, beta=a, alpha=1.0, out=spare)
+            Y, spare = spare, Y
+    if tall:
+        Y = Y.mT
+    return Y.reshape(*batch_shape, Y.size(-2), Y.size(-1)).contiguous()
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device, which need not be the tensor's."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

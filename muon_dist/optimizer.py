@@ -1,0 +1,417 @@
+"""The Muon optimizer: Muon for hidden matrices, AdamW for the rest, in one torch Optimizer."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw as adamw_update
+
+from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
+from muon_dist.kernels.dispatch import newton_schulz, validate_backend
+from muon_dist.plan import REPLICA_MODES, Plan, build_plan, layout_of
+from muon_dist.routing import (
+    ADJUST_LR,
+    ALGORITHMS,
+    MUON_MODES,
+    MatrixView,
+    format_routing_table,
+    group_param_names,
+    matrix_view,
+    routing_entries,
+)
+from muon_dist.runtime import run_tasks
+from muon_dist.runtime.bucket_task import bucket_task
+
+logger = logging.getLogger(__name__)
+
+# Group keys that change how parameters are cut into matrices or scheduled: a change rebuilds
+# the plan. Hyper-parameters such as lr are read fresh every step instead.
+_PLAN_KEYS = ("muon_mode", "experts", "num_experts", "ns_steps", "coefficients")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _distributed() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _check_range(name: str, value: float, low: float, high: float, *, closed_high: bool) -> None:
+    ok = low <= value <= high if closed_high else low <= value < high
+    if not ok:
+        bracket = "]" if closed_high else ")"
+        raise ValueError(
+            f"{name}={value!r} is out of range; it must lie in [{low}, {high}{bracket}"
+        )
+
+
+@dataclass
+class _MuonParam:
+    """Per-step handles of one Muon parameter, in plan order."""
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    view: MatrixView
+    name: str
+
+
+class Muon(torch.optim.Optimizer):
+    """Distributed Muon with AdamW for non-matrix parameters.
+
+    Groups carry ``"algorithm": "muon" | "adamw"``; a group without it is split, >=2-D
+    parameters to Muon and the rest to AdamW. Muon parameters may be plain tensors or
+    DTensors on any mesh (FSDP2, HSDP, expert or tensor parallel): whole matrices are
+    gathered onto one owner rank each, orthogonalized there, and scattered back, so the
+    update equals single-device Muon.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        adjust_lr: str | None = "spectral_norm",
+        ns_steps: int = 5,
+        coefficients: str | Sequence[Sequence[float]] = "quintic",
+        backend: str = "auto",
+        comm_dtype: torch.dtype = torch.bfloat16,
+        *,
+        muon_mode: str = "2d",
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        bucket_bytes: int = 128 * 2**20,
+        max_inflight: int = 2,
+        replica_mode: str = "split",
+    ) -> None:
+        validate_backend(backend)
+        if comm_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"comm_dtype={comm_dtype}; choose torch.bfloat16 or torch.float32")
+        if replica_mode not in REPLICA_MODES:
+            raise ValueError(f"replica_mode={replica_mode!r}; choose one of {list(REPLICA_MODES)}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be a positive number of bytes")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight={max_inflight} must be >= 1")
+        self._defaults_by_algorithm: dict[str, dict[str, Any]] = {
+            "muon": {
+                "lr": lr,
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "weight_decay": weight_decay,
+                "adjust_lr": adjust_lr,
+                "ns_steps": ns_steps,
+                "coefficients": coefficients,
+                "muon_mode": muon_mode,
+                "experts": False,
+                "num_experts": None,
+            },
+            "adamw": {
+                "lr": adamw_lr,
+                "betas": adamw_betas,
+                "eps": adamw_eps,
+                "weight_decay": adamw_weight_decay,
+            },
+        }
+        self.backend = backend
+        self.comm_dtype = comm_dtype
+        self.bucket_bytes = bucket_bytes
+        self.max_inflight = max_inflight
+        self.replica_mode = replica_mode
+        self._plan: Plan | None = None
+        self._plan_key: Hashable = None
+        super().__init__(_split_by_algorithm(params), defaults={})
+        self._check_ranks_agree()
+        logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
+
+    # -- construction -------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        algorithm = param_group.get("algorithm", "muon")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"algorithm={algorithm!r} is not supported; choose one of {ALGORITHMS}"
+            )
+        group = {**self._defaults_by_algorithm[algorithm], **param_group, "algorithm": algorithm}
+        _validate_group(group, len(self.param_groups))
+        super().add_param_group(group)
+        for p in group["params"]:
+            state = self.state[p]
+            if algorithm == "muon":
+                state["momentum_buffer"] = torch.zeros_like(p)
+            else:
+                fused = local(p).is_cuda
+                state["step"] = torch.tensor(0.0, device=local(p).device if fused else None)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+
+    def routing_table(self) -> str:
+        """Which parameter goes where, its matrix view and lr scale, as printable text."""
+        return format_routing_table(routing_entries(self.param_groups))
+
+    def _check_ranks_agree(self) -> None:
+        """Fail fast, instead of hanging in a collective, when ranks hold different params."""
+        rank, world_size = _distributed()
+        if world_size == 1:
+            return
+        lines = []
+        for g_index, group in enumerate(self.param_groups):
+            options = {k: group.get(k) for k in ("algorithm", *_PLAN_KEYS)}
+            for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
+                placements = p.placements if isinstance(p, DTensor) else "plain"
+                mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
+                lines.append(f"{name} {tuple(p.shape)} {p.dtype} {placements} {mesh} {options}")
+        digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+        digests: list[str | None] = [None] * world_size
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) == 1:
+            return
+        all_lines: list[list[str] | None] = [None] * world_size
+        dist.all_gather_object(all_lines, lines)
+        reference = all_lines[0] or []
+        for other, other_lines in enumerate(all_lines):
+            other_lines = other_lines or []
+            if other_lines == reference:
+                continue
+            diff = next(
+                (
+                    (i, a, b)
+                    for i, (a, b) in enumerate(zip(reference, other_lines, strict=False))
+                    if a != b
+                ),
+                (min(len(reference), len(other_lines)), "<end>", "<end>"),
+            )
+            raise RuntimeError(
+                f"muon_dist.Muon: rank {other} built a different parameter list than rank 0 "
+                f"(this is rank {rank}); rank 0 has {len(reference)} params, rank {other} has "
+                f"{len(other_lines)}; first difference at entry {diff[0]}: rank 0 {diff[1]!r} vs "
+                f"rank {other} {diff[2]!r}. Build the model and param groups identically on "
+                "every rank."
+            )
+
+    # -- step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._adamw_group_step(group)
+        self._muon_step()
+        return loss
+
+    def _adamw_group_step(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        states = [self.state[p] for p in params]
+        fused = all(local(p).is_cuda for p in params)
+        beta1, beta2 = group["betas"]
+        adamw_update(
+            [local(p) for p in params],
+            [local(p.grad) for p in params],
+            [local(s["exp_avg"]) for s in states],
+            [local(s["exp_avg_sq"]) for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=not fused,
+            fused=fused,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+    def _muon_params(self) -> list[_MuonParam]:
+        out = []
+        for g_index, group in enumerate(self.param_groups):
+            if group["algorithm"] != "muon":
+                continue
+            for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
+                view = matrix_view(
+                    p.shape,
+                    muon_mode=group["muon_mode"],
+                    experts=group["experts"],
+                    num_experts=group["num_experts"],
+                    name=name,
+                )
+                out.append(_MuonParam(p, group, view, name))
+        return out
+
+    def _get_plan(self, entries: Sequence[_MuonParam]) -> Plan:
+        rank, world_size = _distributed()
+        key = (
+            rank,
+            world_size,
+            self.bucket_bytes,
+            self.replica_mode,
+            self.comm_dtype,
+            tuple((id(e.param), e.view, tuple(e.group[k] for k in _PLAN_KEYS)) for e in entries),
+        )
+        if self._plan is None or key != self._plan_key:
+            layouts = [
+                layout_of(e.param, e.name, e.view, world_size, _ns_key(e.group)) for e in entries
+            ]
+            self._plan = build_plan(
+                layouts,
+                rank,
+                world_size,
+                bucket_bytes=self.bucket_bytes,
+                itemsize=self.comm_dtype.itemsize,
+                replica_mode=self.replica_mode,
+                steps=[e.group["ns_steps"] for e in entries],
+            )
+            self._plan_key = key
+            logger.debug("muon_dist: built a plan with %d buckets", len(self._plan.buckets))
+        return self._plan
+
+    def _muon_step(self) -> None:
+        entries = self._muon_params()
+        if not entries:
+            return
+        _, world_size = _distributed()
+        context = _StepContext(self, entries, world_size)
+        plan = self._get_plan(entries)
+        run_tasks((bucket_task(b, context) for b in plan.buckets), self.max_inflight)
+
+
+class _StepContext:
+    """Local tensors and hyper-parameters of one step, indexed by plan position."""
+
+    def __init__(self, optimizer: Muon, entries: Sequence[_MuonParam], world_size: int) -> None:
+        self.world_size = world_size
+        self.comm_dtype = optimizer.comm_dtype
+        self.backend = optimizer.backend
+        self.params = [local(e.param) for e in entries]
+        self.device = self.params[0].device
+        self.grads = [
+            local(e.param.grad) if e.param.grad is not None else torch.zeros_like(p)
+            for e, p in zip(entries, self.params, strict=True)
+        ]
+        self.momenta = [local(optimizer.state[e.param]["momentum_buffer"]) for e in entries]
+        self.mix = [e.group["momentum"] if e.group["nesterov"] else None for e in entries]
+        self.step_size = [-e.group["lr"] * e.view.lr_scale(e.group["adjust_lr"]) for e in entries]
+        self._decay_and_accumulate(entries)
+
+    def _decay_and_accumulate(self, entries: Sequence[_MuonParam]) -> None:
+        """Momentum update and decoupled weight decay, one foreach call per group."""
+        by_group: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_group.setdefault(id(e.group), []).append(i)
+        for indices in by_group.values():
+            group = entries[indices[0]].group
+            momenta = [self.momenta[i] for i in indices]
+            torch._foreach_mul_(momenta, group["momentum"])
+            torch._foreach_add_(momenta, [self.grads[i] for i in indices])
+            decay = 1.0 - group["lr"] * group["weight_decay"]
+            if decay != 1.0:
+                torch._foreach_mul_([self.params[i] for i in indices], decay)
+
+    def read_update(self, param: int, slices: tuple[slice, ...]) -> torch.Tensor:
+        mix = self.mix[param]
+        if mix is None:
+            return self.momenta[param][slices]
+        return torch.add(self.grads[param][slices], self.momenta[param][slices], alpha=mix)
+
+    def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
+        self.params[param][slices].add_(ortho, alpha=self.step_size[param])
+
+    def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
+        steps, coefficients = cast(tuple[int, Coefficients], ns_key)
+        return newton_schulz(stack, steps=steps, coefficients=coefficients, backend=self.backend)
+
+
+def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:
+    coefficients = group["coefficients"]
+    if not isinstance(coefficients, str):
+        coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
+    return (group["ns_steps"], coefficients)
+
+
+def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Normalise the constructor's input to groups that each name their algorithm."""
+    items = list(params)
+    if not items:
+        raise ValueError("Muon got an empty parameter list")
+    if not isinstance(items[0], dict):
+        items = [{"params": items}]
+    groups: list[dict[str, Any]] = []
+    for group in items:
+        group = dict(group)
+        raw = group["params"]
+        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        if raw and isinstance(raw[0], tuple):
+            group["param_names"] = [name for name, _ in raw]
+            raw = [p for _, p in raw]
+        group["params"] = raw
+        if "algorithm" in group:
+            groups.append(group)
+            continue
+        names = group.get("param_names")
+        for algorithm, keep in (("muon", lambda p: p.ndim >= 2), ("adamw", lambda p: p.ndim < 2)):
+            chosen = [i for i, p in enumerate(raw) if keep(p)]
+            if not chosen:
+                continue
+            part = {**group, "algorithm": algorithm, "params": [raw[i] for i in chosen]}
+            if names is not None:
+                part["param_names"] = [names[i] for i in chosen]
+            groups.append(part)
+    return groups
+
+
+def _validate_group(group: dict[str, Any], index: int) -> None:
+    """Reject a bad option at construction, naming the key, the value and the choices."""
+    where = f"param group {index} ({group['algorithm']})"
+    if group["lr"] < 0:
+        raise ValueError(f"{where}: lr={group['lr']!r} must be >= 0")
+    if group["weight_decay"] < 0:
+        raise ValueError(f"{where}: weight_decay={group['weight_decay']!r} must be >= 0")
+    if group["algorithm"] == "adamw":
+        beta1, beta2 = group["betas"]
+        _check_range(f"{where}: betas[0]", beta1, 0.0, 1.0, closed_high=False)
+        _check_range(f"{where}: betas[1]", beta2, 0.0, 1.0, closed_high=False)
+        if group["eps"] < 0:
+            raise ValueError(f"{where}: eps={group['eps']!r} must be >= 0")
+        return
+    _check_range(f"{where}: momentum", group["momentum"], 0.0, 1.0, closed_high=False)
+    if group["adjust_lr"] not in ADJUST_LR:
+        raise ValueError(
+            f"{where}: adjust_lr={group['adjust_lr']!r} is not supported; choose one of {ADJUST_LR}"
+        )
+    if group["muon_mode"] not in MUON_MODES:
+        raise ValueError(
+            f"{where}: muon_mode={group['muon_mode']!r} is not supported; "
+            f"choose one of {MUON_MODES}"
+        )
+    try:
+        resolve_coefficients(group["coefficients"], group["ns_steps"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    for name, p in zip(group_param_names(group, index), group["params"], strict=True):
+        matrix_view(
+            p.shape,
+            muon_mode=group["muon_mode"],
+            experts=group["experts"],
+            num_experts=group["num_experts"],
+            name=f"{where}: parameter {name!r}",
+        )

@@ -1,0 +1,470 @@
+"""Where every matrix is orthogonalized and how its shards travel: pure functions, no comms.
+
+Each rank calls :func:`build_plan` with the same parameter layouts and gets the same global
+decisions (owners, blocks, buckets); :func:`build_plan` then keeps the part that concerns
+the calling rank. Geometry follows DTensor's ``torch.chunk`` rule, which FSDP2 uses too, so
+uneven and empty shards need no special case.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from muon_dist.routing import Box, MatrixView
+
+REPLICA_MODES = ("split", "redundant")
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one Muon parameter is laid out over ranks, and how it is viewed as matrices.
+
+    ``shard_dims[i]`` is the tensor dim that mesh dim ``i`` shards, or None where it
+    replicates; ``mesh_ranks`` lists the mesh's global ranks in row-major order.
+    """
+
+    name: str
+    view: MatrixView
+    mesh_shape: tuple[int, ...]
+    mesh_ranks: tuple[int, ...]
+    shard_dims: tuple[int | None, ...]
+    ns_key: Hashable = None
+
+    def __post_init__(self) -> None:
+        if math.prod(self.mesh_shape) != len(self.mesh_ranks):
+            raise ValueError(f"{self.name}: mesh shape {self.mesh_shape} != {self.mesh_ranks}")
+        if len(self.shard_dims) != len(self.mesh_shape):
+            raise ValueError(f"{self.name}: one placement per mesh dim is needed")
+
+
+def layout_of(
+    param: torch.Tensor, name: str, view: MatrixView, world_size: int, ns_key: Hashable = None
+) -> ParamLayout:
+    """Read a parameter's mesh and placements; plain tensors count as replicated on all ranks."""
+    if not isinstance(param, DTensor):
+        return ParamLayout(name, view, (world_size,), tuple(range(world_size)), (None,), ns_key)
+    shard_dims: list[int | None] = []
+    for placement in param.placements:
+        if type(placement) is Shard:
+            shard_dims.append(placement.dim)
+        elif isinstance(placement, Replicate):
+            shard_dims.append(None)
+        else:
+            raise ValueError(
+                f"parameter {name} has placements {param.placements}: muon_dist supports "
+                "Shard(d) and Replicate() only (a Partial value is not a finished gradient "
+                "and a strided shard is not a box); redistribute it before the optimizer"
+            )
+    mesh = param.device_mesh
+    return ParamLayout(
+        name,
+        view,
+        tuple(mesh.shape),
+        tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+        tuple(shard_dims),
+        ns_key,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Box geometry
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """Index ``inner`` inside a tensor that holds exactly ``outer``."""
+    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
+
+
+def _adjacent_on_dim0(a: Box, b: Box) -> bool:
+    return a[1:] == b[1:] and a[0][1] == b[0][0]
+
+
+def mesh_coords(layout: ParamLayout) -> dict[int, tuple[int, ...]]:
+    """Global rank -> coordinate in the parameter's mesh."""
+    coords = itertools.product(*(range(s) for s in layout.mesh_shape))
+    return dict(zip(layout.mesh_ranks, coords, strict=True))
+
+
+def local_boxes(layout: ParamLayout) -> dict[int, Box]:
+    """Global rank -> the box of the full parameter its local shard holds (torch.chunk rule)."""
+    out: dict[int, Box] = {}
+    for rank, coord in mesh_coords(layout).items():
+        box = [(0, s) for s in layout.view.shape]
+        for mesh_dim, tensor_dim in enumerate(layout.shard_dims):
+            if tensor_dim is None:
+                continue
+            lo, hi = box[tensor_dim]
+            chunk = -(-(hi - lo) // layout.mesh_shape[mesh_dim])
+            start = min(lo + coord[mesh_dim] * chunk, hi)
+            box[tensor_dim] = (start, min(start + chunk, hi))
+        out[rank] = tuple(box)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Global decisions
+
+
+def ns_cost(rows: int, cols: int, steps: int = 5) -> float:
+    """Standard FLOP count of Newton–Schulz on one matrix: steps·(4m²n + 2m³), m <= n."""
+    m, n = min(rows, cols), max(rows, cols)
+    return float(steps) * (4.0 * m * m * n + 2.0 * m**3)
+
+
+@dataclass
+class Block:
+    """Consecutive matrices of one parameter, orthogonalized together on one owner."""
+
+    param: int
+    start: int
+    stop: int
+    owner: int
+    box: Box
+    sources: list[tuple[int, Box]]  # (rank, piece) gathered onto the owner
+    returns: list[tuple[int, Box]]  # (rank, piece) of the result each holder gets back
+    cost: float
+
+    @property
+    def crosses_ranks(self) -> bool:
+        return any(r != self.owner for r, _ in self.sources + self.returns)
+
+
+@dataclass
+class _Job:
+    param: int
+    matrix: int
+    part: tuple[int, ...]
+    holders: dict[int, Box]
+    candidates: tuple[int, ...]
+    cost: float
+    owner: int = -1
+
+
+def _jobs(layouts: Sequence[ParamLayout], replica_mode: str, steps_of: Sequence[int]) -> list[_Job]:
+    jobs: list[_Job] = []
+    for p_index, layout in enumerate(layouts):
+        boxes = local_boxes(layout)
+        coords = mesh_coords(layout)
+        replica_dims = [i for i, d in enumerate(layout.shard_dims) if d is None]
+        view = layout.view
+        cost = ns_cost(view.rows, view.cols, steps_of[p_index])
+        for matrix in range(view.count):
+            mbox = view.box(matrix, matrix + 1)
+            parts: dict[tuple[int, ...], dict[int, Box]] = defaultdict(dict)
+            for rank, box in boxes.items():
+                piece = intersect(box, mbox)
+                if piece is None:
+                    continue
+                key = (
+                    tuple(coords[rank][i] for i in replica_dims)
+                    if replica_mode == "redundant"
+                    else ()
+                )
+                parts[key][rank] = piece
+            for part, holders in sorted(parts.items()):
+                jobs.append(_Job(p_index, matrix, part, holders, tuple(sorted(holders)), cost))
+    return jobs
+
+
+def assign_owners(jobs: Sequence[_Job]) -> dict[int, float]:
+    """Longest-processing-time-first owners; equal-cost jobs on one candidate set get
+    contiguous runs so consecutive matrices of a parameter travel as one block.
+
+    Within each class LPT only depends on how many jobs each candidate takes, so handing out
+    contiguous runs of those counts gives exactly LPT's loads: the busiest candidate exceeds
+    the lightest by at most the largest single cost. Returns the load per rank.
+    """
+    load: dict[int, float] = defaultdict(float)
+    classes: dict[tuple[float, tuple[int, ...]], list[_Job]] = defaultdict(list)
+    for job in jobs:
+        classes[(job.cost, job.candidates)].append(job)
+    for (cost, candidates), members in sorted(
+        classes.items(), key=lambda kv: (-kv[0][0], kv[0][1])
+    ):
+        heap = [(load[r], r) for r in candidates]
+        heapq.heapify(heap)
+        counts: dict[int, int] = defaultdict(int)
+        for _ in members:
+            current, rank = heapq.heappop(heap)
+            counts[rank] += 1
+            heapq.heappush(heap, (current + cost, rank))
+        members.sort(key=lambda j: (j.param, j.part, j.matrix))
+        cursor = 0
+        for rank in candidates:
+            for job in members[cursor : cursor + counts[rank]]:
+                job.owner = rank
+            cursor += counts[rank]
+            load[rank] += cost * counts[rank]
+    return dict(load)
+
+
+def _choose_sources(job: _Job, coords: dict[int, tuple[int, ...]]) -> list[tuple[int, Box]]:
+    """One holder per distinct piece: the owner if it has it, else the closest in the mesh."""
+    by_piece: dict[Box, list[int]] = defaultdict(list)
+    for rank, piece in job.holders.items():
+        by_piece[piece].append(rank)
+    owner_coord = coords[job.owner]
+
+    def distance(rank: int) -> tuple[int, int]:
+        shared = sum(a == b for a, b in zip(coords[rank], owner_coord, strict=True))
+        return (-shared, rank)
+
+    return sorted((min(ranks, key=distance), piece) for piece, ranks in by_piece.items())
+
+
+def _grows(old: list[tuple[int, Box]], new: list[tuple[int, Box]]) -> bool:
+    return len(old) == len(new) and all(
+        r0 == r1 and _adjacent_on_dim0(b0, b1) for (r0, b0), (r1, b1) in zip(old, new, strict=True)
+    )
+
+
+def _extend(old: list[tuple[int, Box]], new: list[tuple[int, Box]]) -> list[tuple[int, Box]]:
+    return [(r, ((a[0][0], b[0][1]), *a[1:])) for (r, a), (_, b) in zip(old, new, strict=True)]
+
+
+def _blocks(
+    layouts: Sequence[ParamLayout], jobs: Sequence[_Job], max_block_bytes: int, itemsize: int
+) -> list[Block]:
+    """Owner-contiguous runs of matrices whose pieces all grow along dim 0 become one block."""
+    coords = [mesh_coords(layout) for layout in layouts]
+    blocks: list[Block] = []
+    last_part: tuple[int, ...] | None = None
+    for job in sorted(jobs, key=lambda j: (j.param, j.part, j.matrix)):
+        view = layouts[job.param].view
+        sources = _choose_sources(job, coords[job.param])
+        returns = sorted((r, piece) for r, piece in job.holders.items() if r != job.owner)
+        prev = blocks[-1] if blocks else None
+        fits = prev is not None and (
+            box_numel(view.box(prev.start, prev.stop + 1)) * itemsize <= max_block_bytes
+        )
+        if (
+            prev is not None
+            and fits
+            and last_part == job.part
+            and (prev.param, prev.stop, prev.owner) == (job.param, job.matrix, job.owner)
+            and _grows(prev.sources, sources)
+            and _grows(prev.returns, returns)
+        ):
+            prev.sources = _extend(prev.sources, sources)
+            prev.returns = _extend(prev.returns, returns)
+            prev.stop += 1
+            prev.box = view.box(prev.start, prev.stop)
+            prev.cost += job.cost
+        else:
+            box = view.box(job.matrix, job.matrix + 1)
+            blocks.append(
+                Block(
+                    job.param,
+                    job.matrix,
+                    job.matrix + 1,
+                    job.owner,
+                    box,
+                    sources,
+                    returns,
+                    job.cost,
+                )
+            )
+        last_part = job.part
+    return blocks
+
+
+def _buckets(blocks: Sequence[Block], bucket_bytes: int, itemsize: int) -> list[list[Block]]:
+    """Fill buckets in an order that alternates owners, so each bucket keeps every rank busy."""
+    per_owner: dict[int, list[Block]] = defaultdict(list)
+    for block in blocks:
+        per_owner[block.owner].append(block)
+    interleaved = [
+        b
+        for layer in itertools.zip_longest(*(per_owner[o] for o in sorted(per_owner)))
+        for b in layer
+        if b is not None
+    ]
+    buckets: list[list[Block]] = []
+    used = 0
+    for block in interleaved:
+        size = box_numel(block.box) * itemsize
+        if buckets and used + size <= bucket_bytes:
+            buckets[-1].append(block)
+            used += size
+        else:
+            buckets.append([block])
+            used = size
+    return buckets
+
+
+# ---------------------------------------------------------------------------------------
+# What one rank does
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """A piece of this rank's local shard that is sent to, or received from, ``peer``."""
+
+    peer: int
+    param: int
+    slices: tuple[slice, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockPiece:
+    """A piece of an owned block that arrives from, or leaves for, ``peer``."""
+
+    peer: int
+    block: int
+    slices: tuple[slice, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OwnedBlock:
+    """A block this rank orthogonalizes; ``own_slices`` maps its own shard into the block."""
+
+    param: int
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    rows: int
+    cols: int
+    ns_key: Hashable
+    own_slices: tuple[tuple[slice, ...], tuple[slice, ...]] | None  # (local, block)
+    gathered: bool  # False when the owner holds the whole block itself
+
+
+@dataclass
+class BucketPlan:
+    """One unit of the step: a gather all-to-all, Newton–Schulz on owned blocks, a scatter."""
+
+    names: tuple[str, ...]
+    owned: list[OwnedBlock] = field(default_factory=list)
+    gather_sends: list[LocalPiece] = field(default_factory=list)
+    gather_recvs: list[BlockPiece] = field(default_factory=list)
+    scatter_sends: list[BlockPiece] = field(default_factory=list)
+    scatter_recvs: list[LocalPiece] = field(default_factory=list)
+    communicates: bool = False  # decided globally: every rank agrees
+
+
+@dataclass
+class Plan:
+    """The calling rank's share of the step, plus the global loads for inspection."""
+
+    rank: int
+    world_size: int
+    buckets: list[BucketPlan]
+    load: dict[int, float]
+    blocks: list[Block]
+
+
+def split_sizes(pieces: Sequence[LocalPiece] | Sequence[BlockPiece], world_size: int) -> list[int]:
+    """Elements exchanged with each rank, in the packing order pieces are listed in."""
+    sizes = [0] * world_size
+    for piece in pieces:
+        sizes[piece.peer] += math.prod(piece.shape)
+    return sizes
+
+
+def _rank_bucket(
+    bucket: Sequence[Block],
+    layouts: Sequence[ParamLayout],
+    rank: int,
+    boxes: Sequence[dict[int, Box]],
+) -> BucketPlan:
+    plan = BucketPlan(
+        names=tuple(sorted({layouts[b.param].name for b in bucket})),
+        communicates=any(b.crosses_ranks for b in bucket),
+    )
+    for block in bucket:
+        mine = boxes[block.param].get(rank)
+        if block.owner == rank:
+            index = len(plan.owned)
+            view = layouts[block.param].view
+            own = intersect(mine, block.box) if mine is not None else None
+            plan.owned.append(
+                OwnedBlock(
+                    block.param,
+                    block.start,
+                    block.stop,
+                    box_shape(block.box),
+                    view.rows,
+                    view.cols,
+                    layouts[block.param].ns_key,
+                    (relative_slices(own, mine), relative_slices(own, block.box)) if own else None,
+                    gathered=any(r != rank for r, _ in block.sources),
+                )
+            )
+            for src, piece in block.sources:
+                if src != rank:
+                    plan.gather_recvs.append(
+                        BlockPiece(src, index, relative_slices(piece, block.box), box_shape(piece))
+                    )
+            for dst, piece in block.returns:
+                plan.scatter_sends.append(
+                    BlockPiece(dst, index, relative_slices(piece, block.box), box_shape(piece))
+                )
+            continue
+        for src, piece in block.sources:
+            if src == rank:
+                plan.gather_sends.append(
+                    LocalPiece(
+                        block.owner, block.param, relative_slices(piece, mine), box_shape(piece)
+                    )
+                )
+        for dst, piece in block.returns:
+            if dst == rank:
+                plan.scatter_recvs.append(
+                    LocalPiece(
+                        block.owner, block.param, relative_slices(piece, mine), box_shape(piece)
+                    )
+                )
+    # Pack per peer; the stable sort keeps block order, which sender and receiver share.
+    for pieces in (plan.gather_sends, plan.gather_recvs, plan.scatter_sends, plan.scatter_recvs):
+        pieces.sort(key=lambda p: p.peer)
+    return plan
+
+
+def build_plan(
+    layouts: Sequence[ParamLayout],
+    rank: int,
+    world_size: int,
+    *,
+    bucket_bytes: int,
+    itemsize: int,
+    replica_mode: str = "split",
+    steps: Sequence[int] | None = None,
+) -> Plan:
+    """Decide owners, blocks and buckets for all layouts, and keep ``rank``'s share."""
+    if replica_mode not in REPLICA_MODES:
+        raise ValueError(f"replica_mode={replica_mode!r}; choose one of {list(REPLICA_MODES)}")
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    steps_of = list(steps) if steps is not None else [5] * len(layouts)
+    jobs = _jobs(layouts, replica_mode, steps_of)
+    load = assign_owners(jobs)
+    blocks = _blocks(layouts, jobs, bucket_bytes, itemsize)
+    boxes = [local_boxes(layout) for layout in layouts]
+    buckets = [
+        _rank_bucket(bucket, layouts, rank, boxes)
+        for bucket in _buckets(blocks, bucket_bytes, itemsize)
+    ]
+    return Plan(rank, world_size, buckets, load, blocks)

@@ -1,0 +1,117 @@
+"""One bucket of the Muon step as a generator task: gather, orthogonalize, scatter, apply."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from muon_dist.comm import pack, start_exchange, unpack
+from muon_dist.plan import BucketPlan, OwnedBlock
+from muon_dist.runtime.scheduler import Task, TaskBody
+
+
+class StepContext(Protocol):
+    """What a bucket task needs from the optimizer for one step."""
+
+    world_size: int
+    comm_dtype: torch.dtype
+    device: torch.device
+
+    def read_update(self, param: int, slices: tuple[slice, ...]) -> torch.Tensor:
+        """The Newton–Schulz input (momentum or Nesterov mix) of a piece of a local shard."""
+        ...
+
+    def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
+        """Add the scaled orthogonalized update to a piece of a local shard."""
+        ...
+
+    def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
+        """Newton–Schulz on a ``[k, rows, cols]`` stack."""
+        ...
+
+
+@dataclass
+class _Stack:
+    """Same-shape, same-schedule owned blocks stacked for one batched kernel call."""
+
+    blocks: list[int]
+    offsets: list[int]  # first matrix of each block in the stack
+    tensor: torch.Tensor
+
+
+def _stacks(bucket: BucketPlan, ctx: StepContext) -> list[_Stack]:
+    groups: dict[tuple[int, int, Hashable], list[int]] = defaultdict(list)
+    for index, block in enumerate(bucket.owned):
+        groups[(block.rows, block.cols, block.ns_key)].append(index)
+    stacks = []
+    for (rows, cols, _), members in groups.items():
+        offsets, total = [], 0
+        for index in members:
+            offsets.append(total)
+            total += bucket.owned[index].stop - bucket.owned[index].start
+        tensor = torch.empty(total, rows, cols, dtype=ctx.comm_dtype, device=ctx.device)
+        stacks.append(_Stack(members, offsets, tensor))
+    return stacks
+
+
+def _block_views(bucket: BucketPlan, stacks: list[_Stack]) -> list[torch.Tensor]:
+    """Each owned block's region of its stack, shaped like the block's box."""
+    views: list[torch.Tensor] = [torch.empty(0)] * len(bucket.owned)
+    for stack in stacks:
+        for index, offset in zip(stack.blocks, stack.offsets, strict=True):
+            block: OwnedBlock = bucket.owned[index]
+            views[index] = stack.tensor[offset : offset + block.stop - block.start].view(
+                block.shape
+            )
+    return views
+
+
+def bucket_task(bucket: BucketPlan, ctx: StepContext) -> Task:
+    """Wrap one bucket's work as a task; it yields once per collective it waits on."""
+    return Task(bucket.names, _run_bucket(bucket, ctx))
+
+
+def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
+    if bucket.communicates:
+        send = pack(
+            bucket.gather_sends,
+            lambda p: ctx.read_update(p.param, p.slices),
+            ctx.comm_dtype,
+            ctx.device,
+        )
+        received, work = start_exchange(
+            send, bucket.gather_sends, bucket.gather_recvs, ctx.world_size
+        )
+        yield
+        work.wait()
+    stacks = _stacks(bucket, ctx)
+    inputs = _block_views(bucket, stacks)
+    for block, view in zip(bucket.owned, inputs, strict=True):
+        if block.own_slices is not None:
+            local, inside = block.own_slices
+            view[inside].copy_(ctx.read_update(block.param, local))
+    if bucket.communicates:
+        for piece, chunk in unpack(received, bucket.gather_recvs):
+            inputs[piece.block][piece.slices].copy_(chunk)
+    for stack in stacks:
+        stack.tensor = ctx.orthogonalize(stack.tensor, bucket.owned[stack.blocks[0]].ns_key)
+    results = _block_views(bucket, stacks)
+    for block, result in zip(bucket.owned, results, strict=True):
+        if block.own_slices is not None:
+            local, inside = block.own_slices
+            ctx.apply(block.param, local, result[inside])
+    if bucket.communicates:
+        send = pack(
+            bucket.scatter_sends, lambda p: results[p.block][p.slices], ctx.comm_dtype, ctx.device
+        )
+        received, work = start_exchange(
+            send, bucket.scatter_sends, bucket.scatter_recvs, ctx.world_size
+        )
+        yield
+        work.wait()
+        for piece, chunk in unpack(received, bucket.scatter_recvs):
+            ctx.apply(piece.param, piece.slices, chunk)
