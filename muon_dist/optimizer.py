@@ -334,7 +334,9 @@ class _StepContext:
         return torch.add(self.grads[param][slices], self.momenta[param][slices], alpha=mix)
 
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
-        self.params[param][slices].add_(ortho, alpha=self.step_size[param])
+        # Owners add their own result in the dtype the other holders receive it in, so
+        # replicas of a parameter round identically and stay bitwise equal.
+        self.params[param][slices].add_(ortho.to(self.comm_dtype), alpha=self.step_size[param])
 
     def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
         steps, coefficients = cast(tuple[int, Coefficients], ns_key)

@@ -1,0 +1,223 @@
+"""Layouts the distributed step must support, each run against the single-device reference.
+
+Every rank builds the same full tensors from a fixed seed, shards them with the layout
+under test, takes three optimizer steps, and compares the gathered result with
+``reference_muon_step`` / ``torch.optim.AdamW`` on the full tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from reference_muon import reference_muon_step
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+import muon_dist
+
+STEPS = 3
+
+
+@dataclass
+class P:
+    """One parameter of a case: its full shape, routing and placements."""
+
+    shape: tuple[int, ...]
+    kind: str = "matrix"  # "matrix" | "experts" | "fused" | "adamw"
+    placements: tuple[Placement, ...] | None = None  # None: the case's default
+    dtype: torch.dtype = torch.float32
+    group: str = "a"  # muon hyper-parameter set
+
+
+@dataclass
+class Case:
+    name: str
+    params: list[P]
+    mesh_shape: tuple[int, ...] | None  # None: plain tensors, no DTensor
+    placements: tuple[Placement, ...] = (Shard(0),)
+    fsdp: bool = False  # shard with fully_shard instead of distribute_tensor
+    replica_mode: str = "split"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+MUON_SETS: dict[str, dict[str, Any]] = {
+    "a": {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1},
+    "b": {
+        "lr": 0.05,
+        "momentum": 0.9,
+        "nesterov": False,
+        "weight_decay": 0.0,
+        "adjust_lr": "rms_norm",
+        "coefficients": "polar_express",
+    },
+}
+FUSED_EXPERTS = 4
+
+
+def _groups(case: Case, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for i, (spec, t) in enumerate(zip(case.params, tensors, strict=True)):
+        if spec.kind == "adamw":
+            key = ("adamw", "")
+            base: dict[str, Any] = {"algorithm": "adamw", "lr": 1e-2, "weight_decay": 0.01}
+        else:
+            key = (spec.kind, spec.group)
+            base = {"algorithm": "muon", **MUON_SETS[spec.group]}
+            if spec.kind == "experts":
+                base["experts"] = True
+            if spec.kind == "fused":
+                base["num_experts"] = FUSED_EXPERTS
+        group = groups.setdefault(key, {**base, "params": [], "param_names": []})
+        group["params"].append(t)
+        group["param_names"].append(f"{case.name}.p{i}.{spec.kind}")
+    return list(groups.values())
+
+
+def _reference(
+    case: Case, fulls: list[torch.Tensor], grads: list[list[torch.Tensor]]
+) -> list[torch.Tensor]:
+    params = [f.clone() for f in fulls]
+    moms = [torch.zeros_like(f) for f in fulls]
+    adamw_params = [
+        nn.Parameter(p) for p, s in zip(params, case.params, strict=True) if s.kind == "adamw"
+    ]
+    adamw = (
+        torch.optim.AdamW(adamw_params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+        if adamw_params
+        else None
+    )
+    for step_grads in grads:
+        for p, g, m, spec in zip(params, step_grads, moms, case.params, strict=True):
+            if spec.kind == "adamw":
+                continue
+            hp = dict(MUON_SETS[spec.group])
+            matrices = None
+            if spec.kind == "experts":
+                matrices = (p.shape[0], p.shape[1], p.shape[2])
+            elif spec.kind == "fused":
+                matrices = (FUSED_EXPERTS, p.shape[0] // FUSED_EXPERTS, p.shape[1])
+            reference_muon_step(p, g, m, matrices=matrices, **hp)
+        if adamw is not None:
+            for ap, g in zip(
+                adamw_params,
+                [g for g, s in zip(step_grads, case.params, strict=True) if s.kind == "adamw"],
+                strict=True,
+            ):
+                ap.grad = g
+            adamw.step()
+    return [p.detach() for p in params]
+
+
+def _shard(
+    case: Case, fulls: list[torch.Tensor], world_size: int
+) -> tuple[list[torch.Tensor], Any]:
+    if case.mesh_shape is None:
+        return [nn.Parameter(f.clone()) for f in fulls], None
+    mesh = init_device_mesh("cpu", case.mesh_shape)
+    if case.fsdp:
+        module = nn.Module()
+        for i, f in enumerate(fulls):
+            module.register_parameter(f"p{i}", nn.Parameter(f.clone()))
+        fully_shard(module, mesh=mesh)
+        return [getattr(module, f"p{i}") for i in range(len(fulls))], mesh
+    params = []
+    for f, spec in zip(fulls, case.params, strict=True):
+        placements = spec.placements or case.placements
+        params.append(nn.Parameter(distribute_tensor(f.clone(), mesh, list(placements))))
+    return params, mesh
+
+
+def run_case(case: Case, comm_dtype: torch.dtype, world_size: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(1234)
+    fulls = [torch.randn(s.shape, generator=gen).to(s.dtype) for s in case.params]
+    grads = [
+        [torch.randn(s.shape, generator=gen).to(s.dtype) for s in case.params] for _ in range(STEPS)
+    ]
+    params, _ = _shard(case, fulls, world_size)
+    opt = muon_dist.Muon(
+        _groups(case, params), comm_dtype=comm_dtype, replica_mode=case.replica_mode, **case.extra
+    )
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            if isinstance(p, DTensor):
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            else:
+                p.grad = g.clone()
+        opt.step()
+    expected = _reference(case, fulls, grads)
+    # fp32 parameters: error relative to the size of the update; bf16 parameters: relative
+    # to the parameter, since their decay and update round to bf16 (a few ulps).
+    worst_fp32_update, worst_bf16_param = 0.0, 0.0
+    for p, ref, full in zip(params, expected, fulls, strict=True):
+        got = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).float()
+        diff = (got - ref.float()).abs().max().item()
+        if ref.dtype == torch.bfloat16:
+            worst_bf16_param = max(worst_bf16_param, diff / ref.float().abs().max().item())
+        else:
+            update = (ref - full).abs().max().item()
+            worst_fp32_update = max(worst_fp32_update, diff / max(update, 1e-30))
+    if case.mesh_shape is None and world_size > 1:
+        _assert_replicas_identical(params)
+    return {"fp32_update": worst_fp32_update, "bf16_param": worst_bf16_param}
+
+
+def _assert_replicas_identical(params: list[torch.Tensor]) -> None:
+    for p in params:
+        gathered = [torch.empty_like(p.detach()) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, p.detach().contiguous())
+        for other in gathered:
+            assert torch.equal(other, p.detach()), "replicated parameters diverged across ranks"
+
+
+def dense_params() -> list[P]:
+    return [
+        P((3, 40)),
+        P((130, 7)),
+        P((64, 48), group="b"),
+        P((48, 64)),
+        P((32, 24), dtype=torch.bfloat16),
+        P((4, 24, 16), kind="experts"),
+        P((FUSED_EXPERTS * 12, 20), kind="fused"),
+        P((64,), kind="adamw"),
+        P((50, 16), kind="adamw"),
+    ]
+
+
+def cases_for(world_size: int) -> list[Case]:
+    cases = [
+        Case("fsdp", dense_params(), (world_size,), fsdp=True),
+        Case("shard1", dense_params()[:5], (world_size,), placements=(Shard(1),)),
+        Case("replicated", dense_params(), None),
+    ]
+    if world_size % 2 == 0:
+        two_d = (2, world_size // 2)
+        stacks = [P((4, 24, 16), kind="experts"), P((6, 10, 12), kind="experts", group="b")]
+        cases += [
+            Case("hsdp_split", dense_params(), two_d, placements=(Replicate(), Shard(0))),
+            Case(
+                "hsdp_redundant",
+                dense_params(),
+                two_d,
+                placements=(Replicate(), Shard(0)),
+                replica_mode="redundant",
+            ),
+            Case("tp_fsdp", dense_params()[:5], two_d, placements=(Shard(0), Shard(1))),
+            Case("ep_fsdp", stacks, two_d, placements=(Shard(0), Shard(1))),
+            Case(
+                "ep_only",
+                [*stacks, P((40, 24), placements=(Replicate(), Shard(0)))],
+                two_d,
+                placements=(Shard(0), Replicate()),
+            ),
+        ]
+    return cases
+
+
+def parity_worker(rank: int, world_size: int, comm_dtype_name: str) -> dict[str, dict[str, float]]:
+    comm_dtype = getattr(torch, comm_dtype_name)
+    return {case.name: run_case(case, comm_dtype, world_size) for case in cases_for(world_size)}
