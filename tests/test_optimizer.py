@@ -1,0 +1,260 @@
+"""Single-process Muon: the update rule, matrix views, AdamW groups, state and validation."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from reference_muon import reference_muon_step
+from torch import nn
+
+import muon_dist
+from muon_dist.routing import matrix_view
+
+
+def _step_with_grads(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]
+) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    opt.step()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr", ["spectral_norm", "rms_norm", None])
+def test_muon_step_matches_direct_computation(nesterov: bool, adjust_lr: str | None) -> None:
+    torch.manual_seed(0)
+    shapes = [(24, 16), (16, 40), (33, 33)]
+    fulls = [torch.randn(s) for s in shapes]
+    params = [nn.Parameter(f.clone()) for f in fulls]
+    opt = muon_dist.Muon(
+        [{"params": params, "algorithm": "muon"}],
+        lr=0.03,
+        momentum=0.9,
+        nesterov=nesterov,
+        weight_decay=0.05,
+        adjust_lr=adjust_lr,
+    )
+    refs = [f.clone() for f in fulls]
+    moms = [torch.zeros_like(f) for f in fulls]
+    for _ in range(3):
+        grads = [torch.randn(s) for s in shapes]
+        _step_with_grads(opt, params, grads)
+        for r, g, m in zip(refs, grads, moms, strict=True):
+            reference_muon_step(
+                r,
+                g,
+                m,
+                lr=0.03,
+                momentum=0.9,
+                nesterov=nesterov,
+                weight_decay=0.05,
+                adjust_lr=adjust_lr,
+            )
+    for p, r in zip(params, refs, strict=True):
+        torch.testing.assert_close(p.detach(), r, rtol=0, atol=1e-6)
+
+
+def test_expert_stack_and_fused_equal_separate_matrices() -> None:
+    torch.manual_seed(1)
+    experts, rows, cols = 3, 20, 12  # rows > cols: the spectral lr scale is not 1
+    separate = [nn.Parameter(torch.randn(rows, cols)) for _ in range(experts)]
+    stack = nn.Parameter(torch.stack([p.detach() for p in separate]))
+    fused = nn.Parameter(torch.cat([p.detach() for p in separate]))
+    opt_sep = muon_dist.Muon([{"params": separate, "algorithm": "muon"}], lr=0.05)
+    opt_stack = muon_dist.Muon([{"params": [stack], "algorithm": "muon", "experts": True}], lr=0.05)
+    opt_fused = muon_dist.Muon(
+        [{"params": [fused], "algorithm": "muon", "num_experts": experts}], lr=0.05
+    )
+    for _ in range(2):
+        grads = [torch.randn(rows, cols) for _ in range(experts)]
+        _step_with_grads(opt_sep, separate, grads)
+        _step_with_grads(opt_stack, [stack], [torch.stack(grads)])
+        _step_with_grads(opt_fused, [fused], [torch.cat(grads)])
+    expected = torch.stack([p.detach() for p in separate])
+    torch.testing.assert_close(stack.detach(), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(fused.detach(), expected.reshape(-1, cols), rtol=0, atol=1e-6)
+
+
+def test_flat_and_slice_views() -> None:
+    flat = matrix_view((8, 3, 2, 5), muon_mode="flat")
+    assert (flat.count, flat.rows, flat.cols) == (1, 8, 30)
+    sliced = matrix_view((4, 6, 2, 5), muon_mode="slice")
+    assert (sliced.count, sliced.rows, sliced.cols) == (4, 6, 10)
+    assert sliced.box(1, 3) == ((1, 3), (0, 6), (0, 2), (0, 5))
+    fused = matrix_view((12, 5), num_experts=3)
+    assert (fused.count, fused.rows, fused.box(1, 2)) == (3, 4, ((4, 8), (0, 5)))
+
+    torch.manual_seed(2)
+    for mode, matrices in (("flat", (1, 8, 30)), ("slice", (8, 3, 10))):
+        full = torch.randn(8, 3, 2, 5)
+        grad = torch.randn(8, 3, 2, 5)
+        p = nn.Parameter(full.clone())
+        opt = muon_dist.Muon([{"params": [p], "algorithm": "muon", "muon_mode": mode}], lr=0.1)
+        _step_with_grads(opt, [p], [grad])
+        ref = full.clone()
+        reference_muon_step(ref, grad, torch.zeros_like(ref), lr=0.1, matrices=matrices)
+        torch.testing.assert_close(p.detach(), ref, rtol=0, atol=1e-6)
+
+
+def test_adamw_groups_match_torch_adamw() -> None:
+    torch.manual_seed(3)
+    fulls = [torch.randn(10), torch.randn(7, 5), torch.randn(())]
+    ours = [nn.Parameter(f.clone()) for f in fulls]
+    theirs = [nn.Parameter(f.clone()) for f in fulls]
+    opt = muon_dist.Muon(
+        [
+            {
+                "params": ours,
+                "algorithm": "adamw",
+                "lr": 1e-2,
+                "betas": (0.8, 0.99),
+                "weight_decay": 0.1,
+            }
+        ]
+    )
+    ref = torch.optim.AdamW(theirs, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1, eps=1e-8)
+    for _ in range(5):
+        grads = [torch.randn_like(f) for f in fulls]
+        _step_with_grads(opt, ours, grads)
+        _step_with_grads(ref, theirs, grads)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 6))
+
+
+def test_state_dict_round_trip_continues_exactly() -> None:
+    inputs = [torch.randn(5, 12, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, batch: list[torch.Tensor]) -> None:
+        for x in batch:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+
+    model = _model()
+    opt = muon_dist.Muon(model.parameters(), lr=0.02)
+    train(model, opt, inputs)
+    uninterrupted = copy.deepcopy(model.state_dict())
+
+    model = _model()
+    opt = muon_dist.Muon(model.parameters(), lr=0.02)
+    train(model, opt, inputs[:3])
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    model = _model()
+    model.load_state_dict(saved_model)
+    opt = muon_dist.Muon(model.parameters(), lr=0.02)
+    opt.load_state_dict(saved_opt)
+    train(model, opt, inputs[3:])
+    for key, value in uninterrupted.items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_state_is_created_eagerly_and_schedulers_closures_work() -> None:
+    model = _model()
+    opt = muon_dist.Muon(model.parameters(), lr=0.02)
+    state = opt.state_dict()["state"]
+    assert len(state) == 6
+    assert {"momentum_buffer"} == set(state[1]) and {"step", "exp_avg", "exp_avg_sq"} == set(
+        state[2]
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x = torch.randn(3, 12)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert torch.isfinite(loss)
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 1.5e-4]
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        ({"algorithm": "muon", "coefficients": "cubic"}, "coefficients='cubic'"),
+        ({"algorithm": "muon", "muon_mode": "3d"}, "muon_mode='3d'"),
+        ({"algorithm": "muon", "adjust_lr": "max"}, "adjust_lr='max'"),
+        ({"algorithm": "sgd"}, "algorithm='sgd'"),
+        ({"algorithm": "muon", "lr": -1.0}, "lr=-1.0"),
+        ({"algorithm": "adamw", "lr": -1.0}, "lr=-1.0"),
+        ({"algorithm": "muon", "momentum": 1.0}, "momentum=1.0"),
+        ({"algorithm": "muon", "momentum": -0.1}, "momentum=-0.1"),
+        ({"algorithm": "adamw", "betas": (0.9, 1.5)}, r"betas\[1\]=1.5"),
+    ],
+)
+def test_bad_group_options_raise(group: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        muon_dist.Muon([{"params": [nn.Parameter(torch.randn(4, 4))], **group}])
+
+
+@pytest.mark.parametrize(
+    ("shape", "group", "message"),
+    [
+        ((8,), {}, r"shape \(8,\): Muon needs >= 2-D"),
+        ((2, 3, 4), {}, "set experts=True"),
+        ((2, 3, 4, 5), {"experts": True}, "muon_mode='flat'"),
+        ((10, 4), {"num_experts": 3}, "not divisible by num_experts=3"),
+    ],
+)
+def test_bad_parameters_in_muon_groups_raise(
+    shape: tuple[int, ...], group: dict[str, object], message: str
+) -> None:
+    p = nn.Parameter(torch.randn(shape))
+    with pytest.raises(ValueError, match=message) as info:
+        muon_dist.Muon(
+            [{"params": [p], "param_names": ["blocks.0.w"], "algorithm": "muon", **group}]
+        )
+    assert "blocks.0.w" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"backend": "cuda"}, "backend='cuda'"),
+        ({"comm_dtype": torch.float16}, "comm_dtype"),
+        ({"bucket_bytes": 0}, "bucket_bytes=0"),
+        ({"max_inflight": 0}, "max_inflight=0"),
+        ({"replica_mode": "mirror"}, "replica_mode='mirror'"),
+    ],
+)
+def test_bad_optimizer_options_raise(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        muon_dist.Muon([nn.Parameter(torch.randn(4, 4))], **kwargs)  # type: ignore[arg-type]
+
+
+def test_plain_parameters_split_by_dimension() -> None:
+    model = _model()
+    opt = muon_dist.Muon(model.named_parameters())
+    algorithms = {name: g["algorithm"] for g in opt.param_groups for name in g["param_names"]}
+    assert algorithms == {
+        "0.weight": "muon",
+        "2.weight": "muon",
+        "0.bias": "adamw",
+        "1.weight": "adamw",
+        "1.bias": "adamw",
+        "2.bias": "adamw",
+    }
+    adamw = next(g for g in opt.param_groups if g["algorithm"] == "adamw")
+    assert adamw["lr"] == 3e-4 and "momentum" not in adamw
+
+
+def test_lr_scale_uses_full_shape() -> None:
+    view = matrix_view((4096, 1024))
+    assert view.lr_scale("spectral_norm") == 2.0
+    assert view.lr_scale("rms_norm") == pytest.approx(0.2 * math.sqrt(4096))
+    experts = matrix_view((8, 64, 16), experts=True)
+    assert experts.lr_scale("spectral_norm") == 2.0
