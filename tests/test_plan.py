@@ -1,0 +1,206 @@
+"""The planner, checked without processes: geometry, owners, and a simulated exchange."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from muon_dist.plan import (
+    ParamLayout,
+    Plan,
+    box_shape,
+    build_plan,
+    local_boxes,
+    ns_cost,
+    relative_slices,
+)
+from muon_dist.routing import matrix_view
+
+
+def _layout(
+    name: str,
+    shape: tuple[int, ...],
+    mesh: tuple[int, ...],
+    dims: tuple[int | None, ...],
+    **view: object,
+) -> ParamLayout:
+    return ParamLayout(
+        name,
+        matrix_view(shape, name=name, **view),
+        mesh,
+        tuple(range(math.prod(mesh))),
+        dims,
+        (5, "quintic"),  # type: ignore[arg-type]
+    )
+
+
+def test_local_boxes_follow_torch_chunk() -> None:
+    for rows in range(0, 11):
+        for world in range(1, 6):
+            layout = _layout("w", (max(rows, 1), 3), (world,), (0,))
+            chunks = torch.arange(max(rows, 1)).chunk(world)
+            boxes = local_boxes(layout)
+            for r in range(world):
+                expected = chunks[r].tolist() if r < len(chunks) else []
+                start, stop = boxes[r][0]
+                assert list(range(start, stop)) == expected
+
+
+def _simulate(layouts: list[ParamLayout], world: int, replica_mode: str = "split") -> list[Plan]:
+    """Run every rank's plan against in-memory shards, as the all-to-alls would."""
+    plans = [
+        build_plan(layouts, r, world, bucket_bytes=4096, itemsize=4, replica_mode=replica_mode)
+        for r in range(world)
+    ]
+    fulls = [
+        torch.arange(math.prod(lay.view.shape), dtype=torch.float64).reshape(lay.view.shape)
+        for lay in layouts
+    ]
+    boxes = [local_boxes(lay) for lay in layouts]
+    shards = {
+        (r, i): fulls[i][tuple(slice(a, b) for a, b in boxes[i][r])].clone()
+        for i in range(len(layouts))
+        for r in boxes[i]
+    }
+    written = {key: torch.zeros_like(t) for key, t in shards.items()}
+    for b in range(len(plans[0].buckets)):
+        # Gather: what each rank sends to each peer, in order.
+        outbox = defaultdict(list)
+        for r, plan in enumerate(plans):
+            for piece in plan.buckets[b].gather_sends:
+                outbox[(r, piece.peer)].append(shards[(r, piece.param)][piece.slices])
+        results: dict[tuple[int, int], torch.Tensor] = {}
+        for r, plan in enumerate(plans):
+            bucket = plan.buckets[b]
+            assembled = [
+                torch.full(ob.shape, float("nan"), dtype=torch.float64) for ob in bucket.owned
+            ]
+            for index, ob in enumerate(bucket.owned):
+                if ob.own_slices is not None:
+                    local, inside = ob.own_slices
+                    assembled[index][inside] = shards[(r, ob.param)][local]
+            for piece in bucket.gather_recvs:
+                chunk = outbox[(piece.peer, r)].pop(0)
+                assert chunk.shape == piece.shape
+                assembled[piece.block][piece.slices] = chunk
+            for index, ob in enumerate(bucket.owned):
+                full_box = layouts[ob.param].view.box(ob.start, ob.stop)
+                expected = fulls[ob.param][tuple(slice(a, c) for a, c in full_box)]
+                assert torch.equal(assembled[index], expected), "owner assembled a wrong matrix"
+                assert (ob.stop - ob.start, ob.rows, ob.cols) == (
+                    ob.stop - ob.start,
+                    layouts[ob.param].view.rows,
+                    layouts[ob.param].view.cols,
+                )
+                results[(r, index)] = assembled[index]
+                if ob.own_slices is not None:
+                    local, inside = ob.own_slices
+                    written[(r, ob.param)][local] += 1
+        assert all(not v for v in outbox.values()), "a sent piece was never received"
+        # Scatter: results go back to every holder.
+        returned = defaultdict(list)
+        for r, plan in enumerate(plans):
+            for piece in plan.buckets[b].scatter_sends:
+                returned[(r, piece.peer)].append(results[(r, piece.block)][piece.slices])
+        for r, plan in enumerate(plans):
+            for piece in plan.buckets[b].scatter_recvs:
+                chunk = returned[(piece.peer, r)].pop(0)
+                assert torch.equal(chunk, shards[(r, piece.param)][piece.slices])
+                written[(r, piece.param)][piece.slices] += 1
+        assert all(not v for v in returned.values()), "a result was never received"
+    for key, count in written.items():
+        assert torch.all(count == 1), f"rank/param {key}: every element updated exactly once"
+    return plans
+
+
+def test_simulated_exchange_on_mixed_layouts() -> None:
+    layouts = [
+        _layout("a", (3, 40), (4,), (0,)),
+        _layout("b", (130, 7), (4,), (0,)),
+        _layout("c", (6, 10, 12), (2, 2), (0, 1), experts=True),
+        _layout("d", (4 * 5, 9), (2, 2), (None, 0), num_experts=4),
+        _layout("e", (16, 20), (2, 2), (0, 1)),
+        _layout("f", (8, 8), (4,), (None,)),
+    ]
+    for mode in ("split", "redundant"):
+        plans = _simulate(layouts, 4, mode)
+        assert all(p.blocks == plans[0].blocks for p in plans), "plans differ across ranks"
+
+
+def test_replicated_work_is_split_not_repeated() -> None:
+    layouts = [_layout(f"w{i}", (32, 32), (4,), (None,)) for i in range(8)]
+    plans = _simulate(layouts, 4)
+    owners = defaultdict(int)
+    for block in plans[0].blocks:
+        owners[block.owner] += block.stop - block.start
+    assert dict(owners) == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
+def test_whole_local_matrices_need_no_communication() -> None:
+    layouts = [_layout("experts", (8, 16, 12), (4,), (0,), experts=True)]
+    plan = build_plan(layouts, 1, 4, bucket_bytes=1 << 20, itemsize=2)
+    assert not any(b.communicates for b in plan.buckets)
+    assert [(b.start, b.stop) for b in plan.blocks if b.owner == 1] == [(2, 4)]
+
+
+@st.composite
+def _random_layouts(draw: st.DrawFn) -> tuple[list[ParamLayout], int]:
+    mesh = draw(st.sampled_from([(1,), (2,), (3,), (4,), (2, 2), (1, 3), (3, 1)]))
+    world = math.prod(mesh)
+    layouts = []
+    for i in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["matrix", "experts", "fused"]))
+        rows, cols = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+        view: dict[str, object] = {}
+        if kind == "experts":
+            shape: tuple[int, ...] = (draw(st.integers(1, 5)), rows, cols)
+            view["experts"] = True
+        elif kind == "fused":
+            experts = draw(st.integers(1, 4))
+            shape = (experts * rows, cols)
+            view["num_experts"] = experts
+        else:
+            shape = (rows, cols)
+        dims = tuple(draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh)
+        layouts.append(_layout(f"p{i}", shape, mesh, dims, **view))
+    return layouts, world
+
+
+@settings(max_examples=60, deadline=None)
+@given(_random_layouts(), st.sampled_from(["split", "redundant"]))
+def test_random_plans_move_every_element_once(
+    case: tuple[list[ParamLayout], int], mode: str
+) -> None:
+    layouts, world = case
+    plans = _simulate(layouts, world, mode)
+    assert all(p.blocks == plans[0].blocks for p in plans)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.integers(1, 64), st.integers(1, 6)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 5),
+)
+def test_owner_loads_within_one_matrix(shapes: list[tuple[int, int, int]], world: int) -> None:
+    layouts = [
+        _layout(f"p{i}", (e, r, c), (world,), (1,), experts=True)
+        for i, (r, c, e) in enumerate(shapes)
+    ]
+    plan = build_plan(layouts, 0, world, bucket_bytes=1 << 30, itemsize=2)
+    loads = [plan.load.get(r, 0.0) for r in range(world)]
+    largest = max(ns_cost(r, c) for r, c, _ in shapes)
+    candidates = [r for r in range(world) if loads[r] > 0 or True]
+    assert max(loads) - min(loads[r] for r in candidates) <= largest + 1e-6
+
+
+def test_relative_slices_and_shapes() -> None:
+    assert relative_slices(((2, 4), (1, 3)), ((2, 6), (0, 5))) == (slice(0, 2), slice(1, 3))
+    assert box_shape(((2, 4), (1, 3))) == (2, 2)
