@@ -136,6 +136,9 @@ class Muon(torch.optim.Optimizer):
         self._plan_key: Hashable = None
         super().__init__(_split_by_algorithm(params), defaults={})
         self._check_ranks_agree()
+        entries = self._muon_params()
+        if entries:
+            self._get_plan(entries)  # unsupported layouts fail here, not mid-training
         logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
 
     # -- construction -------------------------------------------------------------------
