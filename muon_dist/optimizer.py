@@ -97,10 +97,12 @@ class Muon(torch.optim.Optimizer):
         bucket_bytes: int = 128 * 2**20,
         max_inflight: int = 2,
         replica_mode: str = "split",
+        ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         validate_backend(backend)
-        if comm_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"comm_dtype={comm_dtype}; choose torch.bfloat16 or torch.float32")
+        for key, value in (("comm_dtype", comm_dtype), ("ns_dtype", ns_dtype)):
+            if value not in (torch.bfloat16, torch.float32):
+                raise ValueError(f"{key}={value}; choose torch.bfloat16 or torch.float32")
         if replica_mode not in REPLICA_MODES:
             raise ValueError(f"replica_mode={replica_mode!r}; choose one of {list(REPLICA_MODES)}")
         if bucket_bytes <= 0:
@@ -129,6 +131,7 @@ class Muon(torch.optim.Optimizer):
         }
         self.backend = backend
         self.comm_dtype = comm_dtype
+        self.ns_dtype = ns_dtype
         self.bucket_bytes = bucket_bytes
         self.max_inflight = max_inflight
         self.replica_mode = replica_mode
@@ -305,6 +308,7 @@ class _StepContext:
         self.world_size = world_size
         self.comm_dtype = optimizer.comm_dtype
         self.backend = optimizer.backend
+        self.ns_dtype = optimizer.ns_dtype
         self.params = [local(e.param) for e in entries]
         self.device = self.params[0].device
         self.grads = [
@@ -343,7 +347,9 @@ class _StepContext:
 
     def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
         steps, coefficients = cast(tuple[int, Coefficients], ns_key)
-        return newton_schulz(stack, steps=steps, coefficients=coefficients, backend=self.backend)
+        return newton_schulz(
+            stack, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
+        )
 
 
 def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:

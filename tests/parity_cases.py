@@ -7,6 +7,7 @@ under test, takes three optimizer steps, and compares the gathered result with
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 import muon_dist
 
 STEPS = 3
+# scripts/gpu_parity.py runs these cases on CUDA with NCCL; CPU with gloo otherwise.
+DEVICE = os.environ.get("MUON_DIST_TEST_DEVICE", "cpu")
 
 
 @dataclass
@@ -79,7 +82,7 @@ def _groups(case: Case, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
 
 
 def _reference(
-    case: Case, fulls: list[torch.Tensor], grads: list[list[torch.Tensor]]
+    ns_dtype: torch.dtype, case: Case, fulls: list[torch.Tensor], grads: list[list[torch.Tensor]]
 ) -> list[torch.Tensor]:
     params = [f.clone() for f in fulls]
     moms = [torch.zeros_like(f) for f in fulls]
@@ -101,7 +104,7 @@ def _reference(
                 matrices = (p.shape[0], p.shape[1], p.shape[2])
             elif spec.kind == "fused":
                 matrices = (FUSED_EXPERTS, p.shape[0] // FUSED_EXPERTS, p.shape[1])
-            reference_muon_step(p, g, m, matrices=matrices, **hp)
+            reference_muon_step(p, g, m, matrices=matrices, ns_dtype=ns_dtype, **hp)
         if adamw is not None:
             for ap, g in zip(
                 adamw_params,
@@ -118,7 +121,7 @@ def _shard(
 ) -> tuple[list[torch.Tensor], Any]:
     if case.mesh_shape is None:
         return [nn.Parameter(f.clone()) for f in fulls], None
-    mesh = init_device_mesh("cpu", case.mesh_shape)
+    mesh = init_device_mesh(DEVICE, case.mesh_shape)
     if case.fsdp:
         module = nn.Module()
         for i, f in enumerate(fulls):
@@ -132,15 +135,22 @@ def _shard(
     return params, mesh
 
 
-def run_case(case: Case, comm_dtype: torch.dtype, world_size: int) -> dict[str, float]:
+def run_case(
+    case: Case, comm_dtype: torch.dtype, ns_dtype: torch.dtype, world_size: int
+) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
-    fulls = [torch.randn(s.shape, generator=gen).to(s.dtype) for s in case.params]
+    fulls = [torch.randn(s.shape, generator=gen).to(DEVICE, s.dtype) for s in case.params]
     grads = [
-        [torch.randn(s.shape, generator=gen).to(s.dtype) for s in case.params] for _ in range(STEPS)
+        [torch.randn(s.shape, generator=gen).to(DEVICE, s.dtype) for s in case.params]
+        for _ in range(STEPS)
     ]
     params, _ = _shard(case, fulls, world_size)
     opt = muon_dist.Muon(
-        _groups(case, params), comm_dtype=comm_dtype, replica_mode=case.replica_mode, **case.extra
+        _groups(case, params),
+        comm_dtype=comm_dtype,
+        ns_dtype=ns_dtype,
+        replica_mode=case.replica_mode,
+        **case.extra,
     )
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
@@ -149,7 +159,7 @@ def run_case(case: Case, comm_dtype: torch.dtype, world_size: int) -> dict[str, 
             else:
                 p.grad = g.clone()
         opt.step()
-    expected = _reference(case, fulls, grads)
+    expected = _reference(ns_dtype, case, fulls, grads)
     # fp32 parameters: error relative to the size of the update; bf16 parameters: relative
     # to the parameter, since their decay and update round to bf16 (a few ulps).
     worst_fp32_update, worst_bf16_param = 0.0, 0.0
@@ -218,6 +228,8 @@ def cases_for(world_size: int) -> list[Case]:
     return cases
 
 
-def parity_worker(rank: int, world_size: int, comm_dtype_name: str) -> dict[str, dict[str, float]]:
-    comm_dtype = getattr(torch, comm_dtype_name)
-    return {case.name: run_case(case, comm_dtype, world_size) for case in cases_for(world_size)}
+def parity_worker(
+    rank: int, world_size: int, comm_dtype: str, ns_dtype: str = "bfloat16"
+) -> dict[str, dict[str, float]]:
+    comm, ns = getattr(torch, comm_dtype), getattr(torch, ns_dtype)
+    return {case.name: run_case(case, comm, ns, world_size) for case in cases_for(world_size)}

@@ -33,6 +33,7 @@ def reference_muon_step(
     ns_steps: int = 5,
     coefficients: str = "quintic",
     matrices: tuple[int, int, int] | None = None,
+    ns_dtype: torch.dtype = torch.bfloat16,
 ) -> None:
     """Update ``param`` in place; ``matrices=(count, rows, cols)`` reshapes it (experts)."""
     # fp32 arithmetic throughout: a bf16 multiply would round the scalar itself to bf16.
@@ -42,7 +43,7 @@ def reference_muon_step(
     stack = update.reshape(count, rows, cols)
     ortho = torch.stack(
         [
-            newton_schulz_torch(stack[i], steps=ns_steps, coefficients=coefficients)
+            newton_schulz_torch(stack[i], steps=ns_steps, coefficients=coefficients, dtype=ns_dtype)
             for i in range(count)
         ]
     )

@@ -1,0 +1,532 @@
+"""Time one optimizer step on an FSDP2 model: muon_dist vs all-gather Muon vs fused AdamW.
+
+All three run in the same process group on the same parameters, one after another, each with
+its own fresh state, so their times and peak memory compare directly. The Newton–Schulz FLOP
+floor (standard FLOPs over all Muon matrices / W GPUs / measured bf16 matmul rate) is the
+yardstick: a perfectly balanced, perfectly overlapped Muon step cannot beat it. Before timing,
+the first step of muon_dist and of the all-gather baseline are compared on identical inputs;
+the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON).
+
+    torchrun --standalone --nproc-per-node 4 scripts/bench_step.py --preset llama8b \
+        --sweep-inflight 1,2,3,4 --json $OUT/bench_step_llama8b.json
+    torchrun --standalone --nproc-per-node 2 scripts/bench_step.py --preset tiny --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from allgather_muon import AllGatherMuon
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import muon_dist
+from muon_dist.kernels import BACKENDS, COEFFICIENT_SETS
+from muon_dist.plan import REPLICA_MODES, ns_cost
+from muon_dist.routing import matrix_view
+
+LR = 0.02
+MOMENTUM = 0.95
+WEIGHT_DECAY = 0.1  # non-zero so the parity check covers decoupled decay too
+ADAMW_LR = 3e-4
+PARAM_STD = 0.02
+# First-step updates of muon_dist and the baseline may differ only where the two run bf16
+# Newton–Schulz through differently batched kernels: another tile size sums in another order,
+# which flips some bf16 roundings (simulated on CPU: ~3e-3 relative); a wrong shard, lr scale
+# or packing shows up as 1e-1 or more.
+PARITY_TOL = 2e-2
+GIB = 2**30
+MIB = 2**20
+START = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Parameter shapes of one transformer block, by sub-module name, and a default depth."""
+
+    block: dict[str, dict[str, tuple[int, ...]]]
+    layers: int
+
+
+PRESETS = {
+    "llama8b": Preset(
+        {
+            "attn": {
+                "wq": (4096, 4096),
+                "wk": (1024, 4096),
+                "wv": (1024, 4096),
+                "wo": (4096, 4096),
+            },
+            "mlp": {"w1": (14336, 4096), "w3": (14336, 4096), "w2": (4096, 14336)},
+        },
+        layers=32,
+    ),
+    "qwen3moe": Preset(
+        {
+            "attn": {"wq": (4096, 2048), "wk": (512, 2048), "wv": (512, 2048), "wo": (2048, 4096)},
+            "experts": {"w1": (128, 768, 2048), "w3": (128, 768, 2048), "w2": (128, 2048, 768)},
+        },
+        layers=8,
+    ),
+    # Odd sizes on purpose: 65 and 689 rows shard unevenly over 2 or 4 ranks, and 5 experts
+    # over 4 ranks leave one rank an empty shard, so the CPU smoke test covers those layouts.
+    "tiny": Preset(
+        {
+            "attn": {"wq": (256, 256), "wk": (65, 256), "wv": (65, 256), "wo": (256, 256)},
+            "mlp": {"w1": (689, 256), "w3": (689, 256), "w2": (256, 689)},
+            "experts": {"w1": (5, 96, 256), "w3": (5, 96, 256), "w2": (5, 256, 96)},
+        },
+        layers=2,
+    ),
+}
+
+
+class ParamBag(nn.Module):
+    """Named parameters and nothing else: the optimizer step needs only shapes and layouts."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        super().__init__()
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+
+
+class Block(nn.Module):
+    """One transformer block's parameters; a plain Module since fully_shard rejects containers."""
+
+    def __init__(self, preset: Preset) -> None:
+        super().__init__()
+        for part, shapes in preset.block.items():
+            self.add_module(part, ParamBag(shapes))
+
+
+class Model(nn.Module):
+    """A stack of blocks named like a real model, so param_groups routes them as it would."""
+
+    def __init__(self, preset: Preset, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(preset) for _ in range(layers))
+
+
+def build_model(preset: Preset, layers: int, mesh: DeviceMesh, device: torch.device) -> Model:
+    """Shard on the meta device first, so no rank ever materialises the full fp32 model."""
+    with torch.device("meta"):
+        model = Model(preset, layers)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    for index, p in enumerate(model.parameters()):
+        p.to_local().normal_(0.0, PARAM_STD, generator=shard_generator(p, index))
+    return model
+
+
+def shard_generator(p: DTensor, seed: int) -> torch.Generator:
+    """A generator seeded by the shard, not the rank: HSDP replicas of one shard draw equal
+    values (as a real gradient all-reduce would leave them) and distinct shards differ."""
+    shard = 0
+    coords = p.device_mesh.get_coordinate()
+    assert coords is not None, "every rank is in the mesh"
+    for coord, size, placement in zip(coords, p.device_mesh.shape, p.placements, strict=True):
+        if placement.is_shard():
+            shard = shard * size + coord
+    return torch.Generator(device=p.device).manual_seed(seed * 65536 + shard)
+
+
+def set_random_grads(params: Sequence[DTensor]) -> None:
+    """Standard-normal gradients, placed like their parameters, kept for every step."""
+    for index, p in enumerate(params):
+        local = torch.empty_like(p.to_local())
+        local.normal_(generator=shard_generator(p, len(params) + index))
+        p.grad = DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Measurement helpers
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop the previous method's optimizer state so it neither crowds nor inflates the next."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def all_ranks(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def time_steps(
+    step: Callable[[], Any], warmup: int, steps: int, device: torch.device
+) -> list[float]:
+    """Seconds per timed step, each the slowest rank's: a distributed step ends with its last rank.
+
+    The barrier before the start keeps one rank's leftover work out of the next step, and the
+    one before the stop makes every rank's clock include the collectives' slowest partner.
+    """
+    for _ in range(warmup):
+        step()
+    mine = []
+    for _ in range(steps):
+        sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        sync(device)
+        dist.barrier()
+        mine.append(time.perf_counter() - start)
+    return [max(per_step) for per_step in zip(*all_ranks(mine), strict=True)]
+
+
+def matmul_tflops(size: int, device: torch.device, repeats: int = 10) -> float:
+    """This rank's bf16 matmul rate in TFLOP/s: the rate Newton–Schulz could reach at best."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    for _ in range(2):
+        torch.mm(a, b, out=out)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2.0 * size**3 / statistics.median(times) / 1e12
+
+
+def ns_flops(groups: Sequence[dict[str, Any]], steps: int) -> tuple[float, int]:
+    """Standard Newton–Schulz FLOPs of one step over every Muon matrix, and the matrix count,
+    from the same matrix views muon_dist orthogonalizes (experts count one matrix each)."""
+    flops, matrices = 0.0, 0
+    for group in groups:
+        if group["algorithm"] != "muon":
+            continue
+        for p in group["params"]:
+            view = matrix_view(
+                p.shape,
+                muon_mode=group.get("muon_mode", "2d"),
+                experts=group.get("experts", False),
+                num_experts=group.get("num_experts"),
+            )
+            flops += view.count * ns_cost(view.rows, view.cols, steps)
+            matrices += view.count
+    return flops, matrices
+
+
+# ---------------------------------------------------------------------------------------
+# The comparison
+
+
+def worse(current: float, value: float) -> float:
+    """The larger error, with NaN or inf counted as infinite (plain max would drop a NaN)."""
+    return max(current, value) if math.isfinite(value) else math.inf
+
+
+def check_parity(
+    params: Sequence[DTensor],
+    make_muon: Callable[[], torch.optim.Optimizer],
+    make_baseline: Callable[[], torch.optim.Optimizer],
+    device: torch.device,
+) -> dict[str, float]:
+    """First step of both Muons from the same params, grads and zero momentum, compared.
+
+    ``update_rel`` is max over parameters of ||Δ_muon_dist − Δ_allgather||_F / ||Δ_allgather||_F
+    on this rank's shard (Δ = new − old param), the sensitive measure; ``shard_rel`` is
+    max |new_muon_dist − new_allgather| / max |new_allgather| per shard. Both are maxima over
+    ranks. Afterwards the params hold the baseline's first step.
+    """
+    start = [p.to_local().clone() for p in params]
+    make_muon().step()
+    muon_updates = [p.to_local() - s for p, s in zip(params, start, strict=True)]
+    for p, s in zip(params, start, strict=True):
+        p.to_local().copy_(s)
+    free_memory(device)
+    make_baseline().step()
+    update_rel, shard_rel = 0.0, 0.0
+    for p, s, update in zip(params, start, muon_updates, strict=True):
+        new = p.to_local()
+        if new.numel() == 0:
+            continue
+        baseline_update = new - s
+        diff = update - baseline_update
+        update_rel = worse(update_rel, (diff.norm() / baseline_update.norm()).item())
+        shard_rel = worse(shard_rel, (diff.abs().max() / new.abs().max()).item())
+    del start, muon_updates
+    free_memory(device)
+    worst = all_ranks((update_rel, shard_rel))
+    return {
+        "update_rel": max(u for u, _ in worst),
+        "shard_rel": max(s for _, s in worst),
+        "tolerance": PARITY_TOL,
+    }
+
+
+def time_method(
+    name: str,
+    make: Callable[[], torch.optim.Optimizer],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Build a fresh optimizer, time its step, and report its peak memory including its state."""
+    free_memory(device)
+    optimizer = make()
+    times = time_steps(optimizer.step, args.warmup, args.steps, device)
+    peak = all_ranks(peak_gib(device))
+    del optimizer
+    free_memory(device)
+    return {
+        "name": name,
+        "times_ms": [t * 1e3 for t in times],
+        "median_ms": statistics.median(times) * 1e3,
+        "peak_gib_per_rank": peak,
+    }
+
+
+def log(message: str) -> None:
+    """Rank 0's progress, stamped with seconds since start to keep the run's budget in view."""
+    if dist.get_rank() == 0:
+        print(f"[{time.perf_counter() - START:6.1f} s] {message}", flush=True)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    mesh = "x".join(str(s) for s in report["mesh_shape"])
+    state = max(report["state_gib_per_rank"])
+    parity = report["parity"]
+    lines = [
+        f"preset {report['preset']}: {report['layers']} layers, {report['params'] / 1e9:.3f}B "
+        f"params, {report['muon_matrices']} Muon matrices; {report['world_size']} ranks, mesh "
+        f"{mesh} ({', '.join(report['mesh_names'])}), {report['device']}",
+        f"bf16 matmul {report['matmul_size']}^3: {report['matmul_tflops']:.1f} TFLOP/s per rank; "
+        f"Newton–Schulz floor {report['floor_ms']:.2f} ms "
+        f"({report['ns_flops'] / 1e12:.3g} TFLOP / {report['world_size']} ranks)",
+        f"per rank: params+grads+momentum {state:.2f} GiB; bucket budget "
+        f"{report['options']['bucket_mb']:g} MiB",
+        f"first-step parity muon_dist vs all-gather: update rel {parity['update_rel']:.2e}, "
+        f"shard rel {parity['shard_rel']:.2e} (tolerance {parity['tolerance']:.0e}) -> "
+        f"{'OK' if parity['ok'] else 'FAIL'}",
+        "",
+        f"{'method':<26} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}",
+    ]
+    for row in report["methods"]:
+        peaks = [p for p in row["peak_gib_per_rank"] if p is not None]
+        peak = f"{max(peaks):9.2f}" if peaks else f"{'-':>9}"
+        lines.append(
+            f"{row['name']:<26} {row['median_ms']:10.2f} {row['floor_multiple']:8.2f} "
+            f"{row['speedup_vs_allgather']:13.2f}x {peak}"
+        )
+    print("\n".join(lines), flush=True)
+
+
+def default_json(preset: str) -> str:
+    name = f"bench_step_{preset}.json"
+    return os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else name
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama8b")
+    parser.add_argument("--layers", type=int, help="blocks (default: the preset's)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--replicate", type=int, default=1, help="R for an HSDP (R, W/R) mesh")
+    parser.add_argument("--replica-mode", choices=REPLICA_MODES, default="split")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--comm-dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--bucket-mb", type=float, default=128.0)
+    parser.add_argument("--max-inflight", type=int, default=2)
+    parser.add_argument(
+        "--sweep-inflight", metavar="K,K,...", help="time muon_dist at each max_inflight listed"
+    )
+    parser.add_argument("--ns-steps", type=int, default=5)
+    parser.add_argument("--coefficients", choices=sorted(COEFFICIENT_SETS), default="quintic")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per method (>= 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 2)")
+    parser.add_argument("--matmul-size", type=int, help="default 8192 on CUDA, 1024 on CPU")
+    parser.add_argument("--json", metavar="PATH", help="default $OUT/bench_step_<preset>.json")
+    args = parser.parse_args()
+    if args.steps < 5 or args.warmup < 2:
+        parser.error("use --steps >= 5 and --warmup >= 2: a median needs steps past compilation")
+    args.layers = args.layers or PRESETS[args.preset].layers
+    args.inflight = (
+        [int(k) for k in args.sweep_inflight.split(",")]
+        if args.sweep_inflight
+        else [args.max_inflight]
+    )
+    args.matmul_size = args.matmul_size or (8192 if args.device == "cuda" else 1024)
+    args.json = args.json or default_json(args.preset)
+    return args
+
+
+def init_distributed(args: argparse.Namespace) -> tuple[torch.device, DeviceMesh]:
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if world % args.replicate:
+        raise ValueError(f"--replicate {args.replicate} does not divide the world size {world}")
+    if args.replicate > 1:
+        mesh = init_device_mesh(
+            device.type,
+            (args.replicate, world // args.replicate),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return device, mesh
+
+
+@torch.no_grad()  # nothing here is differentiated; in-place writes to param shards need this
+def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int:
+    world = dist.get_world_size()
+    model = build_model(PRESETS[args.preset], args.layers, mesh, device)
+    params: list[DTensor] = list(model.parameters())  # type: ignore[arg-type]
+    set_random_grads(params)
+    comm_dtype = torch.bfloat16 if args.comm_dtype == "bf16" else torch.float32
+    groups = muon_dist.param_groups(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    if any(g["algorithm"] != "muon" for g in groups):
+        raise RuntimeError("every preset parameter is a hidden matrix and must route to Muon")
+
+    def make_muon(max_inflight: int) -> muon_dist.Muon:
+        return muon_dist.Muon(
+            groups,
+            lr=LR,
+            momentum=MOMENTUM,
+            nesterov=True,
+            weight_decay=WEIGHT_DECAY,
+            adjust_lr="spectral_norm",
+            ns_steps=args.ns_steps,
+            coefficients=args.coefficients,
+            backend=args.backend,
+            comm_dtype=comm_dtype,
+            bucket_bytes=int(args.bucket_mb * MIB),
+            max_inflight=max_inflight,
+            replica_mode=args.replica_mode,
+        )
+
+    def make_baseline() -> AllGatherMuon:
+        return AllGatherMuon(
+            params,
+            lr=LR,
+            momentum=MOMENTUM,
+            nesterov=True,
+            weight_decay=WEIGHT_DECAY,
+            ns_steps=args.ns_steps,
+            coefficients=args.coefficients,
+            backend=args.backend,
+            comm_dtype=comm_dtype,
+        )
+
+    def make_adamw() -> torch.optim.AdamW:
+        kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY, **kernel)
+
+    log("model ready; measuring the bf16 matmul rate")
+    tflops = statistics.fmean(all_ranks(matmul_tflops(args.matmul_size, device)))
+    flops, matrices = ns_flops(groups, args.ns_steps)
+    floor_ms = flops / world / (tflops * 1e12) * 1e3
+    log("checking first-step parity of muon_dist and the all-gather baseline")
+    parity = check_parity(params, lambda: make_muon(args.max_inflight), make_baseline, device)
+    parity["ok"] = parity["update_rel"] <= PARITY_TOL
+
+    methods = []
+    for k in args.inflight:
+        log(f"timing muon_dist max_inflight={k}")
+        name = f"muon_dist inflight={k}"
+        methods.append(time_method(name, lambda k=k: make_muon(k), args, device))
+    log("timing the all-gather baseline")
+    methods.append(time_method("allgather_muon", make_baseline, args, device))
+    log("timing AdamW")
+    adamw_name = "adamw fused" if device.type == "cuda" else "adamw foreach"
+    methods.append(time_method(adamw_name, make_adamw, args, device))
+    baseline_ms = methods[-2]["median_ms"]
+    for row in methods:
+        row["floor_multiple"] = row["median_ms"] / floor_ms
+        row["speedup_vs_allgather"] = baseline_ms / row["median_ms"]
+
+    state_bytes = 3 * sum(p.to_local().numel() * p.element_size() for p in params)
+    report = {
+        "preset": args.preset,
+        "layers": args.layers,
+        "params": sum(p.numel() for p in params),
+        "muon_matrices": matrices,
+        "world_size": world,
+        "mesh_shape": list(mesh.shape),
+        "mesh_names": list(mesh.mesh_dim_names or ()),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "options": {
+            key: getattr(args, key)
+            for key in (
+                "backend",
+                "comm_dtype",
+                "bucket_mb",
+                "inflight",
+                "replicate",
+                "replica_mode",
+                "ns_steps",
+                "coefficients",
+                "steps",
+                "warmup",
+            )
+        },
+        "matmul_size": args.matmul_size,
+        "matmul_tflops": tflops,
+        "ns_flops": flops,
+        "floor_ms": floor_ms,
+        "state_gib_per_rank": all_ranks(state_bytes / GIB),
+        "parity": parity,
+        "methods": methods,
+    }
+    report["wall_s"] = time.perf_counter() - START
+    if dist.get_rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {args.json} ({report['wall_s']:.0f} s)")
+        print_table(report)
+    return 0 if parity["ok"] else 1
+
+
+def main() -> int:
+    args = parse_args()
+    device, mesh = init_distributed(args)
+    try:
+        return run(args, device, mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
