@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # Group keys that change how parameters are cut into matrices or scheduled: a change rebuilds
 # the plan. Hyper-parameters such as lr are read fresh every step instead.
 _PLAN_KEYS = ("muon_mode", "experts", "num_experts", "ns_steps", "coefficients")
+_MAX_CACHED_PLANS = 8
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -135,8 +136,9 @@ class Muon(torch.optim.Optimizer):
         self.bucket_bytes = bucket_bytes
         self.max_inflight = max_inflight
         self.replica_mode = replica_mode
-        self._plan: Plan | None = None
-        self._plan_key: Hashable = None
+        # Plans by parameter set: the set shrinks on steps where some parameters have no
+        # gradient anywhere, and those sets tend to recur, so each is planned once.
+        self._plans: dict[Hashable, Plan] = {}
         super().__init__(_split_by_algorithm(params), defaults={})
         self._check_ranks_agree()
         entries = self._muon_params()
@@ -274,11 +276,12 @@ class Muon(torch.optim.Optimizer):
             self.comm_dtype,
             tuple((id(e.param), e.view, tuple(e.group[k] for k in _PLAN_KEYS)) for e in entries),
         )
-        if self._plan is None or key != self._plan_key:
+        plan = self._plans.get(key)
+        if plan is None:
             layouts = [
                 layout_of(e.param, e.name, e.view, world_size, _ns_key(e.group)) for e in entries
             ]
-            self._plan = build_plan(
+            plan = build_plan(
                 layouts,
                 rank,
                 world_size,
@@ -287,12 +290,14 @@ class Muon(torch.optim.Optimizer):
                 replica_mode=self.replica_mode,
                 steps=[e.group["ns_steps"] for e in entries],
             )
-            self._plan_key = key
-            logger.debug("muon_dist: built a plan with %d buckets", len(self._plan.buckets))
-        return self._plan
+            if len(self._plans) >= _MAX_CACHED_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+            logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
+        return plan
 
     def _muon_step(self) -> None:
-        entries = self._muon_params()
+        entries = _with_gradients(self._muon_params())
         if not entries:
             return
         _, world_size = _distributed()
@@ -350,6 +355,22 @@ class _StepContext:
         return newton_schulz(
             stack, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
         )
+
+
+def _with_gradients(entries: list[_MuonParam]) -> list[_MuonParam]:
+    """Parameters some rank has a gradient for; the others are left untouched, as in torch.
+
+    A parameter with a gradient on some ranks only (an expert no local token reached) takes
+    part everywhere, with a zero gradient where it has none, so collectives stay matched.
+    """
+    present = [e.param.grad is not None for e in entries]
+    _, world_size = _distributed()
+    if world_size > 1 and entries:
+        device = local(entries[0].param).device
+        flags = torch.tensor(present, dtype=torch.uint8, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        present = [bool(v) for v in flags.tolist()]
+    return [e for e, keep in zip(entries, present, strict=True) if keep]
 
 
 def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:
