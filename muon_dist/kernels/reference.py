@@ -32,7 +32,8 @@ def newton_schulz_torch(
     tall = Y.size(-2) > Y.size(-1)
     if tall:
         Y = Y.mT
-    norm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    norm_dtype = torch.promote_types(dtype, torch.float32)
+    norm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
     Y = Y / (norm * schedule.norm_scale + eps).to(dtype)
     for a, b, c in schedule.steps:
         A = Y @ Y.mT

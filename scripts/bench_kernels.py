@@ -1,0 +1,150 @@
+"""Time Newton–Schulz on one CUDA GPU: torch vs Triton vs auto, side by side, in bf16.
+
+For each shape: first-call time (Triton compile + autotune), median time per backend,
+TFLOP/s by the standard count steps·(4m²n + 2m³) per matrix (m = min dim, n = max dim),
+the Triton/torch speedup, and the error against a float64 iteration on a few matrices of
+the batch for torch-bf16 and Triton-bf16. Exits 1 if Triton's error is over 1.5x torch's
+or any output is NaN, so it doubles as the GPU bf16 correctness gate.
+
+    python scripts/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+from muon_dist.kernels import newton_schulz
+from muon_dist.kernels.coefficients import resolve_coefficients
+from muon_dist.kernels.dispatch import prefer_triton
+
+SHAPES: list[tuple[int, ...]] = [
+    (1024, 4096),
+    (4096, 4096),
+    (4096, 14336),
+    (14336, 4096),
+    (8192, 8192),
+    (128, 768, 2048),
+    (128, 2048, 768),
+    (32, 1536, 4096),
+]
+ERROR_SUBSET = 4  # matrices of each batch checked against float64, to save time
+MAX_ERROR_RATIO = 1.5
+
+
+def newton_schulz_float64(X: torch.Tensor, steps: int, coefficients: str) -> torch.Tensor:
+    """The reference iteration entirely in float64 (the torch reference norms in fp32)."""
+    schedule = resolve_coefficients(coefficients, steps)
+    Y = X.double()
+    tall = Y.size(-2) > Y.size(-1)
+    if tall:
+        Y = Y.mT
+    Y = Y / (torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True) * schedule.norm_scale + 1e-7)
+    for a, b, c in schedule.steps:
+        A = Y @ Y.mT
+        Y = a * Y + (b * A + c * A @ A) @ Y
+    return Y.mT if tall else Y
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def ns_flops(shape: tuple[int, ...], steps: int) -> float:
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * steps * (4 * m * m * n + 2 * m**3)
+
+
+def first_call_seconds(fn: Callable[[], torch.Tensor]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_shape(shape: tuple[int, ...], steps: int, coefficients: str) -> dict:
+    X = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    runs = {
+        backend: (lambda b=backend: newton_schulz(X, steps, coefficients, backend=b))
+        for backend in ("torch", "triton", "auto")
+    }
+    row: dict = {"shape": list(shape), "flop": ns_flops(shape, steps)}
+    row["first_call_s"] = first_call_seconds(runs["triton"])
+    for backend, fn in runs.items():
+        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        row[f"{backend}_ms"] = ms
+        row[f"{backend}_tflops"] = row["flop"] / ms / 1e9
+    row["speedup"] = row["torch_ms"] / row["triton_ms"]
+    batch = math.prod(shape[:-2])
+    row["auto_picks"] = "triton" if prefer_triton(shape[-2], shape[-1], batch) else "torch"
+
+    subset = X.reshape(-1, *shape[-2:])[:ERROR_SUBSET]
+    ref = newton_schulz_float64(subset, steps, coefficients)
+    for backend in ("torch", "triton"):
+        out = newton_schulz(subset, steps, coefficients, backend=backend)
+        row[f"{backend}_nan"] = bool(out.isnan().any())
+        row[f"{backend}_err"] = rel_err(out, ref)
+    row["err_ratio"] = row["triton_err"] / row["torch_err"]
+    row["ok"] = not row["triton_nan"] and row["err_ratio"] <= MAX_ERROR_RATIO
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (
+        f"{'shape':>16} {'1st s':>6} {'torch ms':>9} {'triton ms':>9} {'auto ms':>8} "
+        f"{'torch TF':>8} {'triton TF':>9} {'speedup':>7} {'auto':>6} "
+        f"{'torch err':>9} {'triton err':>10} {'ratio':>5} {'ok':>3}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{'x'.join(map(str, r['shape'])):>16} {r['first_call_s']:6.1f} "
+            f"{r['torch_ms']:9.3f} {r['triton_ms']:9.3f} {r['auto_ms']:8.3f} "
+            f"{r['torch_tflops']:8.0f} {r['triton_tflops']:9.0f} {r['speedup']:7.2f} "
+            f"{r['auto_picks']:>6} {r['torch_err']:9.2e} {r['triton_err']:10.2e} "
+            f"{r['err_ratio']:5.2f} {'yes' if r['ok'] else 'NO':>3}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--coefficients", default="quintic")
+    parser.add_argument("--json", metavar="PATH", help="write every number here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_kernels.py times CUDA kernels; run it on a machine with a GPU")
+
+    torch.manual_seed(0)
+    rows = []
+    for shape in SHAPES:
+        rows.append(bench_shape(shape, args.steps, args.coefficients))
+        print(
+            f"done {shape}: {rows[-1]['torch_ms']:.3f} / {rows[-1]['triton_ms']:.3f} ms", flush=True
+        )
+        torch.cuda.empty_cache()
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "steps": args.steps,
+        "coefficients": args.coefficients,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    print(", ".join(f"{k}={v}" for k, v in meta.items()))
+    print_table(rows)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

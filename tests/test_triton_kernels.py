@@ -1,0 +1,164 @@
+"""Triton Newton–Schulz kernels on CPU through Triton's interpreter, in fp32.
+
+The interpreter's bf16 ``tl.dot`` is unreliable, so bf16 is checked on a GPU instead
+(scripts/check_kernels_gpu.py). TRITON_INTERPRET must be set before Triton is imported.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from muon_dist.kernels import newton_schulz, newton_schulz_torch
+from muon_dist.kernels.coefficients import COEFFICIENT_SETS, resolve_coefficients
+from muon_dist.kernels.dispatch import prefer_triton
+from muon_dist.kernels.triton_ns import (
+    interpret_mode,
+    newton_schulz_triton,
+    triton_available,
+)
+
+if not interpret_mode():
+    pytest.skip("these CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
+pytest.importorskip("triton")
+triton_kernels = pytest.importorskip("muon_dist.kernels.triton_kernels")
+if not triton_kernels._INTERPRET:
+    pytest.skip("Triton kernels were already built for the GPU", allow_module_level=True)
+sym_product = triton_kernels.sym_product
+
+TOL = 1e-4
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def newton_schulz_float64(X: torch.Tensor, steps: int, coefficients: object) -> torch.Tensor:
+    """The same iteration as the reference, all in float64 (the reference norms in fp32)."""
+    schedule = resolve_coefficients(coefficients, steps)
+    Y = X.double()
+    tall = Y.size(-2) > Y.size(-1)
+    if tall:
+        Y = Y.mT
+    Y = Y / (torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True) * schedule.norm_scale + 1e-7)
+    for a, b, c in schedule.steps:
+        A = Y @ Y.mT
+        Y = a * Y + (b * A + c * A @ A) @ Y
+    return Y.mT if tall else Y
+
+
+# (batch, m, k): sizes off the interpreter's 32-wide blocks, one with k a block multiple.
+GRAM_SHAPES = [(1, 70, 50), (2, 33, 130), (3, 16, 16), (4, 1, 40), (5, 50, 70), (2, 36, 64)]
+
+
+@pytest.mark.parametrize("shape", GRAM_SHAPES, ids=str)
+def test_gram_matches_float64(shape: tuple[int, int, int]) -> None:
+    torch.manual_seed(0)
+    P = torch.randn(shape)
+    out = torch.full((shape[0], shape[1], shape[1]), float("nan"))
+    sym_product(P, out=out)
+    assert not out.isnan().any(), "a tile or its mirror was not written"
+    assert rel_err(out, P.double() @ P.double().mT) < 1e-6
+
+
+@pytest.mark.parametrize("shape", GRAM_SHAPES, ids=str)
+def test_polynomial_matches_float64(shape: tuple[int, int, int]) -> None:
+    torch.manual_seed(1)
+    batch, m, _ = shape
+    A = torch.randn(batch, m, m)
+    A = A + A.mT
+    out = torch.full_like(A, float("nan"))
+    sym_product(A, out=out, alpha=2.03, Y=A, beta=-4.78)
+    ref = 2.03 * A.double() @ A.double() - 4.78 * A.double()
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-6
+
+
+def test_gram_reads_strided_input() -> None:
+    """Strides are honoured: a transposed view gives the same Gram matrix."""
+    torch.manual_seed(2)
+    P = torch.randn(3, 45, 37).mT
+    out = torch.empty(3, 37, 37)
+    sym_product(P, out=out)
+    assert rel_err(out, P.double() @ P.double().mT) < 1e-6
+
+
+NS_SHAPES = [(70, 50), (33, 130), (2, 16, 16), (1, 40), (5, 20, 36), (4, 40, 1), (2, 2, 24, 40)]
+
+
+@pytest.mark.parametrize("coefficients", sorted(COEFFICIENT_SETS))
+@pytest.mark.parametrize("shape", NS_SHAPES, ids=str)
+def test_newton_schulz_matches_float64(shape: tuple[int, ...], coefficients: str) -> None:
+    torch.manual_seed(3)
+    X = torch.randn(shape)
+    out = newton_schulz_triton(X, coefficients=coefficients, dtype=torch.float32)
+    assert out.shape == X.shape and out.dtype == torch.float32 and out.is_contiguous()
+    assert rel_err(out, newton_schulz_float64(X, 5, coefficients)) < TOL
+
+
+def test_explicit_coefficients_and_steps() -> None:
+    torch.manual_seed(4)
+    X = torch.randn(3, 30, 45)
+    triples = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]
+    out = newton_schulz_triton(X, steps=3, coefficients=triples, dtype=torch.float32)
+    assert rel_err(out, newton_schulz_float64(X, 3, triples)) < TOL
+
+
+def test_matches_torch_reference_in_fp32() -> None:
+    torch.manual_seed(5)
+    X = torch.randn(2, 50, 30, dtype=torch.float64)
+    out = newton_schulz_triton(X, dtype=torch.float32)
+    ref = newton_schulz_torch(X, dtype=torch.float32)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < TOL
+
+
+def test_zero_matrix_stays_zero() -> None:
+    X = torch.randn(3, 20, 35)
+    X[1] = 0
+    out = newton_schulz_triton(X, dtype=torch.float32)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert out[0].abs().sum() > 0 and out[2].abs().sum() > 0
+    assert torch.equal(
+        newton_schulz_triton(torch.zeros(40, 7), dtype=torch.float32), torch.zeros(40, 7)
+    )
+
+
+def test_dispatch_backends_on_cpu() -> None:
+    torch.manual_seed(6)
+    X = torch.randn(40, 24)
+    ref = newton_schulz_torch(X, dtype=torch.float32)
+    assert triton_available()
+    assert torch.equal(newton_schulz(X, dtype=torch.float32, backend="auto"), ref)
+    assert torch.equal(newton_schulz(X, dtype=torch.float32, backend="torch"), ref)
+    out = newton_schulz(X, dtype=torch.float32, backend="triton")
+    assert rel_err(out, ref) < TOL
+
+
+def test_rejects_unsupported_input() -> None:
+    with pytest.raises(TypeError, match="backend='torch'"):
+        newton_schulz_triton(torch.randn(8, 8), dtype=torch.float64)
+    with pytest.raises(ValueError, match="matrix"):
+        newton_schulz_triton(torch.randn(8))
+    with pytest.raises(ValueError, match="ns_steps"):
+        newton_schulz_triton(torch.randn(8, 8), steps=0)
+
+
+def test_triton_on_cpu_needs_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        newton_schulz_triton(torch.randn(8, 8), dtype=torch.float32)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="backend='torch'"):
+            newton_schulz(torch.randn(8, 8), backend="triton")
+
+
+def test_prefer_triton_rule() -> None:
+    """Large single matrices and big expert stacks go to Triton; small work stays on torch."""
+    assert prefer_triton(4096, 4096, 1)
+    assert prefer_triton(14336, 4096, 1)
+    assert prefer_triton(768, 2048, 32)
+    assert not prefer_triton(1024, 4096, 1)
+    assert not prefer_triton(256, 1024, 8)
