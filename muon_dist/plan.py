@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -290,26 +290,28 @@ def _blocks(
 
 
 def _buckets(blocks: Sequence[Block], bucket_bytes: int, itemsize: int) -> list[list[Block]]:
-    """Fill buckets in an order that alternates owners, so each bucket keeps every rank busy."""
-    per_owner: dict[int, list[Block]] = defaultdict(list)
-    for block in blocks:
-        per_owner[block.owner].append(block)
-    interleaved = [
-        b
-        for layer in itertools.zip_longest(*(per_owner[o] for o in sorted(per_owner)))
-        for b in layer
-        if b is not None
-    ]
+    """Rounds of work: each bucket gives every owner up to ``bucket_bytes`` of its blocks.
+
+    A bucket's collectives involve every rank, so a bucket that only one owner computes in
+    would leave the others idle; rounds keep all owners busy at once. Each owner's blocks go
+    largest-matrix first, so a round pairs blocks of similar cost across owners (LPT gave
+    owners similar counts of each size), and a block larger than the budget forms a round
+    slot of its own.
+    """
+    queues: dict[int, deque[Block]] = {}
+    for block in sorted(blocks, key=lambda b: (-b.cost / (b.stop - b.start), b.param, b.start)):
+        queues.setdefault(block.owner, deque()).append(block)
     buckets: list[list[Block]] = []
-    used = 0
-    for block in interleaved:
-        size = box_numel(block.box) * itemsize
-        if buckets and used + size <= bucket_bytes:
-            buckets[-1].append(block)
-            used += size
-        else:
-            buckets.append([block])
-            used = size
+    while any(queues.values()):
+        bucket: list[Block] = []
+        for owner in sorted(queues):
+            queue, used = queues[owner], 0
+            while queue and (
+                used == 0 or used + box_numel(queue[0].box) * itemsize <= bucket_bytes
+            ):
+                used += box_numel(queue[0].box) * itemsize
+                bucket.append(queue.popleft())
+        buckets.append(bucket)
     return buckets
 
 

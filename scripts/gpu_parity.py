@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 4 scripts/gpu_parity.py
 
 With fp32 communication the Newton–Schulz runs in fp32 (TF32 off): cuBLAS may round batched
-and single bf16 GEMMs differently, which would hide real errors behind bf16 noise.
+and single bf16 GEMMs differently, which would hide real errors behind bf16 noise. Exits 1 if
+any layout misses its criterion.
 """
 
 from __future__ import annotations
@@ -28,17 +29,21 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
     failures = 0
-    for comm, ns, tolerance in (("float32", "float32", 1e-5), ("bfloat16", "bfloat16", 2e-2)):
+    # The acceptance criteria: fp32 communication, max relative difference of the
+    # parameters <= 1e-5; bf16 communication, within bf16 rounding, <= 2e-2 of the update
+    # norm-wise (cuBLAS rounds batched and single bf16 GEMMs differently, which moves single
+    # elements by several bf16 ulps). The other errors are printed for the record.
+    checks = (("float32", "float32", "param", 1e-5), ("bfloat16", "bfloat16", "update_fro", 2e-2))
+    for comm, ns, metric, tolerance in checks:
         results = parity_worker(rank, world, comm, ns)
         for case, err in results.items():
-            ok = err["fp32_update"] <= tolerance and err["bf16_param"] <= 3e-2
+            ok = err[metric] <= tolerance and err["bf16_param"] <= 3e-2
             failures += not ok
             if rank == 0:
-                status = "ok" if ok else "FAIL"
+                cells = "  ".join(f"{k} {v:.2e}" for k, v in err.items())
                 print(
-                    f"W={world} comm={comm:8s} ns={ns:8s} {case:15s} "
-                    f"fp32 update err {err['fp32_update']:.2e}  bf16 param err "
-                    f"{err['bf16_param']:.2e}  {status}",
+                    f"W={world} comm={comm:8s} ns={ns:8s} {case:15s} {cells}  "
+                    f"[{metric} <= {tolerance:g}: {'ok' if ok else 'FAIL'}]",
                     flush=True,
                 )
     dist.destroy_process_group()

@@ -160,20 +160,25 @@ def run_case(
                 p.grad = g.clone()
         opt.step()
     expected = _reference(ns_dtype, case, fulls, grads)
-    # fp32 parameters: error relative to the size of the update; bf16 parameters: relative
-    # to the parameter, since their decay and update round to bf16 (a few ulps).
-    worst_fp32_update, worst_bf16_param = 0.0, 0.0
+    # fp32 parameters: max error relative to the update ("update") and to the parameter
+    # ("param"), and the norm-wise relative error of the update ("update_fro"); bf16
+    # parameters: relative to the parameter, since their decay and update round to bf16.
+    errors = {"update": 0.0, "param": 0.0, "update_fro": 0.0, "bf16_param": 0.0}
     for p, ref, full in zip(params, expected, fulls, strict=True):
         got = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).float()
-        diff = (got - ref.float()).abs().max().item()
+        diff = got - ref.float()
+        worst = diff.abs().max().item()
         if ref.dtype == torch.bfloat16:
-            worst_bf16_param = max(worst_bf16_param, diff / ref.float().abs().max().item())
-        else:
-            update = (ref - full).abs().max().item()
-            worst_fp32_update = max(worst_fp32_update, diff / max(update, 1e-30))
+            errors["bf16_param"] = max(errors["bf16_param"], worst / ref.float().abs().max().item())
+            continue
+        update = ref - full
+        errors["update"] = max(errors["update"], worst / max(update.abs().max().item(), 1e-30))
+        errors["param"] = max(errors["param"], worst / ref.abs().max().item())
+        fro = (diff.norm() / update.norm().clamp_min(1e-30)).item()
+        errors["update_fro"] = max(errors["update_fro"], fro)
     if case.mesh_shape is None and world_size > 1:
         _assert_replicas_identical(params)
-    return {"fp32_update": worst_fp32_update, "bf16_param": worst_bf16_param}
+    return errors
 
 
 def _assert_replicas_identical(params: list[torch.Tensor]) -> None:

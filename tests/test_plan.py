@@ -190,15 +190,15 @@ def test_random_plans_move_every_element_once(
     st.integers(1, 5),
 )
 def test_owner_loads_within_one_matrix(shapes: list[tuple[int, int, int]], world: int) -> None:
+    # Replicated stacks: every rank may own every matrix, the setting LPT's bound is for.
     layouts = [
-        _layout(f"p{i}", (e, r, c), (world,), (1,), experts=True)
+        _layout(f"p{i}", (e, r, c), (world,), (None,), experts=True)
         for i, (r, c, e) in enumerate(shapes)
     ]
     plan = build_plan(layouts, 0, world, bucket_bytes=1 << 30, itemsize=2)
     loads = [plan.load.get(r, 0.0) for r in range(world)]
     largest = max(ns_cost(r, c) for r, c, _ in shapes)
-    candidates = [r for r in range(world) if loads[r] > 0 or True]
-    assert max(loads) - min(loads[r] for r in candidates) <= largest + 1e-6
+    assert max(loads) - min(loads) <= largest * (1 + 1e-9)
 
 
 def test_relative_slices_and_shapes() -> None:
