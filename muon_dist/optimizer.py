@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 # the plan. Hyper-parameters such as lr are read fresh every step instead.
 _PLAN_KEYS = ("muon_mode", "experts", "num_experts", "ns_steps", "coefficients")
 _MAX_CACHED_PLANS = 8
+NONFINITE_POLICIES = ("raise", "skip_step")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -99,8 +100,11 @@ class Muon(torch.optim.Optimizer):
         max_inflight: int = 2,
         replica_mode: str = "split",
         ns_dtype: torch.dtype = torch.bfloat16,
+        nonfinite: str = "raise",
     ) -> None:
         validate_backend(backend)
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r}; choose one of {list(NONFINITE_POLICIES)}")
         for key, value in (("comm_dtype", comm_dtype), ("ns_dtype", ns_dtype)):
             if value not in (torch.bfloat16, torch.float32):
                 raise ValueError(f"{key}={value}; choose torch.bfloat16 or torch.float32")
@@ -133,6 +137,7 @@ class Muon(torch.optim.Optimizer):
         self.backend = backend
         self.comm_dtype = comm_dtype
         self.ns_dtype = ns_dtype
+        self.nonfinite = nonfinite
         self.bucket_bytes = bucket_bytes
         self.max_inflight = max_inflight
         self.replica_mode = replica_mode
@@ -156,6 +161,8 @@ class Muon(torch.optim.Optimizer):
             )
         group = {**self._defaults_by_algorithm[algorithm], **param_group, "algorithm": algorithm}
         _validate_group(group, len(self.param_groups))
+        group.setdefault("steps", 0)
+        group.setdefault("skipped_steps", 0)
         super().add_param_group(group)
         for p in group["params"]:
             state = self.state[p]
@@ -166,6 +173,11 @@ class Muon(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0, device=local(p).device if fused else None)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by Muon, refusing one whose routing no longer matches."""
+        _check_saved_routing(state_dict, self.param_groups)
+        super().load_state_dict(state_dict)
 
     def routing_table(self) -> str:
         """Which parameter goes where, its matrix view and lr scale, as printable text."""
@@ -215,15 +227,70 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        """One step for every group; all ranks first agree which gradients exist and are finite.
+
+        A parameter with no gradient on any rank is left untouched. A non-finite gradient
+        anywhere raises (``nonfinite="raise"``) or skips the whole step on every rank
+        (``"skip_step"``), leaving parameters and state as they were.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        muon = self._muon_params()
+        present, nonfinite = self._agree_on_gradients()
+        if nonfinite:
+            step = self.param_groups[0]["steps"] + 1
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"muon_dist.Muon step {step}: non-finite gradient in {', '.join(nonfinite)}; "
+                    "fix the loss or pass nonfinite='skip_step' to skip such steps"
+                )
+            for group in self.param_groups:
+                group["skipped_steps"] += 1
+                group["steps"] += 1
+            logger.warning(
+                "muon_dist.Muon: skipped step %d (non-finite gradient in %s); %d skipped so far",
+                step,
+                ", ".join(nonfinite),
+                self.param_groups[0]["skipped_steps"],
+            )
+            return loss
         for group in self.param_groups:
+            group["steps"] += 1
             if group["algorithm"] == "adamw":
                 self._adamw_group_step(group)
-        self._muon_step()
+        self._muon_step([e for e in muon if present[id(e.param)]])
         return loss
+
+    def _agree_on_gradients(self) -> tuple[dict[int, bool], list[str]]:
+        """Which parameters have a gradient on some rank, and which have a non-finite one.
+
+        One small all-reduce answers both, so ranks take identical decisions and their
+        collectives stay matched. A Muon parameter with a gradient on some ranks only (an
+        expert no local token reached) then takes part everywhere, with zeros where absent.
+        """
+        named: list[tuple[str, torch.Tensor]] = []
+        for g_index, group in enumerate(self.param_groups):
+            named += zip(group_param_names(group, g_index), group["params"], strict=True)
+        if not named:
+            return {}, []
+        count = len(named)
+        device = local(named[0][1]).device
+        flags = torch.zeros(2 * count, dtype=torch.float32, device=device)
+        with_grad = [i for i, (_, p) in enumerate(named) if p.grad is not None]
+        if with_grad:
+            index = torch.tensor(with_grad, device=device)
+            norms = torch._foreach_norm([local(named[i][1].grad) for i in with_grad])
+            flags[index] = 1.0
+            flags[index + count] = (~torch.isfinite(torch.stack(norms).float())).float()
+        _, world_size = _distributed()
+        if world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        values = flags.tolist()
+        present = {id(p): values[i] > 0 for i, (_, p) in enumerate(named)}
+        nonfinite = [name for i, (name, _) in enumerate(named) if values[count + i] > 0]
+        return present, nonfinite
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -296,14 +363,20 @@ class Muon(torch.optim.Optimizer):
             logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
         return plan
 
-    def _muon_step(self) -> None:
-        entries = _with_gradients(self._muon_params())
+    def _muon_step(self, entries: list[_MuonParam]) -> None:
         if not entries:
             return
         _, world_size = _distributed()
         context = _StepContext(self, entries, world_size)
         plan = self._get_plan(entries)
         run_tasks((bucket_task(b, context) for b in plan.buckets), self.max_inflight)
+        broken = context.nonfinite_results()
+        if broken:
+            raise FloatingPointError(
+                "muon_dist.Muon: Newton–Schulz returned non-finite values for "
+                f"{', '.join(broken)} although every gradient was finite; this points at a "
+                "kernel or device fault (try backend='torch'); those parameters were updated"
+            )
 
 
 class _StepContext:
@@ -323,6 +396,7 @@ class _StepContext:
         self.momenta = [local(optimizer.state[e.param]["momentum_buffer"]) for e in entries]
         self.mix = [e.group["momentum"] if e.group["nesterov"] else None for e in entries]
         self.step_size = [-e.group["lr"] * e.view.lr_scale(e.group["adjust_lr"]) for e in entries]
+        self._finite: list[tuple[tuple[str, ...], torch.Tensor]] = []
         self._decay_and_accumulate(entries)
 
     def _decay_and_accumulate(self, entries: Sequence[_MuonParam]) -> None:
@@ -350,27 +424,23 @@ class _StepContext:
         # replicas of a parameter round identically and stay bitwise equal.
         self.params[param][slices].add_(ortho.to(self.comm_dtype), alpha=self.step_size[param])
 
+    def watch_finite(self, names: tuple[str, ...], result: torch.Tensor) -> None:
+        self._finite.append((names, torch.isfinite(result).all()))
+
+    def nonfinite_results(self) -> list[str]:
+        """Parameters of buckets with a non-finite Newton–Schulz result (one device sync)."""
+        if not self._finite:
+            return []
+        flags = torch.stack([flag for _, flag in self._finite]).tolist()
+        return sorted(
+            {n for (names, _), ok in zip(self._finite, flags, strict=True) if not ok for n in names}
+        )
+
     def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
         steps, coefficients = cast(tuple[int, Coefficients], ns_key)
         return newton_schulz(
             stack, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
         )
-
-
-def _with_gradients(entries: list[_MuonParam]) -> list[_MuonParam]:
-    """Parameters some rank has a gradient for; the others are left untouched, as in torch.
-
-    A parameter with a gradient on some ranks only (an expert no local token reached) takes
-    part everywhere, with a zero gradient where it has none, so collectives stay matched.
-    """
-    present = [e.param.grad is not None for e in entries]
-    _, world_size = _distributed()
-    if world_size > 1 and entries:
-        device = local(entries[0].param).device
-        flags = torch.tensor(present, dtype=torch.uint8, device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        present = [bool(v) for v in flags.tolist()]
-    return [e for e, keep in zip(entries, present, strict=True) if keep]
 
 
 def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:
@@ -409,6 +479,45 @@ def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
     return groups
+
+
+_STATE_KEYS = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
+
+
+def _check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
+    """Name every parameter whose saved algorithm or state shape differs from now."""
+    saved: dict[str, tuple[str, dict[str, Any]]] = {}
+    for g_index, group in enumerate(state_dict.get("param_groups", [])):
+        names = group_param_names(group, g_index)
+        for name, key in zip(names, group["params"], strict=True):
+            saved[name] = (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
+    current: dict[str, tuple[str, torch.Tensor]] = {}
+    for g_index, group in enumerate(groups):
+        for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
+            current[name] = (group["algorithm"], p)
+    problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]
+    for name, (algorithm, p) in current.items():
+        if name not in saved:
+            problems.append(f"{name}: absent from the saved state")
+            continue
+        saved_algorithm, state = saved[name]
+        if saved_algorithm != algorithm or (state and set(state) != _STATE_KEYS[algorithm]):
+            problems.append(f"{name}: saved as {saved_algorithm}, routed to {algorithm} now")
+            continue
+        for key, value in state.items():
+            if key != "step" and tuple(value.shape) != tuple(p.shape):
+                problems.append(
+                    f"{name}: saved {key} has shape {tuple(value.shape)}, "
+                    f"the parameter has {tuple(p.shape)}"
+                )
+    saved_sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+    if not problems and saved_sizes != [len(g["params"]) for g in groups]:
+        problems.append(f"param group sizes {saved_sizes} were saved; rebuild the same groups")
+    if problems:
+        raise ValueError(
+            "the saved optimizer state does not match this optimizer's routing:\n  "
+            + "\n  ".join(problems)
+        )
 
 
 def _validate_group(group: dict[str, Any], index: int) -> None:

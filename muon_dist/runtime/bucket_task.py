@@ -33,6 +33,10 @@ class StepContext(Protocol):
         """Newton–Schulz on a ``[k, rows, cols]`` stack."""
         ...
 
+    def watch_finite(self, names: tuple[str, ...], result: torch.Tensor) -> None:
+        """Record, without a device sync, whether a Newton–Schulz result is finite."""
+        ...
+
 
 @dataclass
 class _Stack:
@@ -99,6 +103,7 @@ def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
             inputs[piece.block][piece.slices].copy_(chunk)
     for stack in stacks:
         stack.tensor = ctx.orthogonalize(stack.tensor, bucket.owned[stack.blocks[0]].ns_key)
+        ctx.watch_finite(bucket.names, stack.tensor)
     results = _block_views(bucket, stacks)
     for block, result in zip(bucket.owned, results, strict=True):
         if block.own_slices is not None:

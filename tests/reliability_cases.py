@@ -1,0 +1,140 @@
+"""Distributed failure modes, run on every rank of one spawned group."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_cases import Case, P, run_case
+from reference_muon import reference_muon_step
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import muon_dist
+
+
+def _sharded(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, nn.Parameter]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return full, nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
+
+
+def nonfinite_on_one_rank_skips_everywhere() -> None:
+    full, p = _sharded((10, 6), 0)
+    bias = nn.Parameter(torch.zeros(6))
+    opt = muon_dist.Muon(
+        [{"params": [p], "algorithm": "muon"}, {"params": [bias], "algorithm": "adamw"}],
+        nonfinite="skip_step",
+    )
+    grad = torch.randn(10, 6)
+    if dist.get_rank() == 1:
+        grad[-1, 0] = float("nan")  # lands in rank 1's shard only
+    # src_data_rank=None: every rank keeps its own chunk, so the NaN stays on rank 1.
+    p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)], src_data_rank=None)
+    bias.grad = torch.ones(6)
+    opt.step()
+    assert torch.equal(p.full_tensor(), full), "a skipped step changed the parameter"
+    assert torch.equal(bias.detach(), torch.zeros(6))
+    assert opt.param_groups[0]["skipped_steps"] == 1
+    assert torch.count_nonzero(opt.state[p]["momentum_buffer"].full_tensor()) == 0
+
+    raising = muon_dist.Muon([{"params": [p], "param_names": ["mlp.w"], "algorithm": "muon"}])
+    with pytest.raises(FloatingPointError, match=r"step 1: non-finite gradient in mlp\.w"):
+        raising.step()
+
+
+def gradient_on_some_ranks_only_counts_as_zero() -> None:
+    full, p = _sharded((9, 5), 1)
+    opt = muon_dist.Muon([{"params": [p], "algorithm": "muon"}], comm_dtype=torch.float32)
+    grad = torch.randn(9, 5, generator=torch.Generator().manual_seed(2))
+    p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)], src_data_rank=None)
+    rows = grad.chunk(2)[0].shape[0]  # rank 0's shard
+    if dist.get_rank() == 1:
+        p.grad = None
+    opt.step()  # rank 1 has no gradient: a zero gradient there, and no hang
+    expected_grad = grad.clone()
+    expected_grad[rows:] = 0
+    ref = full.clone()
+    reference_muon_step(ref, expected_grad, torch.zeros_like(ref), lr=0.02)
+    torch.testing.assert_close(p.full_tensor(), ref, rtol=0, atol=1e-6)
+
+
+def no_gradient_anywhere_is_left_alone() -> None:
+    full, p = _sharded((8, 4), 3)
+    opt = muon_dist.Muon([{"params": [p], "algorithm": "muon", "weight_decay": 0.1}])
+    opt.step()
+    assert torch.equal(p.full_tensor(), full)
+
+
+def reliability_worker(rank: int, world_size: int) -> list[str]:
+    logging.getLogger("muon_dist").setLevel(logging.ERROR)
+    checks = [
+        nonfinite_on_one_rank_skips_everywhere,
+        gradient_on_some_ranks_only_counts_as_zero,
+        no_gradient_anywhere_is_left_alone,
+    ]
+    for check in checks:
+        check()
+    return [c.__name__ for c in checks]
+
+
+def edge_shape_case() -> Case:
+    return Case(
+        "edges",
+        [
+            P((1, 37)),
+            P((37, 1)),
+            P((3, 700)),
+            P((700, 3)),
+            P((2, 5)),  # more ranks than rows: empty shards
+            P((6, 9), dtype=torch.bfloat16),
+            P((5,), kind="adamw"),
+        ],
+        (dist.get_world_size(),),
+        fsdp=True,
+    )
+
+
+def edge_worker(rank: int, world_size: int, comm: str) -> dict[str, float]:
+    return run_case(edge_shape_case(), getattr(torch, comm), torch.bfloat16, world_size)
+
+
+def long_run_worker(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+    """Replicated and sharded parameters together for many steps, on every rank."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(12, 20), (30, 8), (3, 16)]
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
+    replicated = [nn.Parameter(f.clone()) for f in fulls]
+    sharded = [nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
+    opt = muon_dist.Muon(
+        [{"params": replicated + sharded, "algorithm": "muon"}], comm_dtype=torch.float32
+    )
+    refs = [f.clone() for f in fulls]
+    moms = [torch.zeros_like(f) for f in fulls]
+    for _ in range(steps):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, g in zip(replicated, grads, strict=True):
+            p.grad = g.clone()
+        for p, g in zip(sharded, grads, strict=True):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        opt.step()
+        for r, g, m in zip(refs, grads, moms, strict=True):
+            reference_muon_step(r, g, m, lr=0.02)
+    for p in replicated:
+        gathered = [torch.empty_like(p.detach()) for _ in range(world_size)]
+        dist.all_gather(gathered, p.detach())
+        assert all(torch.equal(g, p.detach()) for g in gathered), "replicas diverged"
+    worst = max(
+        ((p.full_tensor() - r).abs().max() / r.abs().max()).item()
+        for p, r in zip(sharded, refs, strict=True)
+    )
+    worst_replicated = max(
+        ((p.detach() - r).abs().max() / r.abs().max()).item()
+        for p, r in zip(replicated, refs, strict=True)
+    )
+    return {"sharded": worst, "replicated": worst_replicated}
