@@ -1,0 +1,135 @@
+"""Synthetic language: token sequences from a fixed random Markov chain over the vocabulary.
+
+Why a Markov chain: it needs no download, it is generated in milliseconds on every rank, and
+its entropy rate is known exactly, so the training loss has a true floor to be compared
+against (the unigram entropy of the stationary distribution is what a model that ignores
+context would reach). Each row of the transition matrix puts its mass on a small random
+subset of successors with Dirichlet weights of small concentration, so the next token is
+far more predictable from the previous one than from the token frequencies alone.
+
+Batches are a pure function of ``(seed, step)`` and the row index inside the global batch,
+never of the number of ranks: every rank builds the same global batch and keeps its own
+slice. A run resumed on a different world size therefore sees exactly the batches an
+uninterrupted run would have seen, and the checkpoint needs no data-loader state beyond the
+step counter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChainStats:
+    """Information-theoretic reference points of a chain, in nats per token."""
+
+    entropy_rate: float
+    """Best achievable cross-entropy when the previous token is known: the loss floor."""
+    unigram_entropy: float
+    """Cross-entropy of predicting from token frequencies alone (stationary distribution)."""
+
+
+class MarkovChain:
+    """A seeded first-order Markov chain over ``vocab_size`` tokens.
+
+    ``branching`` successors per token receive Dirichlet(``concentration``) weights and a
+    fraction ``smoothing`` of each row's mass is spread uniformly, which makes the chain
+    irreducible and aperiodic (so the stationary distribution exists and is unique) and
+    keeps every transition possible, so no target has infinite loss.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int = 0,
+        *,
+        branching: int = 16,
+        concentration: float = 0.3,
+        smoothing: float = 0.01,
+    ) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size={vocab_size} must be >= 2")
+        branching = min(branching, vocab_size)
+        self.vocab_size = vocab_size
+        self.seed = seed
+        # A forked global RNG keeps Dirichlet sampling (which takes no generator) seeded
+        # without disturbing the caller's random state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            successors = torch.rand(vocab_size, vocab_size).argsort(dim=1)[:, :branching]
+            alpha = torch.full((vocab_size, branching), concentration, dtype=torch.float64)
+            weights = torch.distributions.Dirichlet(alpha).sample()
+        sparse = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
+        sparse.scatter_(1, successors, weights)
+        self.transition = (1.0 - smoothing) * sparse + smoothing / vocab_size
+        self.stationary = _stationary(self.transition)
+        # Inverse-CDF sampling tables, float64 so the last entry rounds to 1 (clamped anyway).
+        self._cdf = self.transition.cumsum(dim=1)
+        self._start_cdf = self.stationary.cumsum(dim=0)
+
+    def stats(self) -> ChainStats:
+        """Entropy rate ``sum_i pi_i H(P_i)`` and the stationary distribution's entropy."""
+        p = self.transition
+        row_entropy = -(p * p.clamp_min(1e-300).log()).sum(dim=1)
+        pi = self.stationary
+        return ChainStats(
+            entropy_rate=float((pi * row_entropy).sum()),
+            unigram_entropy=float(-(pi * pi.clamp_min(1e-300).log()).sum()),
+        )
+
+    def global_batch(self, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
+        """The ``[batch_size, seq_len + 1]`` int64 token batch of ``step``, same on every rank.
+
+        The first token of each row is drawn from the stationary distribution, so every
+        position is in the chain's steady state and the floor applies to every target.
+        """
+        g = torch.Generator().manual_seed(_mix(self.seed, step))
+        u = torch.rand(seq_len + 1, batch_size, 1, generator=g, dtype=torch.float64)
+        last = self.vocab_size - 1
+        tokens = torch.empty(seq_len + 1, batch_size, dtype=torch.long)
+        tokens[0] = torch.searchsorted(self._start_cdf, u[0, :, 0]).clamp_max(last)
+        for t in range(1, seq_len + 1):
+            rows = self._cdf[tokens[t - 1]]
+            tokens[t] = torch.searchsorted(rows, u[t]).squeeze(1).clamp_max(last)
+        return tokens.T.contiguous()
+
+
+def rank_slice(batch_size: int, rank: int, world_size: int) -> slice:
+    """Rows of the global batch that ``rank`` trains on (``torch.tensor_split`` rule).
+
+    Uneven splits are allowed (a batch of 8 on 3 ranks is 3/3/2); the loss is normalised by
+    the global token count, so the gradient is the global-batch mean either way.
+    """
+    if batch_size < world_size:
+        raise ValueError(
+            f"--batch-size {batch_size} is smaller than the {world_size} ranks; every rank "
+            "needs at least one sequence"
+        )
+    base, extra = divmod(batch_size, world_size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def _stationary(transition: torch.Tensor, iters: int = 10_000, tol: float = 1e-14) -> torch.Tensor:
+    """Stationary distribution by power iteration (the chain is irreducible and aperiodic)."""
+    pi = torch.full((transition.size(0),), 1.0 / transition.size(0), dtype=torch.float64)
+    for _ in range(iters):
+        nxt = pi @ transition
+        nxt = nxt / nxt.sum()
+        if float((nxt - pi).abs().sum()) < tol:
+            return nxt
+        pi = nxt
+    return pi
+
+
+def _mix(seed: int, step: int) -> int:
+    """A 63-bit generator seed from ``(seed, step)`` with no collisions for small values."""
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+def max_loss(vocab_size: int) -> float:
+    """Loss of a uniform prediction, the starting point of a freshly initialised model."""
+    return math.log(vocab_size)
