@@ -15,7 +15,8 @@ from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
 from muon_dist.kernels.dispatch import newton_schulz, validate_backend
-from muon_dist.plan import REPLICA_MODES, Plan, build_plan, layout_of
+from muon_dist.plan import REPLICA_MODES, Plan, build_plan, layout_of, local, local_rows
+from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.routing import (
     ADJUST_LR,
     ALGORITHMS,
@@ -23,7 +24,7 @@ from muon_dist.routing import (
     MatrixView,
     format_routing_table,
     group_param_names,
-    matrix_view,
+    matrix_views,
     routing_entries,
 )
 from muon_dist.runtime import run_tasks
@@ -31,16 +32,28 @@ from muon_dist.runtime.bucket_task import bucket_task
 
 logger = logging.getLogger(__name__)
 
-# Group keys that change how parameters are cut into matrices or scheduled: a change rebuilds
-# the plan. Hyper-parameters such as lr are read fresh every step instead.
-_PLAN_KEYS = ("muon_mode", "experts", "num_experts", "ns_steps", "coefficients")
+# Group keys every rank must share: they decide the matrix views, the plan and which
+# collectives run. Hyper-parameters such as lr are read fresh every step instead.
+_AGREE_KEYS = (
+    "algorithm",
+    "muon_mode",
+    "experts",
+    "num_experts",
+    "num_heads",
+    "split_sizes",
+    "ns_steps",
+    "coefficients",
+    "magma",
+    "cautious_wd",
+)
+# Muon-only group keys: an AdamW group that sets one is a configuration mistake.
+MUON_ONLY_KEYS = ("num_heads", "split_sizes", "magma", "magma_beta", "cautious_wd")
 _MAX_CACHED_PLANS = 8
 NONFINITE_POLICIES = ("raise", "skip_step")
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+# Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
+# an EMA of (1 + cos(momentum, gradient)) / 2 over steps, started at 1 (no damping).
+MAGMA_MIN_SCALE = 0.1
+_MAGMA_EPS = 1e-12
 
 
 def _distributed() -> tuple[int, int]:
@@ -60,12 +73,17 @@ def _check_range(name: str, value: float, low: float, high: float, *, closed_hig
 
 @dataclass
 class _MuonParam:
-    """Per-step handles of one Muon parameter, in plan order."""
+    """Per-step handles of one matrix view of a Muon parameter, in plan order.
+
+    A parameter cut by ``split_sizes`` has one entry per row block; its matrices are
+    numbered across its views from ``first_matrix`` on (Magma keeps one score per matrix).
+    """
 
     param: torch.Tensor
     group: dict[str, Any]
     view: MatrixView
     name: str
+    first_matrix: int
 
 
 class Muon(torch.optim.Optimizer):
@@ -76,6 +94,12 @@ class Muon(torch.optim.Optimizer):
     DTensors on any mesh (FSDP2, HSDP, expert or tensor parallel): whole matrices are
     gathered onto one owner rank each, orthogonalized there, and scattered back, so the
     update equals single-device Muon.
+
+    Per group, ``num_heads`` orthogonalizes each head's rows separately, ``split_sizes`` each
+    block of a fused weight (QKV, gate+up), ``magma=True`` damps each matrix's update by how
+    well its gradient agrees with its momentum, and ``cautious_wd=True`` decays only weights
+    whose sign the update shares. ``qk_clip`` (with ``max_logits``) rescales attention query
+    and key heads whose logits exceed tau after each step (see :mod:`muon_dist.qk_clip`).
     """
 
     def __init__(
@@ -101,6 +125,11 @@ class Muon(torch.optim.Optimizer):
         replica_mode: str = "split",
         ns_dtype: torch.dtype = torch.bfloat16,
         nonfinite: str = "raise",
+        magma: bool = False,
+        magma_beta: float = 0.9,
+        cautious_wd: bool = False,
+        qk_clip: Sequence[QKClip] = (),
+        max_logits: MaxLogitTracker | None = None,
     ) -> None:
         validate_backend(backend)
         if nonfinite not in NONFINITE_POLICIES:
@@ -126,6 +155,11 @@ class Muon(torch.optim.Optimizer):
                 "muon_mode": muon_mode,
                 "experts": False,
                 "num_experts": None,
+                "num_heads": None,
+                "split_sizes": None,
+                "magma": magma,
+                "magma_beta": magma_beta,
+                "cautious_wd": cautious_wd,
             },
             "adamw": {
                 "lr": adamw_lr,
@@ -144,11 +178,19 @@ class Muon(torch.optim.Optimizer):
         # Plans by parameter set: the set shrinks on steps where some parameters have no
         # gradient anywhere, and those sets tend to recur, so each is planned once.
         self._plans: dict[Hashable, Plan] = {}
+        self._row_maps: dict[Hashable, torch.Tensor] = {}
         super().__init__(_split_by_algorithm(params), defaults={})
-        self._check_ranks_agree()
+        self._check_ranks_agree(qk_clip)
         entries = self._muon_params()
         if entries:
             self._get_plan(entries)  # unsupported layouts fail here, not mid-training
+        if max_logits is not None and not qk_clip:
+            raise ValueError("max_logits is only read by qk_clip; pass qk_clip=[QKClip(...)]")
+        self._qk_clip = (
+            QKClipper(qk_clip, max_logits, self._named_params(), *_distributed())
+            if qk_clip
+            else None
+        )
         logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
 
     # -- construction -------------------------------------------------------------------
@@ -164,10 +206,14 @@ class Muon(torch.optim.Optimizer):
         group.setdefault("steps", 0)
         group.setdefault("skipped_steps", 0)
         super().add_param_group(group)
-        for p in group["params"]:
+        names = group_param_names(group, len(self.param_groups) - 1)
+        for p, name in zip(group["params"], names, strict=True):
             state = self.state[p]
             if algorithm == "muon":
                 state["momentum_buffer"] = torch.zeros_like(p)
+                if group["magma"]:
+                    count = sum(v.count for v in matrix_views(p.shape, group, name))
+                    state["magma_score"] = torch.ones(count, device=local(p).device)
             else:
                 fused = local(p).is_cuda
                 state["step"] = torch.tensor(0.0, device=local(p).device if fused else None)
@@ -177,20 +223,36 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by Muon, refusing one whose routing no longer matches."""
         _check_saved_routing(state_dict, self.param_groups)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        scores = {
+            p: state_dict["state"][i]["magma_score"]
+            for i, p in zip(saved_ids, params, strict=True)
+            if "magma_score" in state_dict["state"].get(i, {})
+        }
         super().load_state_dict(state_dict)
+        # Optimizer.load_state_dict casts state to the parameter dtype; scores stay fp32.
+        for p, score in scores.items():
+            self.state[p]["magma_score"] = score.to(local(p).device, torch.float32, copy=True)
 
     def routing_table(self) -> str:
         """Which parameter goes where, its matrix view and lr scale, as printable text."""
         return format_routing_table(routing_entries(self.param_groups))
 
-    def _check_ranks_agree(self) -> None:
+    def _named_params(self) -> dict[str, torch.Tensor]:
+        named: dict[str, torch.Tensor] = {}
+        for g_index, group in enumerate(self.param_groups):
+            named.update(zip(group_param_names(group, g_index), group["params"], strict=True))
+        return named
+
+    def _check_ranks_agree(self, qk_clip: Sequence[QKClip]) -> None:
         """Fail fast, instead of hanging in a collective, when ranks hold different params."""
         rank, world_size = _distributed()
         if world_size == 1:
             return
-        lines = []
+        lines = [repr(spec) for spec in qk_clip]
         for g_index, group in enumerate(self.param_groups):
-            options = {k: group.get(k) for k in ("algorithm", *_PLAN_KEYS)}
+            options = {k: group.get(k) for k in _AGREE_KEYS}
             for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
                 placements = p.placements if isinstance(p, DTensor) else "plain"
                 mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
@@ -249,6 +311,8 @@ class Muon(torch.optim.Optimizer):
             for group in self.param_groups:
                 group["skipped_steps"] += 1
                 group["steps"] += 1
+            if self._qk_clip is not None:
+                self._qk_clip.tracker.pop()  # logits of the skipped batch
             logger.warning(
                 "muon_dist.Muon: skipped step %d (non-finite gradient in %s); %d skipped so far",
                 step,
@@ -261,6 +325,8 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "adamw":
                 self._adamw_group_step(group)
         self._muon_step([e for e in muon if present[id(e.param)]])
+        if self._qk_clip is not None:
+            self._qk_clip()
         return loss
 
     def _agree_on_gradients(self) -> tuple[dict[int, bool], list[str]]:
@@ -323,15 +389,32 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] != "muon":
                 continue
             for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
-                view = matrix_view(
-                    p.shape,
-                    muon_mode=group["muon_mode"],
-                    experts=group["experts"],
-                    num_experts=group["num_experts"],
-                    name=name,
-                )
-                out.append(_MuonParam(p, group, view, name))
+                first = 0
+                for view in matrix_views(p.shape, group, name):
+                    out.append(_MuonParam(p, group, view, view.label(name), first))
+                    first += view.count
         return out
+
+    def _row_matrices(self, entries: Sequence[_MuonParam]) -> torch.Tensor:
+        """For each dim-0 row of this rank's shard, which of the parameter's matrices it is in.
+
+        ``entries`` are all the views of one parameter; the answer is cached per layout.
+        """
+        key = (id(entries[0].param), tuple(e.view for e in entries))
+        cached = self._row_maps.get(key)
+        if cached is None:
+            rank, world_size = _distributed()
+            first = entries[0]
+            lo, hi = local_rows(layout_of(first.param, first.name, first.view, world_size), rank)
+            rows = torch.arange(lo, hi)
+            cached = torch.zeros_like(rows)
+            for e in entries:
+                start, stop = e.view.box(0, e.view.count)[0]
+                inside = (rows >= start) & (rows < stop)
+                cached[inside] = e.first_matrix + (rows[inside] - start) // e.view.dim0_step
+            cached = cached.to(local(first.param).device)
+            self._row_maps[key] = cached
+        return cached
 
     def _get_plan(self, entries: Sequence[_MuonParam]) -> Plan:
         rank, world_size = _distributed()
@@ -341,7 +424,7 @@ class Muon(torch.optim.Optimizer):
             self.bucket_bytes,
             self.replica_mode,
             self.comm_dtype,
-            tuple((id(e.param), e.view, tuple(e.group[k] for k in _PLAN_KEYS)) for e in entries),
+            tuple((id(e.param), e.view, _ns_key(e.group)) for e in entries),
         )
         plan = self._plans.get(key)
         if plan is None:
@@ -380,7 +463,11 @@ class Muon(torch.optim.Optimizer):
 
 
 class _StepContext:
-    """Local tensors and hyper-parameters of one step, indexed by plan position."""
+    """Local tensors and hyper-parameters of one step, indexed by plan position.
+
+    Entries that are views of one parameter share its tensors; momentum and decoupled decay
+    touch each parameter once, and each element is then updated by exactly one view.
+    """
 
     def __init__(self, optimizer: Muon, entries: Sequence[_MuonParam], world_size: int) -> None:
         self.world_size = world_size
@@ -395,23 +482,77 @@ class _StepContext:
         ]
         self.momenta = [local(optimizer.state[e.param]["momentum_buffer"]) for e in entries]
         self.mix = [e.group["momentum"] if e.group["nesterov"] else None for e in entries]
-        self.step_size = [-e.group["lr"] * e.view.lr_scale(e.group["adjust_lr"]) for e in entries]
+        # A float, or per local dim-0 row for Magma, whose damping differs per matrix.
+        self.step_size: list[float | torch.Tensor] = [
+            -e.group["lr"] * e.view.lr_scale(e.group["adjust_lr"]) for e in entries
+        ]
+        self.cautious_decay = [
+            e.group["lr"] * e.group["weight_decay"] if e.group["cautious_wd"] else 0.0
+            for e in entries
+        ]
         self._finite: list[tuple[tuple[str, ...], torch.Tensor]] = []
         self._decay_and_accumulate(entries)
+        self._magma(optimizer, entries)
 
     def _decay_and_accumulate(self, entries: Sequence[_MuonParam]) -> None:
-        """Momentum update and decoupled weight decay, one foreach call per group."""
+        """Momentum update and decoupled weight decay, one foreach call per group.
+
+        Cautious groups decay in :meth:`apply` instead, where the update's sign is known.
+        """
         by_group: dict[int, list[int]] = {}
+        seen: set[int] = set()
         for i, e in enumerate(entries):
-            by_group.setdefault(id(e.group), []).append(i)
+            if id(e.param) not in seen:
+                seen.add(id(e.param))
+                by_group.setdefault(id(e.group), []).append(i)
         for indices in by_group.values():
             group = entries[indices[0]].group
             momenta = [self.momenta[i] for i in indices]
             torch._foreach_mul_(momenta, group["momentum"])
             torch._foreach_add_(momenta, [self.grads[i] for i in indices])
             decay = 1.0 - group["lr"] * group["weight_decay"]
-            if decay != 1.0:
+            if decay != 1.0 and not group["cautious_wd"]:
                 torch._foreach_mul_([self.params[i] for i in indices], decay)
+
+    def _magma(self, optimizer: Muon, entries: Sequence[_MuonParam]) -> None:
+        """Damp Magma groups' updates per matrix by momentum-gradient agreement.
+
+        Each rank sums dot products and squared norms of its rows per matrix; one all-reduce
+        completes them, so every rank sees the cosine of the whole matrix. Replicas add a
+        piece once per copy, which the cosine's ratio cancels.
+        """
+        by_param: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            if e.group["magma"]:
+                by_param.setdefault(id(e.param), []).append(i)
+        if not by_param:
+            return
+        row_maps, sums = [], []
+        for indices in by_param.values():
+            row_map = optimizer._row_matrices([entries[i] for i in indices])
+            m, g = self.momenta[indices[0]].float(), self.grads[indices[0]].float()
+            dims = tuple(range(1, m.ndim))
+            per_row = torch.stack([(m * g).sum(dims), m.square().sum(dims), g.square().sum(dims)])
+            count = optimizer.state[entries[indices[0]].param]["magma_score"].numel()
+            total = torch.zeros(3, count, device=self.device).index_add_(1, row_map, per_row)
+            row_maps.append(row_map)
+            sums.append(total)
+        totals = torch.cat(sums, dim=1)
+        if self.world_size > 1:
+            dist.all_reduce(totals)
+        offset = 0
+        for indices, row_map in zip(by_param.values(), row_maps, strict=True):
+            e = entries[indices[0]]
+            score = optimizer.state[e.param]["magma_score"]
+            dot, mm, gg = totals[:, offset : offset + score.numel()]
+            offset += score.numel()
+            cosine = (dot / (mm.sqrt() * gg.sqrt()).clamp_min(_MAGMA_EPS)).clamp(-1.0, 1.0)
+            beta = e.group["magma_beta"]
+            score.mul_(beta).add_((1.0 + cosine) / 2.0, alpha=1.0 - beta)
+            damping = (MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score)[row_map]
+            shape = (-1, *[1] * (self.params[indices[0]].ndim - 1))
+            for i in indices:
+                self.step_size[i] = (damping * self.step_size[i]).view(shape)
 
     def read_update(self, param: int, slices: tuple[slice, ...]) -> torch.Tensor:
         mix = self.mix[param]
@@ -422,7 +563,17 @@ class _StepContext:
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
         # Owners add their own result in the dtype the other holders receive it in, so
         # replicas of a parameter round identically and stay bitwise equal.
-        self.params[param][slices].add_(ortho.to(self.comm_dtype), alpha=self.step_size[param])
+        target = self.params[param][slices]
+        update = ortho.to(self.comm_dtype)
+        decay = self.cautious_decay[param]
+        if decay:
+            # Cautious weight decay: only where sign(update) == sign(weight).
+            target.sub_(target * (torch.sign(update) == torch.sign(target)), alpha=decay)
+        step = self.step_size[param]
+        if isinstance(step, torch.Tensor):
+            target.add_(update * step[slices[0]])
+        else:
+            target.add_(update, alpha=step)
 
     def watch_finite(self, names: tuple[str, ...], result: torch.Tensor) -> None:
         self._finite.append((names, torch.isfinite(result).all()))
@@ -475,40 +626,58 @@ def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
             if not chosen:
                 continue
             part = {**group, "algorithm": algorithm, "params": [raw[i] for i in chosen]}
+            if algorithm == "adamw":
+                part = {k: v for k, v in part.items() if k not in MUON_ONLY_KEYS}
             if names is not None:
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
     return groups
 
 
-_STATE_KEYS = {"muon": {"momentum_buffer"}, "adamw": {"step", "exp_avg", "exp_avg_sq"}}
+def _state_shapes(group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str, tuple[int, ...]]:
+    """The state this optimizer keeps for ``p`` (besides AdamW's step), with shapes."""
+    if group["algorithm"] == "adamw":
+        return {"exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+    shapes = {"momentum_buffer": tuple(p.shape)}
+    if group["magma"]:
+        shapes["magma_score"] = (sum(v.count for v in matrix_views(p.shape, group, name)),)
+    return shapes
 
 
 def _check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
-    """Name every parameter whose saved algorithm or state shape differs from now."""
+    """Name every parameter whose saved algorithm, state keys or state shapes differ from now."""
     saved: dict[str, tuple[str, dict[str, Any]]] = {}
     for g_index, group in enumerate(state_dict.get("param_groups", [])):
         names = group_param_names(group, g_index)
         for name, key in zip(names, group["params"], strict=True):
             saved[name] = (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
-    current: dict[str, tuple[str, torch.Tensor]] = {}
+    current: dict[str, tuple[dict[str, Any], torch.Tensor]] = {}
     for g_index, group in enumerate(groups):
         for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
-            current[name] = (group["algorithm"], p)
+            current[name] = (group, p)
     problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]
-    for name, (algorithm, p) in current.items():
+    for name, (group, p) in current.items():
         if name not in saved:
             problems.append(f"{name}: absent from the saved state")
             continue
         saved_algorithm, state = saved[name]
-        if saved_algorithm != algorithm or (state and set(state) != _STATE_KEYS[algorithm]):
+        algorithm = group["algorithm"]
+        if saved_algorithm != algorithm:
             problems.append(f"{name}: saved as {saved_algorithm}, routed to {algorithm} now")
             continue
+        shapes = _state_shapes(group, p, name)
+        kept = set(state) - {"step"}
+        if state and kept != set(shapes):
+            problems.append(
+                f"{name}: saved state has {sorted(kept)}, this optimizer keeps "
+                f"{sorted(shapes)}; set magma as it was when saving"
+            )
+            continue
         for key, value in state.items():
-            if key != "step" and tuple(value.shape) != tuple(p.shape):
+            if key != "step" and tuple(value.shape) != shapes[key]:
                 problems.append(
                     f"{name}: saved {key} has shape {tuple(value.shape)}, "
-                    f"the parameter has {tuple(p.shape)}"
+                    f"this optimizer keeps {shapes[key]}"
                 )
     saved_sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
     if not problems and saved_sizes != [len(g["params"]) for g in groups]:
@@ -533,6 +702,12 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
         _check_range(f"{where}: betas[1]", beta2, 0.0, 1.0, closed_high=False)
         if group["eps"] < 0:
             raise ValueError(f"{where}: eps={group['eps']!r} must be >= 0")
+        for key in MUON_ONLY_KEYS:
+            if group.get(key) not in (None, False):
+                raise ValueError(
+                    f"{where}: {key}={group[key]!r} is a Muon option; set it on a group with "
+                    "algorithm='muon' (valid keys here: lr, betas, eps, weight_decay)"
+                )
         return
     _check_range(f"{where}: momentum", group["momentum"], 0.0, 1.0, closed_high=False)
     if group["adjust_lr"] not in ADJUST_LR:
@@ -548,11 +723,9 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
         resolve_coefficients(group["coefficients"], group["ns_steps"])
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
+    for key in ("magma", "cautious_wd"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"{where}: {key}={group[key]!r}; choose True or False")
+    _check_range(f"{where}: magma_beta", group["magma_beta"], 0.0, 1.0, closed_high=False)
     for name, p in zip(group_param_names(group, index), group["params"], strict=True):
-        matrix_view(
-            p.shape,
-            muon_mode=group["muon_mode"],
-            experts=group["experts"],
-            num_experts=group["num_experts"],
-            name=f"{where}: parameter {name!r}",
-        )
+        matrix_views(p.shape, group, name=f"{where}: parameter {name!r}")

@@ -45,6 +45,11 @@ class ParamLayout:
             raise ValueError(f"{self.name}: one placement per mesh dim is needed")
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def layout_of(
     param: torch.Tensor, name: str, view: MatrixView, world_size: int, ns_key: Hashable = None
 ) -> ParamLayout:
@@ -120,6 +125,12 @@ def local_boxes(layout: ParamLayout) -> dict[int, Box]:
             box[tensor_dim] = (start, min(start + chunk, hi))
         out[rank] = tuple(box)
     return out
+
+
+def local_rows(layout: ParamLayout, rank: int) -> tuple[int, int]:
+    """The dim-0 range of the full parameter in ``rank``'s local shard (empty off its mesh)."""
+    box = local_boxes(layout).get(rank)
+    return box[0] if box is not None else (0, 0)
 
 
 # ---------------------------------------------------------------------------------------

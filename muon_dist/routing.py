@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,26 +39,40 @@ def normalize_fqn(name: str) -> str:
 
 @dataclass(frozen=True)
 class MatrixView:
-    """A parameter seen as ``count`` matrices of ``rows x cols``.
+    """A parameter, or a block of its rows, seen as ``count`` matrices of ``rows x cols``.
 
     Matrix ``i`` covers a rectangular box of the full parameter, so shards can be intersected
     with it without ever materialising the view; a contiguous copy of the box reshapes to
-    ``[k, rows, cols]``.
+    ``[k, rows, cols]``. A parameter cut by ``split_sizes`` has one view per row block, each
+    starting at its ``row_offset``.
     """
 
-    kind: str  # "matrix" | "expert_stack" | "fused_experts" | "flat" | "slice"
+    kind: str  # "matrix" | "heads" | "expert_stack" | "fused_experts" | "flat" | "slice"
     shape: tuple[int, ...]
     count: int
     rows: int
     cols: int
+    row_offset: int = 0
+
+    @property
+    def dim0_step(self) -> int:
+        """Dim-0 indices per matrix: one for stacks and slices, ``rows`` for row blocks."""
+        return 1 if self.kind in ("expert_stack", "slice") else self.rows
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.rows * self.cols
 
     def box(self, start: int, stop: int) -> Box:
         """The region of the full parameter covered by matrices ``[start, stop)``."""
-        full = tuple((0, s) for s in self.shape)
-        if self.kind in ("matrix", "flat"):
-            return full
-        step = self.rows if self.kind == "fused_experts" else 1
-        return ((start * step, stop * step), *full[1:])
+        first = self.row_offset + start * self.dim0_step
+        last = self.row_offset + stop * self.dim0_step
+        return ((first, last), *((0, s) for s in self.shape[1:]))
+
+    def label(self, name: str) -> str:
+        """``name``, with the row range when the view covers only part of the parameter."""
+        first, last = self.box(0, self.count)[0]
+        return name if (first, last) == (0, self.shape[0]) else f"{name}[{first}:{last}]"
 
     def lr_scale(self, adjust_lr: str | None) -> float:
         """Learning-rate multiplier from the full per-matrix shape, never a shard's."""
@@ -74,12 +88,17 @@ class MatrixView:
         return f"{self.kind} {self.count}x[{self.rows}x{self.cols}]"
 
 
+def is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def matrix_view(
     shape: Sequence[int],
     *,
     muon_mode: str = "2d",
     experts: bool = False,
     num_experts: int | None = None,
+    num_heads: int | None = None,
     name: str = "parameter",
 ) -> MatrixView:
     """Decide how a Muon parameter of ``shape`` splits into matrices, or explain why it can't."""
@@ -90,6 +109,20 @@ def matrix_view(
             f"{name} has shape {shape}: Muon needs >= 2-D parameters; put it in an "
             "'adamw' group (muon_dist.param_groups does this for you)"
         )
+    if num_heads is not None:
+        if num_experts is not None:
+            raise ValueError(
+                f"{name}: num_heads={num_heads!r} and num_experts={num_experts} both cut the "
+                "rows into equal blocks; set only one of them"
+            )
+        if ndim != 2 or not is_positive_int(num_heads) or shape[0] % num_heads:
+            raise ValueError(
+                f"{name} has shape {shape} but its group sets num_heads={num_heads!r}; "
+                "num_heads must be a positive int dividing the rows of a 2-D weight "
+                "[num_heads * head_dim, in] (a list of head counts goes with split_sizes)"
+            )
+        if num_heads > 1:
+            return MatrixView("heads", shape, num_heads, shape[0] // num_heads, shape[1])
     if num_experts is not None:
         if ndim != 2:
             raise ValueError(
@@ -115,6 +148,61 @@ def matrix_view(
         "set experts=True in its group for a 3-D expert stack [E, m, n], or use "
         "muon_mode='flat' ([out, prod(rest)]) or muon_mode='slice' (one matrix per leading index)"
     )
+
+
+def matrix_views(
+    shape: Sequence[int], group: Mapping[str, Any], name: str = "parameter"
+) -> list[MatrixView]:
+    """The views of one Muon parameter under its group's options.
+
+    One view, except with ``split_sizes`` (a fused weight such as QKV or gate+up): then one
+    view per row block, each cut into ``num_heads[i]`` heads when ``num_heads`` is a list.
+    """
+    split = group.get("split_sizes")
+    heads = group.get("num_heads")
+    if split is None:
+        return [
+            matrix_view(
+                shape,
+                muon_mode=group.get("muon_mode", "2d"),
+                experts=group.get("experts", False),
+                num_experts=group.get("num_experts"),
+                num_heads=heads,
+                name=name,
+            )
+        ]
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 2 or group.get("num_experts") is not None:
+        raise ValueError(
+            f"{name} has shape {shape} and num_experts={group.get('num_experts')}, but "
+            f"split_sizes={split!r} cuts the rows of a plain 2-D weight; use it without "
+            "num_experts, on a 2-D parameter"
+        )
+    valid = isinstance(split, (list, tuple)) and all(is_positive_int(s) for s in split)
+    if not valid or sum(split) != shape[0]:
+        raise ValueError(
+            f"{name} has {shape[0]} rows but its group sets split_sizes={split!r}; "
+            "split_sizes must be positive row counts adding up to the rows, "
+            "e.g. [q_rows, k_rows, v_rows]"
+        )
+    if heads is None:
+        heads = [1] * len(split)
+    elif not isinstance(heads, (list, tuple)) or len(heads) != len(split):
+        raise ValueError(
+            f"{name}: split_sizes={list(split)} takes num_heads=None or a list of one head "
+            f"count per block (e.g. [q_heads, kv_heads, kv_heads]), not num_heads={heads!r}"
+        )
+    views, offset = [], 0
+    for i, (size, count) in enumerate(zip(split, heads, strict=True)):
+        if not is_positive_int(count) or size % count:
+            raise ValueError(
+                f"{name}: block {i} of split_sizes={list(split)} has {size} rows, not "
+                f"divisible by num_heads[{i}]={count!r}"
+            )
+        kind = "heads" if count > 1 else "matrix"
+        views.append(MatrixView(kind, shape, count, size // count, shape[1], offset))
+        offset += size
+    return views
 
 
 @dataclass(frozen=True)
@@ -166,6 +254,34 @@ def _adamw_modules(
     return ids
 
 
+Override = Callable[[str, torch.Tensor], str | None] | Mapping[str, str]
+"""Routing overrides: ``(name, param) -> "muon" | "adamw" | None``, or name regex -> algorithm."""
+
+FUSED_KEYS = ("split_sizes", "num_heads")
+
+
+def _override_fn(overrides: Override | None) -> Callable[[str, torch.Tensor], str | None]:
+    """One callable for both override forms; a mapping's first matching pattern wins."""
+    if overrides is None:
+        return lambda _name, _p: None
+    if callable(overrides):
+        return overrides
+    patterns = dict(overrides)
+    for pattern, algorithm in patterns.items():
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"overrides[{pattern!r}]={algorithm!r}; choose one of {list(ALGORITHMS)}"
+            )
+    return lambda name, _p: next((a for p, a in patterns.items() if re.search(p, name)), None)
+
+
+def _fused_pattern(name: str, fused: Mapping[str, Mapping[str, Any]]) -> str | None:
+    hits = [pattern for pattern in fused if re.search(pattern, name)]
+    if len(hits) > 1:
+        raise ValueError(f"{name} matches several fused patterns {hits}; make them exclusive")
+    return hits[0] if hits else None
+
+
 def param_groups(
     model: nn.Module,
     lr: float = 0.02,
@@ -178,6 +294,8 @@ def param_groups(
     num_experts: int | None = None,
     head_patterns: Sequence[str] = (r"(^|\.)(lm_head|output|head|classifier)$",),
     embedding_patterns: Sequence[str] = (r"(^|\.)(embed\w*|wte|wpe|tok_embeddings)$",),
+    overrides: Override | None = None,
+    fused: Mapping[str, Mapping[str, Any]] | None = None,
     muon_mode: str = "2d",
     **muon_options: Any,
 ) -> list[dict[str, Any]]:
@@ -187,34 +305,70 @@ def param_groups(
     go to AdamW. Expert weights are those whose normalised name contains one of
     ``expert_keys``: 3-D ones are stacks ``[E, m, n]``, 2-D ones are fused ``[E*m, n]`` and
     need ``num_experts``. Decay applies to matrices only, never to norms and biases.
+
+    ``overrides`` moves parameters by name: a callable ``(name, param)`` returning
+    ``"muon"``, ``"adamw"`` or None (keep the default), or a mapping of name regexes to
+    ``"muon"``/``"adamw"``. ``fused`` declares how Muon matrices are cut into row blocks:
+    name regex -> ``{"split_sizes": [...], "num_heads": ...}``; each pattern gets a group.
     """
+    route = _override_fn(overrides)
+    fused = dict(fused or {})
+    for pattern, spec in fused.items():
+        unknown = sorted(set(spec) - set(FUSED_KEYS))
+        if unknown or not spec:
+            raise ValueError(
+                f"fused[{pattern!r}] has keys {sorted(spec)}; use one or both of {list(FUSED_KEYS)}"
+            )
     adamw_ids = _adamw_modules(model, head_patterns, embedding_patterns)
-    buckets: dict[str, tuple[list[torch.Tensor], list[str]]] = {}
-    order = ("muon", "muon_experts", "muon_fused_experts", "adamw_decay", "adamw_no_decay")
-    for key in order:
-        buckets[key] = ([], [])
+    order = [
+        "muon",
+        *(f"fused:{p}" for p in fused),
+        "muon_experts",
+        "muon_fused_experts",
+        "adamw_decay",
+        "adamw_no_decay",
+    ]
+    buckets: dict[str, tuple[list[torch.Tensor], list[str]]] = {key: ([], []) for key in order}
     for raw_name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         name = normalize_fqn(raw_name)
+        forced = route(name, p)
+        if forced not in (*ALGORITHMS, None):
+            raise ValueError(
+                f"overrides returned {forced!r} for {name}; return one of {list(ALGORITHMS)} "
+                "or None (default routing)"
+            )
+        if forced == "muon" and p.ndim < 2:
+            raise ValueError(
+                f"overrides routed {name} (shape {tuple(p.shape)}) to 'muon', but Muon needs "
+                ">= 2-D parameters"
+            )
+        to_muon = forced == "muon" or (forced is None and p.ndim >= 2 and id(p) not in adamw_ids)
         is_expert = any(k in name for k in expert_keys)
-        if p.ndim < 2:
-            key = "adamw_no_decay"
-        elif id(p) in adamw_ids:
-            key = "adamw_decay"
+        if not to_muon:
+            key = "adamw_decay" if p.ndim >= 2 else "adamw_no_decay"
         elif is_expert and p.ndim == 3:
             key = "muon_experts"
         elif is_expert and p.ndim == 2 and num_experts is not None:
             key = "muon_fused_experts"
         else:
-            key = "muon"
+            pattern = _fused_pattern(name, fused)
+            key = "muon" if pattern is None else f"fused:{pattern}"
         buckets[key][0].append(p)
         buckets[key][1].append(name)
+    unmatched = [p for p in fused if not buckets[f"fused:{p}"][0]]
+    if unmatched:
+        raise ValueError(
+            f"fused patterns {unmatched} match no Muon matrix outside expert groups; "
+            f"Muon matrices are {buckets['muon'][1]}"
+        )
     muon = {"algorithm": "muon", "lr": lr, "weight_decay": weight_decay, "muon_mode": muon_mode}
     muon.update(muon_options)
     adamw = {"algorithm": "adamw", "lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps}
     extra: dict[str, dict[str, Any]] = {
         "muon": muon,
+        **{f"fused:{p}": {**muon, **spec} for p, spec in fused.items()},
         "muon_experts": {**muon, "experts": True},
         "muon_fused_experts": {**muon, "num_experts": num_experts},
         "adamw_decay": {**adamw, "weight_decay": weight_decay},
@@ -238,30 +392,25 @@ def group_param_names(group: dict[str, Any], index: int) -> list[str]:
 
 
 def routing_entries(groups: Sequence[dict[str, Any]]) -> list[RouteEntry]:
-    """Routing rows for param groups, with each Muon matrix view validated."""
+    """Routing rows for param groups, one per matrix view, with each view validated."""
     entries = []
     for g_index, group in enumerate(groups):
         names = group_param_names(group, g_index)
         for p, name in zip(group["params"], names, strict=True):
             shape = tuple(p.shape)
-            if group.get("algorithm", "muon") == "muon":
-                view = matrix_view(
-                    shape,
-                    muon_mode=group.get("muon_mode", "2d"),
-                    experts=group.get("experts", False),
-                    num_experts=group.get("num_experts"),
-                    name=name,
-                )
-                entries.append(
-                    RouteEntry(
-                        name,
-                        shape,
-                        "muon",
-                        view.describe(),
-                        view.lr_scale(group.get("adjust_lr", "spectral_norm")),
-                        p.numel(),
-                    )
-                )
-            else:
+            if group.get("algorithm", "muon") != "muon":
                 entries.append(RouteEntry(name, shape, "adamw", "-", 1.0, p.numel()))
+                continue
+            adjust_lr = group.get("adjust_lr", "spectral_norm")
+            entries += [
+                RouteEntry(
+                    view.label(name),
+                    shape,
+                    "muon",
+                    view.describe(),
+                    view.lr_scale(adjust_lr),
+                    view.numel,
+                )
+                for view in matrix_views(shape, group, name)
+            ]
     return entries

@@ -34,8 +34,16 @@ def reference_muon_step(
     coefficients: str = "quintic",
     matrices: tuple[int, int, int] | None = None,
     ns_dtype: torch.dtype = torch.bfloat16,
+    magma_score: torch.Tensor | None = None,
+    magma_beta: float = 0.9,
+    cautious_wd: bool = False,
 ) -> None:
-    """Update ``param`` in place; ``matrices=(count, rows, cols)`` reshapes it (experts)."""
+    """Update ``param`` in place; ``matrices=(count, rows, cols)`` reshapes it (experts).
+
+    ``magma_score`` (one entry per matrix, updated in place) turns on Magma-lite damping:
+    score = EMA of (1 + cos(momentum, gradient)) / 2, update times 0.1 + 0.9 * score.
+    ``cautious_wd`` decays only elements where the update and the weight share a sign.
+    """
     # fp32 arithmetic throughout: a bf16 multiply would round the scalar itself to bf16.
     momentum_buffer.copy_(momentum_buffer.float() * momentum + grad.float())
     update = torch.add(grad, momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
@@ -47,7 +55,17 @@ def reference_muon_step(
             for i in range(count)
         ]
     )
-    param.copy_(param.float() * (1 - lr * weight_decay))
-    param.add_(
-        ortho.reshape(param.shape).to(param.dtype), alpha=-lr * lr_scale(rows, cols, adjust_lr)
-    )
+    if magma_score is not None:
+        m = momentum_buffer.float().reshape(count, -1)
+        g = grad.float().reshape(count, -1)
+        cosine = (m * g).sum(1) / (m.norm(dim=1) * g.norm(dim=1)).clamp_min(1e-12)
+        score = (1 + cosine.clamp(-1, 1)) / 2
+        magma_score.copy_(magma_beta * magma_score + (1 - magma_beta) * score)
+        ortho = ortho.float() * (0.1 + 0.9 * magma_score).view(-1, 1, 1)
+    ortho = ortho.reshape(param.shape).to(param.dtype)
+    if cautious_wd:
+        agree = torch.sign(ortho) == torch.sign(param)
+        param.sub_(param * agree, alpha=lr * weight_decay)
+    else:
+        param.copy_(param.float() * (1 - lr * weight_decay))
+    param.add_(ortho, alpha=-lr * lr_scale(rows, cols, adjust_lr))
