@@ -87,6 +87,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
+        # QK-clip reads the pre-softmax logits through this probe (a forward hook on it);
+        # SDPA never materialises them, so they are computed only while tracking is on.
+        self.logit_probe = nn.Identity()
+        self.track_logits = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -94,6 +98,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.n_heads, self.head_dim)
         v = self.wv(x).view(b, t, self.n_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.track_logits:
+            with torch.no_grad():
+                logits = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.head_dim)
+                causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+                self.logit_probe(logits.masked_fill(~causal, float("-inf")))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )

@@ -123,6 +123,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (only 1 for now)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas R, mesh (R, world / R)")
     p.add_argument("--compare", action="store_true", help="run Muon then AdamW, plot both")
+    p.add_argument(
+        "--qk-clip",
+        type=float,
+        default=None,
+        metavar="TAU",
+        help="MuonClip: rescale query/key heads whose max attention logit exceeds TAU",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.ckpt_dir is None:
@@ -216,6 +223,28 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, env: Env) -> Transfo
     return model
 
 
+def qk_clip_options(model: nn.Module, tau: float | None) -> dict[str, Any]:
+    """MuonClip on every attention layer: a logit tracker hooked to each layer's probe."""
+    if tau is None:
+        return {}
+    tracker = muon_dist.MaxLogitTracker()
+    layers = []
+    for index, block in enumerate(model.layers):
+        prefix = f"layers.{index}.attention"
+        block.attention.track_logits = True
+        tracker.attach(block.attention.logit_probe, prefix)
+        layers.append(
+            muon_dist.QKClip(
+                prefix,
+                query=f"{prefix}.wq.weight",
+                key=f"{prefix}.wk.weight",
+                num_heads=block.attention.n_heads,
+                tau=tau,
+            )
+        )
+    return {"qk_clip": layers, "max_logits": tracker}
+
+
 def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """Muon (hidden matrices) + AdamW (the rest) via muon_dist, or plain AdamW everywhere."""
     betas = (0.9, 0.95)
@@ -234,6 +263,7 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
             adamw_lr=args.adamw_lr,
             comm_dtype=dtypes[args.comm_dtype],
             ns_dtype=dtypes[args.ns_dtype],
+            **qk_clip_options(model, args.qk_clip),
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,14 +45,19 @@ CKPT_STEP = 6
 LAUNCH_TIMEOUT_S = 300
 
 
-def launch(nproc: int | None, args: Sequence[str]) -> str:
-    """Run train.py on ``nproc`` ranks via torchrun, or as a plain process when None."""
+def launch_env() -> dict[str, str]:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     env.pop("WORLD_SIZE", None)  # a plain run must take the one-process path
+    return env
+
+
+def launch(nproc: int | None, args: Sequence[str]) -> str:
+    """Run train.py on ``nproc`` ranks via torchrun, or as a plain process when None."""
+    env = launch_env()
     if nproc is None:
         cmd = [sys.executable, str(SCRIPT), *args]
     else:
@@ -140,6 +147,52 @@ def test_resume_matches_uninterrupted(resume_runs: dict[str, Path], name: str) -
     assert max_rel_diff(got, ref, muon_keys) < 1e-5
 
 
+def test_killed_rank_resumes_to_the_uninterrupted_result(
+    resume_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """SIGKILL one rank mid-run, right after a checkpoint; ``--resume`` replays the rest."""
+    out, ckpt = tmp_path / "crash", tmp_path / "crash_ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(SCRIPT), *TINY, "--out", str(out), "--ckpt-every", "2", "--ckpt-dir", str(ckpt)]
+    job = subprocess.Popen(
+        cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    marker = ckpt / "step_000002" / "meta.json"
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not marker.is_file() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert job.poll() is None, "the job ended before it could be killed mid-run"
+    ranks = subprocess.run(
+        ["pgrep", "-P", str(job.pid)], capture_output=True, text=True
+    ).stdout.split()
+    assert ranks, "no rank processes under torchrun"
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    job.communicate(timeout=LAUNCH_TIMEOUT_S)
+    assert job.returncode != 0, "torchrun should report the killed rank"
+    done = sorted(
+        int(p.name.split("_")[1]) for p in ckpt.glob("step_*") if (p / "meta.json").is_file()
+    )
+    assert done and done[-1] < 10, f"checkpoints {done}: the kill did not land mid-run"
+
+    launch(
+        2,
+        [
+            *TINY,
+            "--out",
+            str(out),
+            "--ckpt-dir",
+            str(ckpt),
+            "--resume",
+            "--save-final",
+            str(tmp_path / "crash.pt"),
+        ],
+    )
+    full = losses(resume_runs["tmp"] / "full")
+    assert losses(out) == full, "the resumed run's losses differ from the uninterrupted run"
+    ref, got = torch.load(resume_runs["tmp"] / "full.pt"), torch.load(tmp_path / "crash.pt")
+    assert max_rel_diff(got, ref, list(ref)) == 0.0
+
+
 def test_moe_muon_beats_adamw(tmp_path: Path) -> None:
     """MoE with 3-D expert stacks: Muon at its default lr beats AdamW at its default lr."""
     out = tmp_path / "moe"
@@ -161,3 +214,29 @@ def test_moe_muon_beats_adamw(tmp_path: Path) -> None:
     adamw_final = sum(adamw[s] for s in tail) / len(tail)
     assert muon_final < adamw_final, (muon_final, adamw_final)
     assert (out / "loss.png").stat().st_size > 0
+
+
+def test_qk_clip_flag_shrinks_query_and_key_heads(tmp_path: Path) -> None:
+    """``--qk-clip TAU`` with a tiny TAU clips every step: q/k weights end smaller than without."""
+    short = [*TINY, "--steps", "4"]
+    launch(
+        2, [*short, "--out", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt")]
+    )
+    launch(
+        2,
+        [
+            *short,
+            "--out",
+            str(tmp_path / "clip"),
+            "--save-final",
+            str(tmp_path / "clip.pt"),
+            "--qk-clip",
+            "0.001",
+        ],
+    )
+    plain, clipped = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "clip.pt")
+    for name in plain:
+        if ".attention.wq." in name or ".attention.wk." in name:
+            assert clipped[name].norm() < 0.9 * plain[name].norm(), name
+        elif name.endswith("wv.weight"):
+            assert clipped[name].norm().item() == pytest.approx(plain[name].norm().item(), rel=0.2)
