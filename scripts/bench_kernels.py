@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 import triton.testing
 
-from muon_dist.kernels import newton_schulz
-from muon_dist.kernels.coefficients import resolve_coefficients
+from muon_dist.kernels import newton_schulz, newton_schulz_torch
+from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import prefer_triton
 
 SHAPES: list[tuple[int, ...]] = [
@@ -39,18 +39,9 @@ ERROR_SUBSET = 4  # matrices of each batch checked against float64, to save time
 MAX_ERROR_RATIO = 1.5
 
 
-def newton_schulz_float64(X: torch.Tensor, steps: int, coefficients: str) -> torch.Tensor:
-    """The reference iteration entirely in float64 (the torch reference norms in fp32)."""
-    schedule = resolve_coefficients(coefficients, steps)
-    Y = X.double()
-    tall = Y.size(-2) > Y.size(-1)
-    if tall:
-        Y = Y.mT
-    Y = Y / (torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True) * schedule.norm_scale + 1e-7)
-    for a, b, c in schedule.steps:
-        A = Y @ Y.mT
-        Y = a * Y + (b * A + c * A @ A) @ Y
-    return Y.mT if tall else Y
+def newton_schulz_float64(X: torch.Tensor, steps: int, coefficients: Coefficients) -> torch.Tensor:
+    """The torch reference iteration run entirely in float64."""
+    return newton_schulz_torch(X, steps=steps, coefficients=coefficients, dtype=torch.float64)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

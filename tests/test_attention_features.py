@@ -130,34 +130,6 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 6))
 
 
-@pytest.mark.parametrize("magma", [False, True])
-def test_state_round_trip_with_and_without_magma(magma: bool) -> None:
-    inputs = [torch.randn(5, 12, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-
-    def train(model: nn.Module, opt: torch.optim.Optimizer, batch: list[torch.Tensor]) -> None:
-        for x in batch:
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
-
-    model = _model()
-    train(model, muon_dist.Muon(model.named_parameters(), magma=magma), inputs)
-    uninterrupted = copy.deepcopy(model.state_dict())
-
-    model = _model()
-    opt = muon_dist.Muon(model.named_parameters(), magma=magma)
-    train(model, opt, inputs[:3])
-    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    assert ("magma_score" in saved_opt["state"][0]) is magma
-    model = _model()
-    model.load_state_dict(saved_model)
-    opt = muon_dist.Muon(model.named_parameters(), magma=magma)
-    opt.load_state_dict(saved_opt)
-    train(model, opt, inputs[3:])
-    for key, value in uninterrupted.items():
-        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)
-
-
 def test_magma_scores_stay_fp32_for_bf16_parameters() -> None:
     p = nn.Parameter(torch.randn(6, 5).bfloat16())
     opt = muon_dist.Muon([p], magma=True)

@@ -129,7 +129,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 6))
 
 
-def test_state_dict_round_trip_continues_exactly() -> None:
+@pytest.mark.parametrize("magma", [False, True])
+def test_state_dict_round_trip_continues_exactly(magma: bool) -> None:
     inputs = [torch.randn(5, 12, generator=torch.Generator().manual_seed(i)) for i in range(6)]
 
     def train(model: nn.Module, opt: torch.optim.Optimizer, batch: list[torch.Tensor]) -> None:
@@ -139,18 +140,18 @@ def test_state_dict_round_trip_continues_exactly() -> None:
             opt.step()
 
     model = _model()
-    opt = muon_dist.Muon(model.parameters(), lr=0.02)
-    train(model, opt, inputs)
+    train(model, muon_dist.Muon(model.named_parameters(), lr=0.02, magma=magma), inputs)
     uninterrupted = copy.deepcopy(model.state_dict())
 
     model = _model()
-    opt = muon_dist.Muon(model.parameters(), lr=0.02)
+    opt = muon_dist.Muon(model.named_parameters(), lr=0.02, magma=magma)
     train(model, opt, inputs[:3])
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
+    assert ("magma_score" in saved_opt["state"][0]) is magma
     model = _model()
     model.load_state_dict(saved_model)
-    opt = muon_dist.Muon(model.parameters(), lr=0.02)
+    opt = muon_dist.Muon(model.named_parameters(), lr=0.02, magma=magma)
     opt.load_state_dict(saved_opt)
     train(model, opt, inputs[3:])
     for key, value in uninterrupted.items():

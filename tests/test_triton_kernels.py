@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
-from muon_dist.kernels.coefficients import COEFFICIENT_SETS, resolve_coefficients
+from muon_dist.kernels.coefficients import COEFFICIENT_SETS, Coefficients
 from muon_dist.kernels.dispatch import prefer_triton
 from muon_dist.kernels.triton_ns import (
     interpret_mode,
@@ -35,18 +35,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def newton_schulz_float64(X: torch.Tensor, steps: int, coefficients: object) -> torch.Tensor:
-    """The same iteration as the reference, all in float64 (the reference norms in fp32)."""
-    schedule = resolve_coefficients(coefficients, steps)
-    Y = X.double()
-    tall = Y.size(-2) > Y.size(-1)
-    if tall:
-        Y = Y.mT
-    Y = Y / (torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True) * schedule.norm_scale + 1e-7)
-    for a, b, c in schedule.steps:
-        A = Y @ Y.mT
-        Y = a * Y + (b * A + c * A @ A) @ Y
-    return Y.mT if tall else Y
+def newton_schulz_float64(X: torch.Tensor, steps: int, coefficients: Coefficients) -> torch.Tensor:
+    """The torch reference iteration run entirely in float64."""
+    return newton_schulz_torch(X, steps=steps, coefficients=coefficients, dtype=torch.float64)
 
 
 # (batch, m, k): sizes off the interpreter's 32-wide blocks, one with k a block multiple.

@@ -13,7 +13,7 @@ import os
 import torch
 
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
-from muon_dist.kernels.reference import DEFAULT_EPS
+from muon_dist.kernels.reference import DEFAULT_EPS, normalized_stack, restore_shape
 
 # Dtypes tl.dot takes with fp32 accumulation; float64 stays on the torch reference.
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -51,10 +51,6 @@ def newton_schulz_triton(
     ``a·X + B·X`` is a general product and stays on ``torch.baddbmm`` (cuBLAS); a Triton
     variant is worth adding only if it measures faster there.
     """
-    if X.ndim < 2:
-        raise ValueError(
-            f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(X.shape)}"
-        )
     if dtype not in TRITON_DTYPES:
         raise TypeError(
             f"the Triton Newton–Schulz runs in one of {TRITON_DTYPES}, got dtype={dtype}; "
@@ -68,16 +64,8 @@ def newton_schulz_triton(
     schedule = resolve_coefficients(coefficients, steps)
     from muon_dist.kernels.triton_kernels import sym_product
 
-    batch_shape = X.shape[:-2]
-    Y = X.reshape(-1, X.size(-2), X.size(-1)).to(dtype)
-    tall = Y.size(-2) > Y.size(-1)
-    if tall:
-        Y = Y.mT
+    Y, tall = normalized_stack(X, schedule.norm_scale, eps, dtype)
     batch, m, _ = Y.shape
-    norm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    # Dividing into a fresh contiguous buffer also materialises the transpose, once.
-    contiguous = torch.empty(Y.shape, dtype=dtype, device=Y.device)
-    Y = torch.div(Y, (norm * schedule.norm_scale + eps).to(dtype), out=contiguous)
     with _on_device(Y.device):
         A = Y.new_empty(batch, m, m)
         B = torch.empty_like(A)
@@ -87,9 +75,7 @@ def newton_schulz_triton(
             sym_product(A, out=B, alpha=c, Y=A, beta=b)
             torch.baddbmm(Y, B, Y, beta=a, alpha=1.0, out=spare)
             Y, spare = spare, Y
-    if tall:
-        Y = Y.mT
-    return Y.reshape(*batch_shape, Y.size(-2), Y.size(-1)).contiguous()
+    return restore_shape(Y, tall, X)
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
