@@ -456,7 +456,8 @@ class Muon(torch.optim.Optimizer):
         broken = context.nonfinite_results()
         if broken:
             raise FloatingPointError(
-                "muon_dist.Muon: Newton–Schulz returned non-finite values for "
+                f"muon_dist.Muon step {entries[0].group['steps']}: Newton–Schulz returned "
+                "non-finite values for "
                 f"{', '.join(broken)} although every gradient was finite; this points at a "
                 "kernel or device fault (try backend='torch'); those parameters were updated"
             )

@@ -126,3 +126,20 @@ def test_edge_shapes_match_single_device(world_size: int) -> None:
 def test_two_hundred_steps_on_four_ranks() -> None:
     for result in run_distributed(4, long_run_worker, 200, timeout=600):
         assert result["sharded"] <= 1e-5 and result["replicated"] <= 1e-5, result
+
+
+def test_nonfinite_newton_schulz_result_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients are checked first, so a non-finite result means a kernel or device fault."""
+    import muon_dist.optimizer as optimizer_module
+
+    def broken(stack: torch.Tensor, **_: object) -> torch.Tensor:
+        return torch.full_like(stack, float("nan"))
+
+    monkeypatch.setattr(optimizer_module, "newton_schulz", broken)
+    w = nn.Parameter(torch.randn(6, 4))
+    opt = muon_dist.Muon([{"params": [w], "param_names": ["mlp.w2"], "algorithm": "muon"}])
+    w.grad = torch.randn(6, 4)
+    with pytest.raises(
+        FloatingPointError, match=r"step 1: Newton–Schulz returned non-finite values for mlp\.w2"
+    ):
+        opt.step()
