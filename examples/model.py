@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 
@@ -122,6 +125,29 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GatherRows(torch.autograd.Function):
+    """All-gather along dim 0; the backward sums every rank's gradient for this rank's rows.
+
+    (torch.distributed.nn's all_gather backward scatters with global ranks, which breaks on
+    gloo subgroups; an all-reduce of the full gradient works on every backend.)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        rows = total.size(0) // dist.get_world_size(ctx.group)
+        start = dist.get_rank(ctx.group) * rows
+        return total[start : start + rows], None
+
+
 class Experts(nn.Module):
     """``E`` SwiGLU experts stored as three 3-D stacks, one ``[E, out, in]`` per projection.
 
@@ -134,6 +160,25 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.ep_group: dist.ProcessGroup | None = None
+        self.dp_group: dist.ProcessGroup | None = None
+
+    def expert_parallel(self, ep_group: dist.ProcessGroup, dp_group: dist.ProcessGroup) -> None:
+        """Switch to expert parallelism once the stacks hold only this rank's experts.
+
+        Tokens of the EP group are all-gathered, each rank applies its experts, and the
+        partial outputs are summed back; a hook sums expert gradients over the replicas.
+        """
+        self.ep_group, self.dp_group = ep_group, dp_group
+        for weight in (self.w1, self.w2, self.w3):
+            weight.register_post_accumulate_grad_hook(self._sum_over_replicas)
+
+    def _sum_over_replicas(self, weight: torch.Tensor) -> None:
+        # Each replica saw its own EP group's tokens; the global-batch gradient is their sum
+        # over the world's ranks, whose per-rank losses were scaled by the world size.
+        grad = weight.grad.to_local()
+        dist.all_reduce(grad, group=self.dp_group)
+        grad.div_(dist.get_world_size())
 
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
@@ -143,14 +188,39 @@ class Experts(nn.Module):
         ``x`` is ``[N, dim]``, ``expert_ids`` and ``weights`` ``[N, top_k]``. Experts that
         get no token are skipped; their gradient slices stay zero, which is exact.
         """
+        if self.ep_group is None:
+            return self._apply_experts(x, expert_ids, weights, self.w1, self.w2, self.w3, 0)
+        group, count = self.ep_group, dist.get_world_size(self.ep_group)
+        local = [w.to_local().to(x.dtype) for w in (self.w1, self.w2, self.w3)]
+        first = dist.get_rank(group) * local[0].size(0)
+        xs = GatherRows.apply(x, group)
+        gathered_ids = [torch.empty_like(expert_ids) for _ in range(count)]
+        dist.all_gather(gathered_ids, expert_ids, group=group)
+        ws = GatherRows.apply(weights, group)
+        partial = self._apply_experts(xs, torch.cat(gathered_ids), ws, *local, first)
+        total = dist_nn.all_reduce(partial, group=group)
+        rank = dist.get_rank(group)
+        return total[rank * x.size(0) : (rank + 1) * x.size(0)]
+
+    @staticmethod
+    def _apply_experts(
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        first: int,
+    ) -> torch.Tensor:
+        """Experts ``first .. first + len(w1)`` applied to the tokens routed to them."""
         out = torch.zeros_like(x)
-        for e in range(self.w1.size(0)):
-            token, slot = torch.where(expert_ids == e)
+        for local_index in range(w1.size(0)):
+            token, slot = torch.where(expert_ids == first + local_index)
             if token.numel() == 0:
                 continue
             h = x[token]
-            y = F.silu(h @ self.w1[e].T) * (h @ self.w3[e].T)
-            y = (y @ self.w2[e].T) * weights[token, slot, None]
+            y = F.silu(h @ w1[local_index].T) * (h @ w3[local_index].T)
+            y = (y @ w2[local_index].T) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return out
 

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import muon_dist
 
@@ -120,7 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe", action="store_true", help="mixture-of-experts MLPs")
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (only 1 for now)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree for --moe: experts split over EP groups of this many ranks",
+    )
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas R, mesh (R, world / R)")
     p.add_argument("--compare", action="store_true", help="run Muon then AdamW, plot both")
     p.add_argument(
@@ -134,11 +140,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ckpt_dir is None:
         args.ckpt_dir = args.out / "checkpoints"
-    if args.ep != 1:
-        # Expert parallelism (expert stacks Shard(0) on an "ep" mesh dim with FSDP inside)
-        # needs an all-to-all token dispatch in the model; this example keeps the model
-        # simple and shards experts with FSDP instead, which muon_dist handles the same way.
-        p.error(f"--ep {args.ep}: only --ep 1 is implemented in this example")
+    if args.ep < 1:
+        p.error("--ep must be >= 1")
+    if args.ep > 1 and not args.moe:
+        p.error("--ep needs --moe: only expert stacks are expert-parallel")
+    if args.ep > 1 and args.replicate > 1:
+        p.error("--ep and --replicate cannot be combined in this example")
+    if args.ep > 1 and args.experts % args.ep:
+        p.error(f"--experts {args.experts} must be divisible by --ep {args.ep}")
     if args.replicate < 1:
         p.error("--replicate must be >= 1")
     if args.stop_after is not None and not 0 < args.stop_after <= args.steps:
@@ -213,14 +222,49 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, env: Env) -> Transfo
     )
     torch.manual_seed(args.seed + 1)
     model = Transformer(model_args).to(env.device)
+    if args.ep > 1 and args.batch_size % env.world_size:
+        raise SystemExit(
+            f"--ep needs --batch-size divisible by the {env.world_size} ranks: EP groups "
+            "exchange equal-sized token blocks"
+        )
+    experts = distribute_experts(model, args.ep, env)
     mp = None
     if env.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kwargs: dict[str, Any] = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    kwargs: dict[str, Any] = {"mesh": mesh, "ignored_params": experts}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def distribute_experts(model: Transformer, ep: int, env: Env) -> set[nn.Parameter]:
+    """Expert parallelism: each EP group of ``ep`` ranks splits every expert stack.
+
+    The stacks become DTensors ``(Replicate(), Shard(0))`` on a ("dp", "ep") mesh: whole
+    experts live on one rank of each EP group, replicated across groups. FSDP leaves them
+    alone (they are returned as its ignored parameters); muon_dist sees whole local
+    matrices and splits their Newton–Schulz work across the replicas.
+    """
+    if ep == 1:
+        return set()
+    if env.world_size % ep:
+        raise SystemExit(f"--ep {ep} does not divide the {env.world_size} ranks")
+    mesh = init_device_mesh(
+        env.device.type, (env.world_size // ep, ep), mesh_dim_names=("dp", "ep")
+    )
+    params: set[nn.Parameter] = set()
+    for block in model.layers:
+        experts = block.feed_forward.experts
+        for name in ("w1", "w2", "w3"):
+            full = getattr(experts, name).detach()
+            shard = nn.Parameter(distribute_tensor(full, mesh, [Replicate(), Shard(0)]))
+            setattr(experts, name, shard)
+            params.add(shard)
+        experts.expert_parallel(mesh.get_group("ep"), mesh.get_group("dp"))
+    return params
 
 
 def qk_clip_options(model: nn.Module, tau: float | None) -> dict[str, Any]:
