@@ -301,32 +301,51 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         muon = self._muon_params()
         present, nonfinite = self._agree_on_gradients()
+        step = self.param_groups[0]["steps"] + 1
         if nonfinite:
-            step = self.param_groups[0]["steps"] + 1
-            if self.nonfinite == "raise":
-                raise FloatingPointError(
-                    f"muon_dist.Muon step {step}: non-finite gradient in {', '.join(nonfinite)}; "
-                    "fix the loss or pass nonfinite='skip_step' to skip such steps"
-                )
-            for group in self.param_groups:
-                group["skipped_steps"] += 1
-                group["steps"] += 1
-            if self._qk_clip is not None:
-                self._qk_clip.tracker.pop()  # logits of the skipped batch
-            logger.warning(
-                "muon_dist.Muon: skipped step %d (non-finite gradient in %s); %d skipped so far",
-                step,
-                ", ".join(nonfinite),
-                self.param_groups[0]["skipped_steps"],
+            return self._skip_or_raise(step, f"non-finite gradient in {', '.join(nonfinite)}", loss)
+        # Under "skip_step" the Muon phase only computes: momentum, decay and updates are
+        # committed once every rank knows all Newton–Schulz results are finite.
+        transactional = self.nonfinite == "skip_step"
+        context = self._muon_phase([e for e in muon if present[id(e.param)]], transactional)
+        broken = context.nonfinite_results() if context is not None else []
+        if transactional and context is not None and _any_rank(bool(broken), context.device):
+            names = ", ".join(broken) or "parameters owned by another rank"
+            return self._skip_or_raise(step, f"non-finite Newton–Schulz result for {names}", loss)
+        if broken:
+            raise FloatingPointError(
+                f"muon_dist.Muon step {step}: Newton–Schulz returned non-finite values for "
+                f"{', '.join(broken)} although every gradient was finite; this points at a "
+                "kernel or device fault (try backend='torch'); those parameters were updated"
             )
-            return loss
         for group in self.param_groups:
             group["steps"] += 1
             if group["algorithm"] == "adamw":
                 self._adamw_group_step(group)
-        self._muon_step([e for e in muon if present[id(e.param)]])
+        if transactional and context is not None:
+            context.commit()
         if self._qk_clip is not None:
             self._qk_clip()
+        return loss
+
+    def _skip_or_raise(self, step: int, reason: str, loss: Any) -> Any:
+        """Apply the ``nonfinite`` policy; every rank reaches the same decision."""
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"muon_dist.Muon step {step}: {reason}; fix the loss or pass "
+                "nonfinite='skip_step' to skip such steps"
+            )
+        for group in self.param_groups:
+            group["skipped_steps"] += 1
+            group["steps"] += 1
+        if self._qk_clip is not None:
+            self._qk_clip.tracker.pop()  # logits of the skipped batch
+        logger.warning(
+            "muon_dist.Muon: skipped step %d (%s); %d skipped so far",
+            step,
+            reason,
+            self.param_groups[0]["skipped_steps"],
+        )
         return loss
 
     def _agree_on_gradients(self) -> tuple[dict[int, bool], list[str]]:
@@ -446,21 +465,25 @@ class Muon(torch.optim.Optimizer):
             logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
         return plan
 
-    def _muon_step(self, entries: list[_MuonParam]) -> None:
+    def _muon_phase(self, entries: list[_MuonParam], transactional: bool) -> _StepContext | None:
+        """Gather, orthogonalize and scatter every bucket; apply now, or keep for ``commit``."""
         if not entries:
-            return
+            return None
         _, world_size = _distributed()
-        context = _StepContext(self, entries, world_size)
+        context = _StepContext(self, entries, world_size, transactional)
         plan = self._get_plan(entries)
         run_tasks((bucket_task(b, context) for b in plan.buckets), self.max_inflight)
-        broken = context.nonfinite_results()
-        if broken:
-            raise FloatingPointError(
-                f"muon_dist.Muon step {entries[0].group['steps']}: Newton–Schulz returned "
-                "non-finite values for "
-                f"{', '.join(broken)} although every gradient was finite; this points at a "
-                "kernel or device fault (try backend='torch'); those parameters were updated"
-            )
+        return context
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is true on any (one tiny all-reduce)."""
+    _, world_size = _distributed()
+    if world_size == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 class _StepContext:
@@ -470,7 +493,15 @@ class _StepContext:
     touch each parameter once, and each element is then updated by exactly one view.
     """
 
-    def __init__(self, optimizer: Muon, entries: Sequence[_MuonParam], world_size: int) -> None:
+    def __init__(
+        self,
+        optimizer: Muon,
+        entries: Sequence[_MuonParam],
+        world_size: int,
+        transactional: bool,
+    ) -> None:
+        self.optimizer = optimizer
+        self.entries = entries
         self.world_size = world_size
         self.comm_dtype = optimizer.comm_dtype
         self.backend = optimizer.backend
@@ -482,6 +513,7 @@ class _StepContext:
             for e, p in zip(entries, self.params, strict=True)
         ]
         self.momenta = [local(optimizer.state[e.param]["momentum_buffer"]) for e in entries]
+        self.momentum = [e.group["momentum"] for e in entries]
         self.mix = [e.group["momentum"] if e.group["nesterov"] else None for e in entries]
         # A float, or per local dim-0 row for Magma, whose damping differs per matrix.
         self.step_size: list[float | torch.Tensor] = [
@@ -492,8 +524,24 @@ class _StepContext:
             for e in entries
         ]
         self._finite: list[tuple[tuple[str, ...], torch.Tensor]] = []
-        self._decay_and_accumulate(entries)
-        self._magma(optimizer, entries)
+        # Transactional steps keep results per parameter (views of one parameter share a
+        # buffer) and the pieces to apply, until commit().
+        self._pending: dict[int, torch.Tensor] | None = {} if transactional else None
+        self._replay: list[tuple[int, tuple[slice, ...]]] = []
+        if not transactional:
+            self._update_state()
+
+    def _update_state(self) -> None:
+        self._decay_and_accumulate(self.entries)
+        self._magma(self.optimizer, self.entries)
+
+    def commit(self) -> None:
+        """Finish a transactional step: momentum, decay, Magma, then the kept updates."""
+        if self._pending is None:
+            raise RuntimeError("commit() finishes transactional steps only")
+        self._update_state()
+        for param, slices in self._replay:
+            self._apply_now(param, slices, self._pending[id(self.params[param])][slices])
 
     def _decay_and_accumulate(self, entries: Sequence[_MuonParam]) -> None:
         """Momentum update and decoupled weight decay, one foreach call per group.
@@ -556,16 +604,32 @@ class _StepContext:
                 self.step_size[i] = (damping * self.step_size[i]).view(shape)
 
     def read_update(self, param: int, slices: tuple[slice, ...]) -> torch.Tensor:
+        grad, momentum = self.grads[param][slices], self.momenta[param][slices]
+        if self._pending is not None:
+            # The momentum buffer is only updated at commit: use its next value, computed
+            # with the same foreach arithmetic the commit will use.
+            momentum = torch._foreach_mul([momentum], self.momentum[param])[0]
+            torch._foreach_add_([momentum], [grad])
         mix = self.mix[param]
         if mix is None:
-            return self.momenta[param][slices]
-        return torch.add(self.grads[param][slices], self.momenta[param][slices], alpha=mix)
+            return momentum
+        return torch.add(grad, momentum, alpha=mix)
 
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
         # Owners add their own result in the dtype the other holders receive it in, so
         # replicas of a parameter round identically and stay bitwise equal.
-        target = self.params[param][slices]
         update = ortho.to(self.comm_dtype)
+        if self._pending is None:
+            self._apply_now(param, slices, update)
+            return
+        key = id(self.params[param])
+        if key not in self._pending:
+            self._pending[key] = torch.empty_like(self.params[param], dtype=self.comm_dtype)
+        self._pending[key][slices].copy_(update)
+        self._replay.append((param, slices))
+
+    def _apply_now(self, param: int, slices: tuple[slice, ...], update: torch.Tensor) -> None:
+        target = self.params[param][slices]
         decay = self.cautious_decay[param]
         if decay:
             # Cautious weight decay: only where sign(update) == sign(weight).

@@ -206,6 +206,14 @@ def dense_params() -> list[P]:
 def cases_for(world_size: int) -> list[Case]:
     cases = [
         Case("fsdp", dense_params(), (world_size,), fsdp=True),
+        # nonfinite="skip_step" computes every update before committing any of them.
+        Case(
+            "fsdp_skip_mode",
+            dense_params(),
+            (world_size,),
+            fsdp=True,
+            extra={"nonfinite": "skip_step"},
+        ),
         Case("shard1", dense_params()[:5], (world_size,), placements=(Shard(1),)),
         Case("replicated", dense_params(), None),
     ]

@@ -70,12 +70,37 @@ def no_gradient_anywhere_is_left_alone() -> None:
     assert torch.equal(p.full_tensor(), full)
 
 
+def nonfinite_result_on_one_rank_skips_everywhere() -> None:
+    import muon_dist.optimizer as optimizer_module
+
+    fulls_params = [_sharded((10, 6), 4), _sharded((6, 10), 5)]
+    params = [p for _, p in fulls_params]
+    opt = muon_dist.Muon([{"params": params, "algorithm": "muon"}], nonfinite="skip_step")
+    for full, p in fulls_params:
+        p.grad = distribute_tensor(torch.randn(full.shape), p.device_mesh, [Shard(0)])
+    original = optimizer_module.newton_schulz
+
+    def broken_on_rank_1(stack: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        result = original(stack, **kwargs)  # type: ignore[arg-type]
+        return result * float("nan") if dist.get_rank() == 1 else result
+
+    optimizer_module.newton_schulz = broken_on_rank_1  # type: ignore[assignment]
+    try:
+        opt.step()
+    finally:
+        optimizer_module.newton_schulz = original
+    for full, p in fulls_params:
+        assert torch.equal(p.full_tensor(), full), "a skipped step changed a parameter"
+    assert opt.param_groups[0]["skipped_steps"] == 1
+
+
 def reliability_worker(rank: int, world_size: int) -> list[str]:
     logging.getLogger("muon_dist").setLevel(logging.ERROR)
     checks = [
         nonfinite_on_one_rank_skips_everywhere,
         gradient_on_some_ranks_only_counts_as_zero,
         no_gradient_anywhere_is_left_alone,
+        nonfinite_result_on_one_rank_skips_everywhere,
     ]
     for check in checks:
         check()

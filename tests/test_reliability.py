@@ -113,7 +113,7 @@ def test_load_state_dict_rejects_changed_routing() -> None:
 
 def test_distributed_failure_modes() -> None:
     results = run_distributed(2, reliability_worker, timeout=180)
-    assert results[0] == results[1] and len(results[0]) == 3
+    assert results[0] == results[1] and len(results[0]) == 4
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
@@ -143,3 +143,54 @@ def test_nonfinite_newton_schulz_result_raises(monkeypatch: pytest.MonkeyPatch) 
         FloatingPointError, match=r"step 1: Newton–Schulz returned non-finite values for mlp\.w2"
     ):
         opt.step()
+
+
+def test_nonfinite_newton_schulz_result_skips_under_skip_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import muon_dist.optimizer as optimizer_module
+
+    w, b = _pair()
+    opt = muon_dist.Muon([w, b], nonfinite="skip_step", weight_decay=0.1)
+    w.grad, b.grad = torch.randn(8, 6), torch.randn(6)
+    opt.step()
+    before = (copy.deepcopy(opt.state_dict()["state"]), w.detach().clone(), b.detach().clone())
+
+    def broken(stack: torch.Tensor, **_: object) -> torch.Tensor:
+        return torch.full_like(stack, float("inf"))
+
+    monkeypatch.setattr(optimizer_module, "newton_schulz", broken)
+    opt.step()
+    assert torch.equal(w.detach(), before[1]) and torch.equal(b.detach(), before[2])
+    state = opt.state_dict()["state"]
+    for key, value in before[0].items():
+        for name, tensor in value.items():
+            assert torch.equal(state[key][name], tensor), name
+    assert opt.param_groups[0]["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("options", [{}, {"magma": True}, {"cautious_wd": True}])
+def test_skip_step_mode_updates_like_raise_mode(options: dict[str, object]) -> None:
+    """The transactional path (compute, agree, then commit) gives the same training."""
+    torch.manual_seed(3)
+    fulls = [torch.randn(12, 8), torch.randn(3, 5, 4), torch.randn(7)]
+    runs = []
+    for policy in ("raise", "skip_step"):
+        params = [nn.Parameter(f.clone()) for f in fulls]
+        groups = [
+            {"params": params[:1], "algorithm": "muon", "weight_decay": 0.1, **options},
+            {"params": params[1:2], "algorithm": "muon", "experts": True, **options},
+            {"params": params[2:], "algorithm": "adamw"},
+        ]
+        opt = muon_dist.Muon(groups, nonfinite=policy)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs.append((params, opt.state_dict()["state"]))
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+    for key, value in runs[0][1].items():
+        for name, tensor in value.items():
+            torch.testing.assert_close(runs[1][1][key][name], tensor, rtol=0, atol=1e-6)
