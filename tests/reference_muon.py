@@ -12,6 +12,15 @@ import torch
 from muon_dist.kernels import newton_schulz_torch
 
 
+def step_with_grads(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]
+) -> None:
+    """Give each parameter a copy of its gradient and take one optimizer step."""
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    opt.step()
+
+
 def lr_scale(rows: int, cols: int, adjust_lr: str | None) -> float:
     if adjust_lr == "spectral_norm":
         return math.sqrt(max(1.0, rows / cols))

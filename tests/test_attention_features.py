@@ -7,18 +7,10 @@ import math
 
 import pytest
 import torch
-from reference_muon import reference_muon_step
+from reference_muon import reference_muon_step, step_with_grads
 from torch import nn
 
 import muon_dist
-
-
-def _step(
-    opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]
-) -> None:
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g.clone()
-    opt.step()
 
 
 @pytest.mark.parametrize(
@@ -51,11 +43,11 @@ def test_heads_and_split_blocks_equal_separate_parameters(options: dict[str, obj
     opt_sep = muon_dist.Muon([{"params": flat}], lr=0.05, **options)
     for _ in range(3):
         grads = {k: torch.randn_like(f) for k, f in fulls.items()}
-        _step(opt_fused, list(fused.values()), list(grads.values()))
+        step_with_grads(opt_fused, list(fused.values()), list(grads.values()))
         sep_grads = [
             g for k, ps in separate.items() for g in grads[k].split([p.shape[0] for p in ps])
         ]
-        _step(opt_sep, flat, sep_grads)
+        step_with_grads(opt_sep, flat, sep_grads)
     for key, ps in separate.items():
         expected = torch.cat([p.detach() for p in ps])
         torch.testing.assert_close(fused[key].detach(), expected, rtol=0, atol=1e-6)
@@ -86,7 +78,7 @@ def test_magma_and_cautious_wd_match_reference() -> None:
     for t in range(5):
         # A shared direction whose sign flips every third step: cosines of both signs.
         grads = {k: b * (-1 if t % 3 == 2 else 1) + torch.randn_like(b) for k, b in base.items()}
-        _step(opt, list(params.values()), list(grads.values()))
+        step_with_grads(opt, list(params.values()), list(grads.values()))
         for k in shapes:
             reference_muon_step(
                 refs[k],
@@ -115,8 +107,8 @@ def test_magma_damps_updates_down_to_the_floor() -> None:
     for t in range(12):
         grad = direction * (100.0 if t == 0 else -1.0)  # momentum stays along +direction
         before = (damped.detach().clone(), plain.detach().clone())
-        _step(opt_damped, [damped], [grad])
-        _step(opt_plain, [plain], [grad])
+        step_with_grads(opt_damped, [damped], [grad])
+        step_with_grads(opt_plain, [plain], [grad])
         damping = 0.1 + 0.9 * opt_damped.state[damped]["magma_score"]
         # With no decay the update does not depend on the weights: only the damping differs.
         torch.testing.assert_close(
@@ -134,7 +126,7 @@ def test_magma_scores_stay_fp32_for_bf16_parameters() -> None:
     p = nn.Parameter(torch.randn(6, 5).bfloat16())
     opt = muon_dist.Muon([p], magma=True)
     for _ in range(2):
-        _step(opt, [p], [torch.randn(6, 5).bfloat16()])
+        step_with_grads(opt, [p], [torch.randn(6, 5).bfloat16()])
     score = opt.state[p]["magma_score"]
     other = muon_dist.Muon([p], magma=True)
     other.load_state_dict(copy.deepcopy(opt.state_dict()))

@@ -7,19 +7,11 @@ import math
 
 import pytest
 import torch
-from reference_muon import reference_muon_step
+from reference_muon import reference_muon_step, step_with_grads
 from torch import nn
 
 import muon_dist
 from muon_dist.routing import matrix_view
-
-
-def _step_with_grads(
-    opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]
-) -> None:
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g.clone()
-    opt.step()
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -41,7 +33,7 @@ def test_muon_step_matches_direct_computation(nesterov: bool, adjust_lr: str | N
     moms = [torch.zeros_like(f) for f in fulls]
     for _ in range(3):
         grads = [torch.randn(s) for s in shapes]
-        _step_with_grads(opt, params, grads)
+        step_with_grads(opt, params, grads)
         for r, g, m in zip(refs, grads, moms, strict=True):
             reference_muon_step(
                 r,
@@ -70,9 +62,9 @@ def test_expert_stack_and_fused_equal_separate_matrices() -> None:
     )
     for _ in range(2):
         grads = [torch.randn(rows, cols) for _ in range(experts)]
-        _step_with_grads(opt_sep, separate, grads)
-        _step_with_grads(opt_stack, [stack], [torch.stack(grads)])
-        _step_with_grads(opt_fused, [fused], [torch.cat(grads)])
+        step_with_grads(opt_sep, separate, grads)
+        step_with_grads(opt_stack, [stack], [torch.stack(grads)])
+        step_with_grads(opt_fused, [fused], [torch.cat(grads)])
     expected = torch.stack([p.detach() for p in separate])
     torch.testing.assert_close(stack.detach(), expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(fused.detach(), expected.reshape(-1, cols), rtol=0, atol=1e-6)
@@ -93,7 +85,7 @@ def test_flat_and_slice_views() -> None:
         grad = torch.randn(8, 3, 2, 5)
         p = nn.Parameter(full.clone())
         opt = muon_dist.Muon([{"params": [p], "algorithm": "muon", "muon_mode": mode}], lr=0.1)
-        _step_with_grads(opt, [p], [grad])
+        step_with_grads(opt, [p], [grad])
         ref = full.clone()
         reference_muon_step(ref, grad, torch.zeros_like(ref), lr=0.1, matrices=matrices)
         torch.testing.assert_close(p.detach(), ref, rtol=0, atol=1e-6)
@@ -118,8 +110,8 @@ def test_adamw_groups_match_torch_adamw() -> None:
     ref = torch.optim.AdamW(theirs, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1, eps=1e-8)
     for _ in range(5):
         grads = [torch.randn_like(f) for f in fulls]
-        _step_with_grads(opt, ours, grads)
-        _step_with_grads(ref, theirs, grads)
+        step_with_grads(opt, ours, grads)
+        step_with_grads(ref, theirs, grads)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
 
