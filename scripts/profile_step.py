@@ -1,0 +1,69 @@
+"""Where one muon_dist optimizer step spends its GPU time (torch.profiler), per kernel.
+
+    torchrun --standalone --nproc-per-node 2 scripts/profile_step.py --preset llama8b --layers 8
+
+Builds the same FSDP2 model as scripts/bench_step.py, takes warm-up steps, profiles two
+steps and prints rank 0's kernels by total device time, with the step's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import PRESETS, build_model, init_distributed, set_random_grads
+
+import muon_dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama8b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--replicate", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=25, help="kernels to print")
+    args = parser.parse_args()
+    device, mesh = init_distributed(args)
+    with torch.no_grad():
+        model = build_model(PRESETS[args.preset], args.layers, mesh, device)
+        params = list(model.parameters())
+        set_random_grads(params)  # type: ignore[arg-type]
+        opt = muon_dist.Muon(muon_dist.param_groups(model), backend=args.backend)
+        for _ in range(2):
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(2):
+                opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / 2
+    if dist.get_rank() == 0:
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(
+            prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=60)
+        )
+        print(
+            f"{args.preset} x{args.layers}, {dist.get_world_size()} ranks: "
+            f"{wall * 1e3:.1f} ms per step"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
