@@ -362,7 +362,6 @@ class OwnedBlock:
     cols: int
     ns_key: Hashable
     own_slices: tuple[tuple[slice, ...], tuple[slice, ...]] | None  # (local, block)
-    gathered: bool  # False when the owner holds the whole block itself
 
 
 @dataclass
@@ -423,7 +422,6 @@ def _rank_bucket(
                     view.cols,
                     layouts[block.param].ns_key,
                     (relative_slices(own, mine), relative_slices(own, block.box)) if own else None,
-                    gathered=any(r != rank for r, _ in block.sources),
                 )
             )
             for src, piece in block.sources:
