@@ -20,18 +20,15 @@ PieceT = TypeVar("PieceT", LocalPiece, BlockPiece)
 
 def pack(
     pieces: Sequence[PieceT],
-    read: Callable[[PieceT], torch.Tensor],
+    fill: Callable[[PieceT, torch.Tensor], None],
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """Copy each piece into one flat buffer of ``dtype``, casting on the way."""
+    """One flat buffer of ``dtype``; ``fill(piece, region)`` writes each piece's region."""
     total = sum(math.prod(p.shape) for p in pieces)
     buffer = torch.empty(total, dtype=dtype, device=device)
-    offset = 0
-    for piece in pieces:
-        numel = math.prod(piece.shape)
-        buffer[offset : offset + numel].view(piece.shape).copy_(read(piece))
-        offset += numel
+    for piece, region in unpack(buffer, pieces):
+        fill(piece, region)
     return buffer
 
 

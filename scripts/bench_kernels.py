@@ -7,6 +7,7 @@ the batch for torch-bf16 and Triton-bf16. Exits 1 if Triton's error is over 1.5x
 or any output is NaN, so it doubles as the GPU bf16 correctness gate.
 
     python scripts/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
+        [--cold-cache]
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -110,7 +113,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--coefficients", default="quintic")
     parser.add_argument("--json", metavar="PATH", help="write every number here")
+    parser.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="compile into a fresh Triton cache, so first calls include compilation",
+    )
     args = parser.parse_args()
+    if args.cold_cache:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="muon_dist_triton_cache_")
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kernels.py times CUDA kernels; run it on a machine with a GPU")
 

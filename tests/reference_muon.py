@@ -1,6 +1,6 @@
 """A deliberately plain single-device Muon, written from the algorithm's definition.
 
-Tests compare the optimizer against this: one matrix at a time, no batching, no buckets.
+Tests compare the optimizer against this: one parameter at a time, no sharding, no buckets.
 """
 
 from __future__ import annotations
@@ -58,12 +58,9 @@ def reference_muon_step(
     update = torch.add(grad, momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     count, rows, cols = matrices if matrices is not None else (1, *param.shape)
     stack = update.reshape(count, rows, cols)
-    ortho = torch.stack(
-        [
-            newton_schulz_torch(stack[i], steps=ns_steps, coefficients=coefficients, dtype=ns_dtype)
-            for i in range(count)
-        ]
-    )
+    # One call for the whole stack, as single-device Muon on a 3-D expert weight makes: on
+    # GPUs cuBLAS may round a batched bf16 GEMM differently from single ones.
+    ortho = newton_schulz_torch(stack, steps=ns_steps, coefficients=coefficients, dtype=ns_dtype)
     if magma_score is not None:
         m = momentum_buffer.float().reshape(count, -1)
         g = grad.float().reshape(count, -1)
