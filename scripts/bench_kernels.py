@@ -1,8 +1,8 @@
 """Time Newton–Schulz on one CUDA GPU: torch vs Triton vs auto, side by side, in bf16.
 
-For each shape: first-call time (Triton compile + autotune), median time per backend,
-TFLOP/s by the standard count steps·(4m²n + 2m³) per matrix (m = min dim, n = max dim),
-the Triton/torch speedup, and the error against a float64 iteration on a few matrices of
+For each shape: first-call time (Triton compile + autotune), median time per backend over
+rounds in which the backends take turns, TFLOP/s by the standard count steps·(4m²n + 2m³)
+per matrix (m = min dim, n = max dim), the Triton/torch speedup, and the error against a float64 iteration on a few matrices of
 the batch for torch-bf16 and Triton-bf16. Exits 1 if Triton's error is over 1.5x torch's
 or any output is NaN, so it doubles as the GPU bf16 correctness gate.
 
@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ SHAPES: list[tuple[int, ...]] = [
     (128, 2048, 768),
     (32, 1536, 4096),
 ]
+ROUNDS = 5  # timing rounds per backend; each a median of about 60 ms of calls
 ERROR_SUBSET = 4  # matrices of each batch checked against float64, to save time
 MAX_ERROR_RATIO = 1.5
 
@@ -72,10 +74,17 @@ def bench_shape(shape: tuple[int, ...], steps: int, coefficients: str) -> dict:
     }
     row: dict = {"shape": list(shape), "flop": ns_flops(shape, steps)}
     row["first_call_s"] = first_call_seconds(runs["triton"])
-    for backend, fn in runs.items():
-        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-        row[f"{backend}_ms"] = ms
-        row[f"{backend}_tflops"] = row["flop"] / ms / 1e9
+    # Backends take turns, in a rotating order, so clock or thermal drift favours none.
+    samples: dict[str, list[float]] = {backend: [] for backend in runs}
+    order = list(runs)
+    for round_index in range(ROUNDS):
+        shift = round_index % len(order)
+        for backend in order[shift:] + order[:shift]:
+            ms = triton.testing.do_bench(runs[backend], warmup=10, rep=60, return_mode="median")
+            samples[backend].append(ms)
+    for backend, times in samples.items():
+        row[f"{backend}_ms"] = statistics.median(times)
+        row[f"{backend}_tflops"] = row["flop"] / row[f"{backend}_ms"] / 1e9
     row["speedup"] = row["torch_ms"] / row["triton_ms"]
     batch = math.prod(shape[:-2])
     row["auto_picks"] = "triton" if prefer_triton(shape[-2], shape[-1], batch) else "torch"
