@@ -2,9 +2,10 @@
 
 For each shape: first-call time (Triton compile + autotune), median time per backend over
 rounds in which the backends take turns, TFLOP/s by the standard count steps·(4m²n + 2m³)
-per matrix (m = min dim, n = max dim), the Triton/torch speedup, and the error against a float64 iteration on a few matrices of
-the batch for torch-bf16 and Triton-bf16. Exits 1 if Triton's error is over 1.5x torch's
-or any output is NaN, so it doubles as the GPU bf16 correctness gate.
+per matrix (m = min dim, n = max dim), the Triton/torch speedup, and the error against a
+float64 iteration on a few matrices of the batch for torch-bf16 and Triton-bf16. Exits 1
+if Triton's error is over 1.5x torch's or any output is NaN, so it doubles as the GPU bf16
+correctness gate.
 
     python scripts/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
         [--cold-cache]

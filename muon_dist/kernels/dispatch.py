@@ -10,7 +10,6 @@ from muon_dist.kernels.triton_ns import (
     TRITON_DTYPES,
     newton_schulz_triton,
     triton_available,
-    triton_beats_cublas,
 )
 
 BACKENDS = ("auto", "torch", "triton")
@@ -27,15 +26,23 @@ def validate_backend(backend: str) -> None:
         )
 
 
-def prefer_triton(m: int, n: int, batch: int) -> bool:
-    """Whether "auto" takes the Triton path for ``batch`` CUDA matrices of m×n.
+# Standard Newton–Schulz FLOPs per iteration, batch·(4m²n + 2m³), above which the Triton
+# kernels won on an H200 (torch 2.11, Triton 3.6, bf16, scripts/bench_kernels.py and a
+# sweep of 24 shapes): about 0.2 ms of matrix work per iteration. Below it Triton loses,
+# up to 2x, to its per-launch CPU overhead and to too few 128-row tiles to fill the GPU.
+TRITON_MIN_FLOP_PER_STEP = 1.6e11
 
-    True when at least one of the two symmetric products (the Gram matrix and its square)
-    is expected to beat cuBLAS; the other then stays on cuBLAS. E.g. one 4096² or
-    4096×14336 matrix, 32×1536×4096 experts; not 1024×4096 nor 128×768×2048.
+
+def prefer_triton(m: int, n: int, batch: int) -> bool:
+    """Whether the Triton kernels should beat torch for ``batch`` CUDA matrices of m×n.
+
+    The symmetric kernels halve the FLOPs of the two Gram products, which pays only once
+    there is enough work per call: e.g. one 3072² or 4096² matrix, 32×768×2048 experts, but
+    not one 2048×8192 or 1024×4096 matrix, nor 8×256×1024. The threshold is a first
+    measurement on one H200; retune it from scripts/bench_kernels.py on other GPUs.
     """
     small, large = min(m, n), max(m, n)
-    return triton_beats_cublas(batch, small, large) or triton_beats_cublas(batch, small, small)
+    return batch * (4 * small * small * large + 2 * small**3) >= TRITON_MIN_FLOP_PER_STEP
 
 
 def _auto_uses_triton(X: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -56,17 +63,10 @@ def newton_schulz(
     """Orthogonalize a matrix or a batch of matrices (any leading dims); returns ``dtype``.
 
     "torch" runs the reference; "triton" the Triton kernels (CUDA tensors, or CPU tensors
-    under TRITON_INTERPRET=1); "auto" takes Triton for CUDA tensors, for each symmetric
-    product where it measured faster (``prefer_triton``), and torch otherwise.
+    under TRITON_INTERPRET=1); "auto" takes Triton for CUDA tensors where
+    ``prefer_triton`` says it is faster, torch otherwise.
     """
     validate_backend(backend)
     if backend == "triton" or (backend == "auto" and _auto_uses_triton(X, dtype)):
-        return newton_schulz_triton(
-            X,
-            steps=steps,
-            coefficients=coefficients,
-            eps=eps,
-            dtype=dtype,
-            only_where_faster=backend == "auto",
-        )
+        return newton_schulz_triton(X, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)
     return newton_schulz_torch(X, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)

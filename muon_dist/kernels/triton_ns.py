@@ -18,19 +18,6 @@ from muon_dist.kernels.reference import DEFAULT_EPS, normalized_stack, restore_s
 # Dtypes tl.dot takes with fp32 accumulation; float64 stays on the torch reference.
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Where the symmetric kernel beat cuBLAS on an H200 (torch 2.11, Triton 3.6, bf16; all 16
-# products of scripts/sweep_sym_kernel.py fit the rule): matrices of at least 1536 rows
-# with at least 1.2e11 FLOP per call. Below that it loses, down to 0.4x: more of its tiles
-# straddle the diagonal, and it reads operands from L2 at up to twice cuBLAS's bytes per
-# FLOP (Triton 3.6 gives no cluster multicast), which small Gram matrices cannot hide.
-SYM_MIN_ROWS = 1536
-SYM_MIN_FLOP = 1.2e11
-
-
-def triton_beats_cublas(batch: int, m: int, k: int) -> bool:
-    """Whether the symmetric kernel should beat cuBLAS on ``P·Pᵀ`` for ``batch`` P of m×k."""
-    return m >= SYM_MIN_ROWS and 2 * batch * m * m * k >= SYM_MIN_FLOP
-
 
 def interpret_mode() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), as it decides."""
@@ -57,14 +44,12 @@ def newton_schulz_triton(
     coefficients: Coefficients = "quintic",
     eps: float = DEFAULT_EPS,
     dtype: torch.dtype = torch.bfloat16,
-    only_where_faster: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``newton_schulz_torch``, with ``X·Xᵀ`` and ``b·A + c·A·A`` in Triton.
 
     Only the symmetric products use Triton: they compute half the tiles of a plain matmul.
-    ``a·X + B·X`` is a general product and stays on ``torch.baddbmm`` (cuBLAS), which no
-    Triton kernel of ours beat. With ``only_where_faster`` each symmetric product runs in
-    Triton only where :func:`triton_beats_cublas` says so, on cuBLAS otherwise.
+    ``a·X + B·X`` is a general product and stays on ``torch.baddbmm`` (cuBLAS); a Triton
+    variant is worth adding only if it measures faster there.
     """
     if dtype not in TRITON_DTYPES:
         raise TypeError(
@@ -80,22 +65,14 @@ def newton_schulz_triton(
     from muon_dist.kernels.triton_kernels import sym_product
 
     Y, tall = normalized_stack(X, schedule.norm_scale, eps, dtype)
-    batch, m, n = Y.shape
-    gram_in_triton = not only_where_faster or triton_beats_cublas(batch, m, n)
-    square_in_triton = not only_where_faster or triton_beats_cublas(batch, m, m)
+    batch, m, _ = Y.shape
     with _on_device(Y.device):
         A = Y.new_empty(batch, m, m)
         B = torch.empty_like(A)
         spare = torch.empty_like(Y)
         for a, b, c in schedule.steps:
-            if gram_in_triton:
-                sym_product(Y, out=A)
-            else:
-                torch.bmm(Y, Y.mT, out=A)
-            if square_in_triton:
-                sym_product(A, out=B, alpha=c, Y=A, beta=b)
-            else:
-                torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+            sym_product(Y, out=A)
+            sym_product(A, out=B, alpha=c, Y=A, beta=b)
             torch.baddbmm(Y, B, Y, beta=a, alpha=1.0, out=spare)
             Y, spare = spare, Y
     return restore_shape(Y, tall, X)
