@@ -46,10 +46,12 @@ def prefer_triton(m: int, n: int, batch: int) -> bool:
 
 
 def _auto_uses_triton(X: torch.Tensor, dtype: torch.dtype) -> bool:
-    if X.ndim < 2 or not X.is_cuda or dtype not in TRITON_DTYPES or not triton_available():
+    # Cheapest checks first: small matrices are launch-bound, so microseconds show there.
+    if X.ndim < 2 or not X.is_cuda or dtype not in TRITON_DTYPES:
         return False
-    batch = X.numel() // max(X.size(-2) * X.size(-1), 1)
-    return prefer_triton(X.size(-2), X.size(-1), batch)
+    rows, cols = X.shape[-2:]
+    batch = X.numel() // max(rows * cols, 1)
+    return prefer_triton(rows, cols, batch) and triton_available()
 
 
 def newton_schulz(
