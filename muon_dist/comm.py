@@ -20,15 +20,18 @@ PieceT = TypeVar("PieceT", LocalPiece, BlockPiece)
 
 def pack(
     pieces: Sequence[PieceT],
-    fill: Callable[[PieceT, torch.Tensor], None],
+    read: Callable[[PieceT], torch.Tensor],
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """One flat buffer of ``dtype``; ``fill(piece, region)`` writes each piece's region."""
+    """Copy each piece into one flat buffer of ``dtype``, casting on the way."""
     total = sum(math.prod(p.shape) for p in pieces)
     buffer = torch.empty(total, dtype=dtype, device=device)
-    for piece, region in unpack(buffer, pieces):
-        fill(piece, region)
+    offset = 0
+    for piece in pieces:
+        numel = math.prod(piece.shape)
+        buffer[offset : offset + numel].view(piece.shape).copy_(read(piece))
+        offset += numel
     return buffer
 
 

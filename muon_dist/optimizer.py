@@ -603,7 +603,7 @@ class _StepContext:
             for i in indices:
                 self.step_size[i] = (damping * self.step_size[i]).view(shape)
 
-    def read_update(self, param: int, slices: tuple[slice, ...], out: torch.Tensor) -> None:
+    def read_update(self, param: int, slices: tuple[slice, ...]) -> torch.Tensor:
         grad, momentum = self.grads[param][slices], self.momenta[param][slices]
         if self._pending is not None:
             # The momentum buffer is only updated at commit: use its next value, computed
@@ -612,10 +612,8 @@ class _StepContext:
             torch._foreach_add_([momentum], [grad])
         mix = self.mix[param]
         if mix is None:
-            out.copy_(momentum)
-        else:
-            # Computed in the inputs' dtype and rounded once on the store into ``out``.
-            torch.add(grad, momentum, alpha=mix, out=out)
+            return momentum
+        return torch.add(grad, momentum, alpha=mix)
 
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
         # Owners add their own result in the dtype the other holders receive it in, so

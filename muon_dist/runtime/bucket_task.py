@@ -21,9 +21,8 @@ class StepContext(Protocol):
     comm_dtype: torch.dtype
     device: torch.device
 
-    def read_update(self, param: int, slices: tuple[slice, ...], out: torch.Tensor) -> None:
-        """Write the Newton–Schulz input (momentum or Nesterov mix) of a piece of a local
-        shard into ``out``, casting to its dtype on the way."""
+    def read_update(self, param: int, slices: tuple[slice, ...]) -> torch.Tensor:
+        """The Newton–Schulz input (momentum or Nesterov mix) of a piece of a local shard."""
         ...
 
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
@@ -84,7 +83,7 @@ def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
     if bucket.communicates:
         send = pack(
             bucket.gather_sends,
-            lambda p, region: ctx.read_update(p.param, p.slices, out=region),
+            lambda p: ctx.read_update(p.param, p.slices),
             ctx.comm_dtype,
             ctx.device,
         )
@@ -98,7 +97,7 @@ def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
     for block, view in zip(bucket.owned, inputs, strict=True):
         if block.own_slices is not None:
             local, inside = block.own_slices
-            ctx.read_update(block.param, local, out=view[inside])
+            view[inside].copy_(ctx.read_update(block.param, local))
     if bucket.communicates:
         for piece, chunk in unpack(received, bucket.gather_recvs):
             inputs[piece.block][piece.slices].copy_(chunk)
@@ -112,10 +111,7 @@ def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
             ctx.apply(block.param, local, result[inside])
     if bucket.communicates:
         send = pack(
-            bucket.scatter_sends,
-            lambda p, region: region.copy_(results[p.block][p.slices]),
-            ctx.comm_dtype,
-            ctx.device,
+            bucket.scatter_sends, lambda p: results[p.block][p.slices], ctx.comm_dtype, ctx.device
         )
         received, work = start_exchange(
             send, bucket.scatter_sends, bucket.scatter_recvs, ctx.world_size
