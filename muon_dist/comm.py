@@ -20,17 +20,17 @@ PieceT = TypeVar("PieceT", LocalPiece, BlockPiece)
 
 def pack(
     pieces: Sequence[PieceT],
-    read: Callable[[PieceT], torch.Tensor],
+    write: Callable[[PieceT, torch.Tensor], object],
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """Copy each piece into one flat buffer of ``dtype``, casting on the way."""
+    """One flat buffer of ``dtype``; ``write(piece, view)`` fills each piece's region."""
     total = sum(math.prod(p.shape) for p in pieces)
     buffer = torch.empty(total, dtype=dtype, device=device)
     offset = 0
     for piece in pieces:
         numel = math.prod(piece.shape)
-        buffer[offset : offset + numel].view(piece.shape).copy_(read(piece))
+        write(piece, buffer[offset : offset + numel].view(piece.shape))
         offset += numel
     return buffer
 

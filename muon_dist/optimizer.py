@@ -121,7 +121,7 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
         bucket_bytes: int = 128 * 2**20,
-        max_inflight: int = 2,
+        max_inflight: int = 3,
         replica_mode: str = "split",
         ns_dtype: torch.dtype = torch.bfloat16,
         nonfinite: str = "raise",
@@ -556,9 +556,8 @@ class _StepContext:
                 by_group.setdefault(id(e.group), []).append(i)
         for indices in by_group.values():
             group = entries[indices[0]].group
-            momenta = [self.momenta[i] for i in indices]
-            torch._foreach_mul_(momenta, group["momentum"])
-            torch._foreach_add_(momenta, [self.grads[i] for i in indices])
+            for i in indices:
+                _accumulate(self.grads[i], self.momenta[i], group["momentum"], self.momenta[i])
             decay = 1.0 - group["lr"] * group["weight_decay"]
             if decay != 1.0 and not group["cautious_wd"]:
                 torch._foreach_mul_([self.params[i] for i in indices], decay)
@@ -603,17 +602,18 @@ class _StepContext:
             for i in indices:
                 self.step_size[i] = (damping * self.step_size[i]).view(shape)
 
-    def read_update(self, param: int, slices: tuple[slice, ...]) -> torch.Tensor:
+    def read_update(self, param: int, slices: tuple[slice, ...], out: torch.Tensor) -> None:
         grad, momentum = self.grads[param][slices], self.momenta[param][slices]
         if self._pending is not None:
             # The momentum buffer is only updated at commit: use its next value, computed
-            # with the same foreach arithmetic the commit will use.
-            momentum = torch._foreach_mul([momentum], self.momentum[param])[0]
-            torch._foreach_add_([momentum], [grad])
+            # with the same arithmetic the commit will use.
+            momentum = _accumulate(grad, momentum, self.momentum[param])
         mix = self.mix[param]
         if mix is None:
-            return momentum
-        return torch.add(grad, momentum, alpha=mix)
+            out.copy_(momentum)
+        else:
+            # One pass that casts on the way: the mix is never stored in fp32.
+            torch.add(grad, momentum, alpha=mix, out=out)
 
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
         # Owners add their own result in the dtype the other holders receive it in, so
@@ -657,6 +657,13 @@ class _StepContext:
         return newton_schulz(
             stack, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
         )
+
+
+def _accumulate(
+    grad: torch.Tensor, momentum: torch.Tensor, beta: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``beta·momentum + grad`` in one pass (into ``out`` when given, e.g. the buffer itself)."""
+    return torch.add(grad, momentum, alpha=beta, out=out)
 
 
 def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:

@@ -362,7 +362,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument("--comm-dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--bucket-mb", type=float, default=128.0)
-    parser.add_argument("--max-inflight", type=int, default=2)
+    parser.add_argument("--max-inflight", type=int, default=3)
     parser.add_argument(
         "--sweep-inflight", metavar="K,K,...", help="time muon_dist at each max_inflight listed"
     )

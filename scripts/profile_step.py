@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--rows", type=int, default=25, help="kernels to print")
+    parser.add_argument(
+        "--trace-dir", type=Path, help="write each rank's Chrome trace here (trace_rank<r>.json)"
+    )
     args = parser.parse_args()
     device, mesh = init_distributed(args)
     with torch.no_grad():
@@ -53,6 +56,9 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             wall = (time.perf_counter() - start) / 2
+    if args.trace_dir is not None:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(args.trace_dir / f"trace_rank{dist.get_rank()}.json"))
     if dist.get_rank() == 0:
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(

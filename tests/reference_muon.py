@@ -54,7 +54,7 @@ def reference_muon_step(
     ``cautious_wd`` decays only elements where the update and the weight share a sign.
     """
     # fp32 arithmetic throughout: a bf16 multiply would round the scalar itself to bf16.
-    momentum_buffer.copy_(momentum_buffer.float() * momentum + grad.float())
+    momentum_buffer.copy_(torch.add(grad.float(), momentum_buffer.float(), alpha=momentum))
     update = torch.add(grad, momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     count, rows, cols = matrices if matrices is not None else (1, *param.shape)
     stack = update.reshape(count, rows, cols)

@@ -56,6 +56,34 @@ def test_zero_input_gives_zeros() -> None:
         assert torch.equal(out, torch.zeros(shape, dtype=torch.bfloat16))
 
 
+def test_tall_equals_transposed_wide() -> None:
+    """Tall matrices take the Gram matrix on the right instead of a transpose: same result."""
+    x = torch.randn(3, 70, 40, dtype=torch.float64)
+    tall = newton_schulz(x, dtype=torch.float64)
+    wide = newton_schulz(x.mT, dtype=torch.float64)
+    torch.testing.assert_close(tall, wide.mT, rtol=1e-12, atol=1e-12)
+
+
+def test_folded_normalisation_matches_dividing_first() -> None:
+    """The first step works on X/‖X‖ without dividing X: equal to dividing, then iterating."""
+    x = 1e3 * torch.randn(2, 24, 56, dtype=torch.float64)
+    schedule = resolve_coefficients("polar_express", 5)
+    y = x / (schedule.norm_scale * torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True))
+    for a, b, c in schedule.steps:
+        gram = y @ y.mT
+        y = a * y + (b * gram + c * gram @ gram) @ y
+    out = newton_schulz(x, coefficients="polar_express", dtype=torch.float64, eps=0.0)
+    torch.testing.assert_close(out, y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(40, 24), (24, 40), (2, 24, 40)])
+def test_input_is_left_unchanged(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape)
+    before = x.clone()
+    newton_schulz(x, steps=3, dtype=torch.float32)
+    assert torch.equal(x, before)
+
+
 def test_explicit_coefficients_and_schedule_expansion() -> None:
     x = torch.randn(20, 30)
     named = newton_schulz(x, steps=3, coefficients="keller", dtype=torch.float32)

@@ -89,6 +89,14 @@ def test_newton_schulz_matches_float64(shape: tuple[int, ...], coefficients: str
     assert rel_err(out, newton_schulz_float64(X, 5, coefficients)) < TOL
 
 
+@pytest.mark.parametrize("shape", [(40, 24), (24, 40), (2, 24, 40)], ids=str)
+def test_input_is_left_unchanged(shape: tuple[int, ...]) -> None:
+    X = torch.randn(shape)
+    before = X.clone()
+    newton_schulz_triton(X, steps=3, dtype=torch.float32)
+    assert torch.equal(X, before)
+
+
 def test_explicit_coefficients_and_steps() -> None:
     torch.manual_seed(4)
     X = torch.randn(3, 30, 45)

@@ -9,32 +9,47 @@ from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
 DEFAULT_EPS = 1e-7
 
 
-def normalized_stack(
-    X: torch.Tensor, norm_scale: float, eps: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, bool]:
-    """``X`` as a contiguous ``[batch, m, n]`` stack in ``dtype`` with m <= n, divided by its
-    Frobenius norm; also whether it was transposed. Shared by every backend so they agree.
-    """
+def as_stack(X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``X`` as a ``[batch, m, n]`` stack in ``dtype`` (a view when it already is one)."""
     if X.ndim < 2:
         raise ValueError(
             f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(X.shape)}"
         )
-    Y = X.reshape(-1, X.size(-2), X.size(-1)).to(dtype)
-    tall = Y.size(-2) > Y.size(-1)
-    if tall:
-        Y = Y.mT
-    norm_dtype = torch.promote_types(dtype, torch.float32)
+    return X.reshape(-1, X.size(-2), X.size(-1)).to(dtype)
+
+
+def inverse_norms(Y: torch.Tensor, norm_scale: float, eps: float) -> torch.Tensor:
+    """``1 / (norm_scale·‖Y[b]‖_F + eps)`` per matrix, shape ``[batch, 1, 1]``, fp32 or wider."""
+    norm_dtype = torch.promote_types(Y.dtype, torch.float32)
     norm = torch.linalg.vector_norm(Y, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-    # Dividing into a fresh contiguous buffer also materialises the transpose, once.
-    out = torch.empty(Y.shape, dtype=dtype, device=Y.device)
-    return torch.div(Y, (norm * norm_scale + eps).to(dtype), out=out), tall
+    return (norm * norm_scale + eps).reciprocal()
 
 
-def restore_shape(Y: torch.Tensor, tall: bool, like: torch.Tensor) -> torch.Tensor:
-    """Undo :func:`normalized_stack`'s transpose and flattening of the batch dims."""
-    if tall:
-        Y = Y.mT
-    return Y.reshape(*like.shape[:-2], Y.size(-2), Y.size(-1)).contiguous()
+def normalize_gram_(A: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Turn the Gram matrix of an unnormalized stack into that of the normalized one.
+
+    The first step works on ``X/s`` without materialising it: its Gram matrix is
+    ``X·Xᵀ/s²``, a short-side square, which costs less than dividing the whole stack.
+    """
+    return A.mul_(inverse.square().to(A.dtype))
+
+
+def absorb_identity_(
+    B: torch.Tensor, a: float, inverse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``B ← (a·I + B)·s⁻¹``, so a step's ``a·Y + B·Y`` becomes the single product ``B·Y``.
+
+    ``baddbmm(Y, B, Y, beta=a)`` would first copy ``Y`` into its output, a full pass over
+    the stack every step; adding ``a`` to the short-side diagonal costs nothing. The first
+    step also passes ``inverse = 1/s`` to apply the Frobenius normalisation (see
+    :func:`normalize_gram_`).
+    """
+    if inverse is None:
+        B.diagonal(dim1=-2, dim2=-1).add_(a)
+        return B
+    B.mul_(inverse.to(B.dtype))
+    B.diagonal(dim1=-2, dim2=-1).add_((a * inverse[..., 0]).to(B.dtype))
+    return B
 
 
 def newton_schulz_torch(
@@ -46,14 +61,23 @@ def newton_schulz_torch(
 ) -> torch.Tensor:
     """Approximate the polar factor of each trailing matrix of ``X`` with matmuls.
 
-    Runs in ``dtype`` and returns ``dtype``; callers cast. Tall matrices are transposed so
-    the Gram matrix is the small side. An all-zero matrix stays zero since it is divided by
-    ``eps`` only.
+    Runs in ``dtype`` and returns ``dtype``. The Gram matrix is always the short side's:
+    tall matrices multiply on the right (``Xᵀ·X``, ``X·B``) instead of being transposed, so
+    no step copies the stack. The Frobenius normalisation is folded into the first step
+    (see :func:`normalize_gram_`). An all-zero matrix stays zero; one whose entries are so
+    small (below about 1e-19) that their squares underflow comes out near zero instead of
+    orthogonalized.
     """
     schedule = resolve_coefficients(coefficients, steps)
-    Y, tall = normalized_stack(X, schedule.norm_scale, eps, dtype)
-    for a, b, c in schedule.steps:
-        A = Y @ Y.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        Y = torch.baddbmm(Y, B, Y, beta=a, alpha=1.0)
-    return restore_shape(Y, tall, X)
+    Y = as_stack(X, dtype)
+    tall = Y.size(-2) > Y.size(-1)
+    inverse = inverse_norms(Y, schedule.norm_scale, eps)
+    for index, (a, b, c) in enumerate(schedule.steps):
+        A = Y.mT @ Y if tall else Y @ Y.mT
+        if index == 0:
+            normalize_gram_(A, inverse)
+        B = absorb_identity_(
+            torch.baddbmm(A, A, A, beta=b, alpha=c), a, inverse if index == 0 else None
+        )
+        Y = Y @ B if tall else B @ Y
+    return Y.reshape(*X.shape[:-2], Y.size(-2), Y.size(-1))

@@ -13,7 +13,13 @@ import os
 import torch
 
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
-from muon_dist.kernels.reference import DEFAULT_EPS, normalized_stack, restore_shape
+from muon_dist.kernels.reference import (
+    DEFAULT_EPS,
+    absorb_identity_,
+    as_stack,
+    inverse_norms,
+    normalize_gram_,
+)
 
 # Dtypes tl.dot takes with fp32 accumulation; float64 stays on the torch reference.
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -48,8 +54,9 @@ def newton_schulz_triton(
     """Same contract as ``newton_schulz_torch``, with ``X·Xᵀ`` and ``b·A + c·A·A`` in Triton.
 
     Only the symmetric products use Triton: they compute half the tiles of a plain matmul.
-    ``a·X + B·X`` is a general product and stays on ``torch.baddbmm`` (cuBLAS); a Triton
-    variant is worth adding only if it measures faster there.
+    ``(a·I + B)·X`` is a general product and stays on ``torch.bmm`` (cuBLAS); a Triton
+    variant is worth adding only if it measures faster there. The kernels form ``X·Xᵀ``, so
+    tall matrices are transposed into a contiguous copy and back.
     """
     if dtype not in TRITON_DTYPES:
         raise TypeError(
@@ -64,18 +71,29 @@ def newton_schulz_triton(
     schedule = resolve_coefficients(coefficients, steps)
     from muon_dist.kernels.triton_kernels import sym_product
 
-    Y, tall = normalized_stack(X, schedule.norm_scale, eps, dtype)
+    Y = as_stack(X, dtype)
+    tall = Y.size(-2) > Y.size(-1)
+    if tall:
+        Y = Y.mT.contiguous()
+    # The input stack may be the caller's tensor: it is read, never overwritten.
+    private = Y.untyped_storage().data_ptr() != X.untyped_storage().data_ptr()
+    inverse = inverse_norms(Y, schedule.norm_scale, eps)
     batch, m, _ = Y.shape
     with _on_device(Y.device):
         A = Y.new_empty(batch, m, m)
         B = torch.empty_like(A)
         spare = torch.empty_like(Y)
-        for a, b, c in schedule.steps:
+        for index, (a, b, c) in enumerate(schedule.steps):
             sym_product(Y, out=A)
+            if index == 0:
+                normalize_gram_(A, inverse)
             sym_product(A, out=B, alpha=c, Y=A, beta=b)
-            torch.baddbmm(Y, B, Y, beta=a, alpha=1.0, out=spare)
-            Y, spare = spare, Y
-    return restore_shape(Y, tall, X)
+            absorb_identity_(B, a, inverse if index == 0 else None)
+            torch.bmm(B, Y, out=spare)
+            Y, spare = spare, Y if private or index > 0 else torch.empty_like(Y)
+    if tall:
+        Y = Y.mT
+    return Y.reshape(*X.shape[:-2], Y.size(-2), Y.size(-1)).contiguous()
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:

@@ -21,8 +21,9 @@ class StepContext(Protocol):
     comm_dtype: torch.dtype
     device: torch.device
 
-    def read_update(self, param: int, slices: tuple[slice, ...]) -> torch.Tensor:
-        """The Newton–Schulz input (momentum or Nesterov mix) of a piece of a local shard."""
+    def read_update(self, param: int, slices: tuple[slice, ...], out: torch.Tensor) -> None:
+        """Write the Newton–Schulz input (momentum or Nesterov mix) of a piece of a local
+        shard into ``out``, casting to its dtype."""
         ...
 
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
@@ -83,7 +84,7 @@ def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
     if bucket.communicates:
         send = pack(
             bucket.gather_sends,
-            lambda p: ctx.read_update(p.param, p.slices),
+            lambda p, out: ctx.read_update(p.param, p.slices, out),
             ctx.comm_dtype,
             ctx.device,
         )
@@ -97,7 +98,7 @@ def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
     for block, view in zip(bucket.owned, inputs, strict=True):
         if block.own_slices is not None:
             local, inside = block.own_slices
-            view[inside].copy_(ctx.read_update(block.param, local))
+            ctx.read_update(block.param, local, view[inside])
     if bucket.communicates:
         for piece, chunk in unpack(received, bucket.gather_recvs):
             inputs[piece.block][piece.slices].copy_(chunk)
@@ -111,7 +112,10 @@ def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
             ctx.apply(block.param, local, result[inside])
     if bucket.communicates:
         send = pack(
-            bucket.scatter_sends, lambda p: results[p.block][p.slices], ctx.comm_dtype, ctx.device
+            bucket.scatter_sends,
+            lambda p, out: out.copy_(results[p.block][p.slices]),
+            ctx.comm_dtype,
+            ctx.device,
         )
         received, work = start_exchange(
             send, bucket.scatter_sends, bucket.scatter_recvs, ctx.world_size
