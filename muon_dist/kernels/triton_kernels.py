@@ -51,7 +51,7 @@ def _bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> lis
 
 @triton.autotune(
     configs=_interpreter_configs() if _INTERPRET else _gpu_configs(),
-    key=["M", "K", "batch_class", "HAS_Y"],
+    key=["M", "K", "batch_class", "HAS_Y", "K_CONTIGUOUS"],
     do_bench=_bench,
 )
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -75,6 +75,7 @@ def _sym_product_kernel(
     alpha,
     beta,
     HAS_Y: tl.constexpr,
+    K_CONTIGUOUS: tl.constexpr,  # autotune key only: a transposed P loads differently
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -176,6 +177,7 @@ def sym_product(
         float(alpha),
         float(beta),
         HAS_Y=Y is not None,
+        K_CONTIGUOUS=P.stride(2) == 1,
         INPUT_PRECISION="ieee" if P.dtype == torch.float32 else "tf32",
     )
     return out

@@ -55,8 +55,8 @@ def newton_schulz_triton(
 
     Only the symmetric products use Triton: they compute half the tiles of a plain matmul.
     ``(a·I + B)·X`` is a general product and stays on ``torch.bmm`` (cuBLAS); a Triton
-    variant is worth adding only if it measures faster there. The kernels form ``X·Xᵀ``, so
-    tall matrices are transposed into a contiguous copy and back.
+    variant is worth adding only if it measures faster there. Tall matrices take the Gram
+    matrix ``Xᵀ·X`` from a transposed view, as the torch reference does, without a copy.
     """
     if dtype not in TRITON_DTYPES:
         raise TypeError(
@@ -73,27 +73,26 @@ def newton_schulz_triton(
 
     Y = as_stack(X, dtype)
     tall = Y.size(-2) > Y.size(-1)
-    if tall:
-        Y = Y.mT.contiguous()
     # The input stack may be the caller's tensor: it is read, never overwritten.
     private = Y.untyped_storage().data_ptr() != X.untyped_storage().data_ptr()
     inverse = inverse_norms(Y, schedule.norm_scale, eps)
-    batch, m, _ = Y.shape
+    batch, m = Y.size(0), min(Y.size(-2), Y.size(-1))
     with _on_device(Y.device):
         A = Y.new_empty(batch, m, m)
         B = torch.empty_like(A)
         spare = torch.empty_like(Y)
         for index, (a, b, c) in enumerate(schedule.steps):
-            sym_product(Y, out=A)
+            sym_product(Y.mT if tall else Y, out=A)
             if index == 0:
                 normalize_gram_(A, inverse)
             sym_product(A, out=B, alpha=c, Y=A, beta=b)
             absorb_identity_(B, a, inverse if index == 0 else None)
-            torch.bmm(B, Y, out=spare)
+            if tall:
+                torch.bmm(Y, B, out=spare)
+            else:
+                torch.bmm(B, Y, out=spare)
             Y, spare = spare, Y if private or index > 0 else torch.empty_like(Y)
-    if tall:
-        Y = Y.mT
-    return Y.reshape(*X.shape[:-2], Y.size(-2), Y.size(-1)).contiguous()
+    return Y.reshape(*X.shape[:-2], Y.size(-2), Y.size(-1))
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
