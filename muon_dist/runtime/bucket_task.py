@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
-from muon_dist.comm import pack, start_exchange, unpack
-from muon_dist.plan import BucketPlan, OwnedBlock
+from muon_dist.comm import PieceT, pack, start_exchange, unpack
+from muon_dist.plan import BlockPiece, BucketPlan, LocalPiece, OwnedBlock
 from muon_dist.runtime.scheduler import Task, TaskBody
 
 
@@ -81,46 +82,64 @@ def bucket_task(bucket: BucketPlan, ctx: StepContext) -> Task:
 
 
 def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
+    # Buffers are dropped as soon as they are consumed (the collectives keep their own
+    # references until they finish), so a bucket waiting on its scatter holds no gather
+    # buffers or input stacks while other buckets compute.
+    received = None
     if bucket.communicates:
-        send = pack(
+        received, work = _start(
             bucket.gather_sends,
+            bucket.gather_recvs,
             lambda p, out: ctx.read_update(p.param, p.slices, out),
-            ctx.comm_dtype,
-            ctx.device,
-        )
-        received, work = start_exchange(
-            send, bucket.gather_sends, bucket.gather_recvs, ctx.world_size
+            ctx,
         )
         yield
         work.wait()
+    stacks = _assemble(bucket, ctx, received)
+    del received
+    for stack in stacks:
+        stack.tensor = ctx.orthogonalize(stack.tensor, bucket.owned[stack.blocks[0]].ns_key)
+        ctx.watch_finite(bucket.names, stack.tensor)
+    results = _block_views(bucket, stacks)
+    del stacks
+    for block, result in zip(bucket.owned, results, strict=True):
+        if block.own_slices is not None:
+            local, inside = block.own_slices
+            ctx.apply(block.param, local, result[inside])
+    if bucket.communicates:
+        received, work = _start(
+            bucket.scatter_sends,
+            bucket.scatter_recvs,
+            lambda p, out: out.copy_(results[p.block][p.slices]),
+            ctx,
+        )
+        del results
+        yield
+        work.wait()
+        for piece, chunk in unpack(received, bucket.scatter_recvs):
+            ctx.apply(piece.param, piece.slices, chunk)
+
+
+def _start(
+    sends: Sequence[PieceT],
+    recvs: Sequence[LocalPiece] | Sequence[BlockPiece],
+    write: Callable[[PieceT, torch.Tensor], object],
+    ctx: StepContext,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Pack the pieces this rank sends and start the all-to-all; returns the receive buffer."""
+    send = pack(sends, write, ctx.comm_dtype, ctx.device)
+    return start_exchange(send, sends, recvs, ctx.world_size)
+
+
+def _assemble(bucket: BucketPlan, ctx: StepContext, received: torch.Tensor | None) -> list[_Stack]:
+    """Newton–Schulz input stacks: this rank's own pieces plus the gathered ones."""
     stacks = _stacks(bucket, ctx)
     inputs = _block_views(bucket, stacks)
     for block, view in zip(bucket.owned, inputs, strict=True):
         if block.own_slices is not None:
             local, inside = block.own_slices
             ctx.read_update(block.param, local, view[inside])
-    if bucket.communicates:
+    if received is not None:
         for piece, chunk in unpack(received, bucket.gather_recvs):
             inputs[piece.block][piece.slices].copy_(chunk)
-    for stack in stacks:
-        stack.tensor = ctx.orthogonalize(stack.tensor, bucket.owned[stack.blocks[0]].ns_key)
-        ctx.watch_finite(bucket.names, stack.tensor)
-    results = _block_views(bucket, stacks)
-    for block, result in zip(bucket.owned, results, strict=True):
-        if block.own_slices is not None:
-            local, inside = block.own_slices
-            ctx.apply(block.param, local, result[inside])
-    if bucket.communicates:
-        send = pack(
-            bucket.scatter_sends,
-            lambda p, out: out.copy_(results[p.block][p.slices]),
-            ctx.comm_dtype,
-            ctx.device,
-        )
-        received, work = start_exchange(
-            send, bucket.scatter_sends, bucket.scatter_recvs, ctx.world_size
-        )
-        yield
-        work.wait()
-        for piece, chunk in unpack(received, bucket.scatter_recvs):
-            ctx.apply(piece.param, piece.slices, chunk)
+    return stacks
