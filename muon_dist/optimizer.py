@@ -544,7 +544,8 @@ class _StepContext:
             self._apply_now(param, slices, self._pending[id(self.params[param])][slices])
 
     def _decay_and_accumulate(self, entries: Sequence[_MuonParam]) -> None:
-        """Momentum update and decoupled weight decay, one foreach call per group.
+        """Momentum update (one pass per buffer) and decoupled weight decay (one foreach call
+        per group).
 
         Cautious groups decay in :meth:`apply` instead, where the update's sign is known.
         """
