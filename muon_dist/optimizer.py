@@ -315,8 +315,10 @@ class Muon(torch.optim.Optimizer):
         if broken:
             raise FloatingPointError(
                 f"muon_dist.Muon step {step}: Newton–Schulz returned non-finite values for "
-                f"{', '.join(broken)} although every gradient was finite; this points at a "
-                "kernel or device fault (try backend='torch'); those parameters were updated"
+                f"{', '.join(broken)} although every gradient was finite; either a momentum "
+                "grew past a Frobenius norm of about 1.8e19 (lower the lr or clip gradients) "
+                "or a kernel or device failed (try backend='torch'); those parameters were "
+                "updated"
             )
         for group in self.param_groups:
             group["steps"] += 1

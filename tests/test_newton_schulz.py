@@ -76,6 +76,18 @@ def test_folded_normalisation_matches_dividing_first() -> None:
     torch.testing.assert_close(out, y, rtol=1e-10, atol=1e-12)
 
 
+def test_scale_invariance_and_overflow() -> None:
+    """The first Gram matrix sees raw squares; any input whose norm is representable (and
+    well above ``eps``) gives the same result, and one whose norm overflows is reported as
+    non-finite rather than returned as zeros."""
+    x = torch.randn(24, 40)
+    reference = newton_schulz(x, dtype=torch.float32)
+    for scale in (1e-3, 1e15):
+        scaled = newton_schulz(scale * x, dtype=torch.float32)
+        torch.testing.assert_close(scaled, reference, rtol=1e-4, atol=1e-5)
+    assert not newton_schulz(1e25 * x, dtype=torch.float32).isfinite().all()
+
+
 @pytest.mark.parametrize("shape", [(40, 24), (24, 40), (2, 24, 40)])
 def test_input_is_left_unchanged(shape: tuple[int, ...]) -> None:
     x = torch.randn(shape)

@@ -129,7 +129,7 @@ def test_two_hundred_steps_on_four_ranks() -> None:
 
 
 def test_nonfinite_newton_schulz_result_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gradients are checked first, so a non-finite result means a kernel or device fault."""
+    """Gradients are checked first, so a non-finite result means a fault or an overflow."""
     import muon_dist.optimizer as optimizer_module
 
     def broken(stack: torch.Tensor, **_: object) -> torch.Tensor:

@@ -64,9 +64,9 @@ def newton_schulz_torch(
     Runs in ``dtype`` and returns ``dtype``. The Gram matrix is always the short side's:
     tall matrices multiply on the right (``Xᵀ·X``, ``X·B``) instead of being transposed, so
     no step copies the stack. The Frobenius normalisation is folded into the first step
-    (see :func:`normalize_gram_`). An all-zero matrix stays zero; one whose entries are so
-    small (below about 1e-19) that their squares underflow comes out near zero instead of
-    orthogonalized.
+    (see :func:`normalize_gram_`), so the Gram matrix sees the raw squares. An all-zero
+    matrix stays zero, and one whose Frobenius norm overflows (above about 1.8e19 in fp32
+    or bf16) gives a non-finite result, which the optimizer reports, not zeros.
     """
     schedule = resolve_coefficients(coefficients, steps)
     Y = as_stack(X, dtype)
