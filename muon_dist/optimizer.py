@@ -25,6 +25,7 @@ from muon_dist.routing import (
     format_routing_table,
     group_param_names,
     matrix_views,
+    named_params,
     routing_entries,
 )
 from muon_dist.runtime import run_tasks
@@ -212,7 +213,7 @@ class Muon(torch.optim.Optimizer):
             if algorithm == "muon":
                 state["momentum_buffer"] = torch.zeros_like(p)
                 if group["magma"]:
-                    count = sum(v.count for v in matrix_views(p.shape, group, name))
+                    count = _matrix_count(group, p, name)
                     state["magma_score"] = torch.ones(count, device=local(p).device)
             else:
                 fused = local(p).is_cuda
@@ -240,10 +241,7 @@ class Muon(torch.optim.Optimizer):
         return format_routing_table(routing_entries(self.param_groups))
 
     def _named_params(self) -> dict[str, torch.Tensor]:
-        named: dict[str, torch.Tensor] = {}
-        for g_index, group in enumerate(self.param_groups):
-            named.update(zip(group_param_names(group, g_index), group["params"], strict=True))
-        return named
+        return {name: p for name, _, p in named_params(self.param_groups)}
 
     def _check_ranks_agree(self, qk_clip: Sequence[QKClip]) -> None:
         """Fail fast, instead of hanging in a collective, when ranks hold different params."""
@@ -251,12 +249,11 @@ class Muon(torch.optim.Optimizer):
         if world_size == 1:
             return
         lines = [repr(spec) for spec in qk_clip]
-        for g_index, group in enumerate(self.param_groups):
+        for name, group, p in named_params(self.param_groups):
             options = {k: group.get(k) for k in _AGREE_KEYS}
-            for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
-                placements = p.placements if isinstance(p, DTensor) else "plain"
-                mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
-                lines.append(f"{name} {tuple(p.shape)} {p.dtype} {placements} {mesh} {options}")
+            placements = p.placements if isinstance(p, DTensor) else "plain"
+            mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
+            lines.append(f"{name} {tuple(p.shape)} {p.dtype} {placements} {mesh} {options}")
         digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
         digests: list[str | None] = [None] * world_size
         dist.all_gather_object(digests, digest)
@@ -357,9 +354,7 @@ class Muon(torch.optim.Optimizer):
         collectives stay matched. A Muon parameter with a gradient on some ranks only (an
         expert no local token reached) then takes part everywhere, with zeros where absent.
         """
-        named: list[tuple[str, torch.Tensor]] = []
-        for g_index, group in enumerate(self.param_groups):
-            named += zip(group_param_names(group, g_index), group["params"], strict=True)
+        named = [(name, p) for name, _, p in named_params(self.param_groups)]
         if not named:
             return {}, []
         count = len(named)
@@ -406,14 +401,13 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_params(self) -> list[_MuonParam]:
         out = []
-        for g_index, group in enumerate(self.param_groups):
+        for name, group, p in named_params(self.param_groups):
             if group["algorithm"] != "muon":
                 continue
-            for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
-                first = 0
-                for view in matrix_views(p.shape, group, name):
-                    out.append(_MuonParam(p, group, view, view.label(name), first))
-                    first += view.count
+            first = 0
+            for view in matrix_views(p.shape, group, name):
+                out.append(_MuonParam(p, group, view, view.label(name), first))
+                first += view.count
         return out
 
     def _row_matrices(self, entries: Sequence[_MuonParam]) -> torch.Tensor:
@@ -711,27 +705,28 @@ def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
     return groups
 
 
+def _matrix_count(group: dict[str, Any], p: torch.Tensor, name: str) -> int:
+    """How many matrices a Muon parameter is cut into (Magma keeps one score each)."""
+    return sum(v.count for v in matrix_views(p.shape, group, name))
+
+
 def _state_shapes(group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str, tuple[int, ...]]:
     """The state this optimizer keeps for ``p`` (besides AdamW's step), with shapes."""
     if group["algorithm"] == "adamw":
         return {"exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
     shapes = {"momentum_buffer": tuple(p.shape)}
     if group["magma"]:
-        shapes["magma_score"] = (sum(v.count for v in matrix_views(p.shape, group, name)),)
+        shapes["magma_score"] = (_matrix_count(group, p, name),)
     return shapes
 
 
 def _check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
     """Name every parameter whose saved algorithm, state keys or state shapes differ from now."""
-    saved: dict[str, tuple[str, dict[str, Any]]] = {}
-    for g_index, group in enumerate(state_dict.get("param_groups", [])):
-        names = group_param_names(group, g_index)
-        for name, key in zip(names, group["params"], strict=True):
-            saved[name] = (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
-    current: dict[str, tuple[dict[str, Any], torch.Tensor]] = {}
-    for g_index, group in enumerate(groups):
-        for name, p in zip(group_param_names(group, g_index), group["params"], strict=True):
-            current[name] = (group, p)
+    saved = {
+        name: (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
+        for name, group, key in named_params(state_dict.get("param_groups", []))
+    }
+    current = {name: (group, p) for name, group, p in named_params(groups)}
     problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]
     for name, (group, p) in current.items():
         if name not in saved:

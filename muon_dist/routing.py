@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -391,26 +391,32 @@ def group_param_names(group: dict[str, Any], index: int) -> list[str]:
     ]
 
 
+def named_params(groups: Sequence[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], Any]]:
+    """``(name, group, param)`` for every parameter of ``groups``, in order, named as
+    :func:`group_param_names` names them (a saved state's groups hold integer keys)."""
+    for index, group in enumerate(groups):
+        for name, p in zip(group_param_names(group, index), group["params"], strict=True):
+            yield name, group, p
+
+
 def routing_entries(groups: Sequence[dict[str, Any]]) -> list[RouteEntry]:
     """Routing rows for param groups, one per matrix view, with each view validated."""
     entries = []
-    for g_index, group in enumerate(groups):
-        names = group_param_names(group, g_index)
-        for p, name in zip(group["params"], names, strict=True):
-            shape = tuple(p.shape)
-            if group.get("algorithm", "muon") != "muon":
-                entries.append(RouteEntry(name, shape, "adamw", "-", 1.0, p.numel()))
-                continue
-            adjust_lr = group.get("adjust_lr", "spectral_norm")
-            entries += [
-                RouteEntry(
-                    view.label(name),
-                    shape,
-                    "muon",
-                    view.describe(),
-                    view.lr_scale(adjust_lr),
-                    view.numel,
-                )
-                for view in matrix_views(shape, group, name)
-            ]
+    for name, group, p in named_params(groups):
+        shape = tuple(p.shape)
+        if group.get("algorithm", "muon") != "muon":
+            entries.append(RouteEntry(name, shape, "adamw", "-", 1.0, p.numel()))
+            continue
+        adjust_lr = group.get("adjust_lr", "spectral_norm")
+        entries += [
+            RouteEntry(
+                view.label(name),
+                shape,
+                "muon",
+                view.describe(),
+                view.lr_scale(adjust_lr),
+                view.numel,
+            )
+            for view in matrix_views(shape, group, name)
+        ]
     return entries
