@@ -15,7 +15,17 @@ from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
 from muon_dist.kernels.dispatch import newton_schulz, validate_backend
-from muon_dist.plan import REPLICA_MODES, Plan, build_plan, layout_of, local, local_rows
+from muon_dist.kernels.elementwise import advance_momentum, decay_and_update_, momentum_input_
+from muon_dist.plan import (
+    REPLICA_MODES,
+    Plan,
+    build_plan,
+    covers_exactly,
+    layout_of,
+    local,
+    local_pieces,
+    local_rows,
+)
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.routing import (
     ADJUST_LR,
@@ -85,6 +95,40 @@ class _MuonParam:
     view: MatrixView
     name: str
     first_matrix: int
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """A plan, and the entries whose local shard the step reads (``fused_reads``) or writes
+    (``fused_writes``) exactly once, so that one pass can also advance the momentum or
+    apply the weight decay there instead of a separate pass over the whole tensor."""
+
+    plan: Plan
+    fused_reads: frozenset[int]
+    fused_writes: frozenset[int]
+
+
+def _step_plan(plan: Plan, entries: Sequence[_MuonParam]) -> _StepPlan:
+    # Magma needs the advanced momentum before any read and scales rows by a tensor;
+    # cautious decay needs the update's sign: both keep their separate passes.
+    reads, writes = local_pieces(plan)
+    by_tensor: dict[int, list[int]] = {}
+    for index, entry in enumerate(entries):
+        by_tensor.setdefault(id(entry.param), []).append(index)
+    fused_reads: set[int] = set()
+    fused_writes: set[int] = set()
+    for indices in by_tensor.values():
+        first = entries[indices[0]]
+        if first.group["magma"]:
+            continue
+        shape = local(first.param).shape
+        if covers_exactly(shape, [piece for i in indices for piece in reads[i]]):
+            fused_reads.update(indices)
+        if not first.group["cautious_wd"] and covers_exactly(
+            shape, [piece for i in indices for piece in writes[i]]
+        ):
+            fused_writes.update(indices)
+    return _StepPlan(plan, frozenset(fused_reads), frozenset(fused_writes))
 
 
 class Muon(torch.optim.Optimizer):
@@ -178,7 +222,7 @@ class Muon(torch.optim.Optimizer):
         self.replica_mode = replica_mode
         # Plans by parameter set: the set shrinks on steps where some parameters have no
         # gradient anywhere, and those sets tend to recur, so each is planned once.
-        self._plans: dict[Hashable, Plan] = {}
+        self._plans: dict[Hashable, _StepPlan] = {}
         self._row_maps: dict[Hashable, torch.Tensor] = {}
         super().__init__(_split_by_algorithm(params), defaults={})
         self._check_ranks_agree(qk_clip)
@@ -431,7 +475,7 @@ class Muon(torch.optim.Optimizer):
             self._row_maps[key] = cached
         return cached
 
-    def _get_plan(self, entries: Sequence[_MuonParam]) -> Plan:
+    def _get_plan(self, entries: Sequence[_MuonParam]) -> _StepPlan:
         rank, world_size = _distributed()
         key = (
             rank,
@@ -441,8 +485,8 @@ class Muon(torch.optim.Optimizer):
             self.comm_dtype,
             tuple((id(e.param), e.view, _ns_key(e.group)) for e in entries),
         )
-        plan = self._plans.get(key)
-        if plan is None:
+        cached = self._plans.get(key)
+        if cached is None:
             layouts = [
                 layout_of(e.param, e.name, e.view, world_size, _ns_key(e.group)) for e in entries
             ]
@@ -457,18 +501,18 @@ class Muon(torch.optim.Optimizer):
             )
             if len(self._plans) >= _MAX_CACHED_PLANS:
                 self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = plan
+            cached = self._plans[key] = _step_plan(plan, entries)
             logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
-        return plan
+        return cached
 
     def _muon_phase(self, entries: list[_MuonParam], transactional: bool) -> _StepContext | None:
         """Gather, orthogonalize and scatter every bucket; apply now, or keep for ``commit``."""
         if not entries:
             return None
         _, world_size = _distributed()
-        context = _StepContext(self, entries, world_size, transactional)
-        plan = self._get_plan(entries)
-        run_tasks((bucket_task(b, context) for b in plan.buckets), self.max_inflight)
+        step_plan = self._get_plan(entries)
+        context = _StepContext(self, entries, step_plan, world_size, transactional)
+        run_tasks((bucket_task(b, context) for b in step_plan.plan.buckets), self.max_inflight)
         return context
 
 
@@ -493,11 +537,15 @@ class _StepContext:
         self,
         optimizer: Muon,
         entries: Sequence[_MuonParam],
+        step_plan: _StepPlan,
         world_size: int,
         transactional: bool,
     ) -> None:
         self.optimizer = optimizer
         self.entries = entries
+        # A transactional step cannot advance the momentum as it reads: it may be skipped.
+        self.fused_reads = frozenset() if transactional else step_plan.fused_reads
+        self.fused_writes = step_plan.fused_writes
         self.world_size = world_size
         self.comm_dtype = optimizer.comm_dtype
         self.backend = optimizer.backend
@@ -515,6 +563,7 @@ class _StepContext:
         self.step_size: list[float | torch.Tensor] = [
             -e.group["lr"] * e.view.lr_scale(e.group["adjust_lr"]) for e in entries
         ]
+        self.decay = [1.0 - e.group["lr"] * e.group["weight_decay"] for e in entries]
         self.cautious_decay = [
             e.group["lr"] * e.group["weight_decay"] if e.group["cautious_wd"] else 0.0
             for e in entries
@@ -541,7 +590,7 @@ class _StepContext:
 
     def _decay_and_accumulate(self, entries: Sequence[_MuonParam]) -> None:
         """Momentum update (one pass per buffer) and decoupled weight decay (one foreach call
-        per group).
+        per group), for the tensors whose reads or writes do not do it on the way.
 
         Cautious groups decay in :meth:`apply` instead, where the update's sign is known.
         """
@@ -554,10 +603,14 @@ class _StepContext:
         for indices in by_group.values():
             group = entries[indices[0]].group
             for i in indices:
-                _accumulate(self.grads[i], self.momenta[i], group["momentum"], self.momenta[i])
-            decay = 1.0 - group["lr"] * group["weight_decay"]
-            if decay != 1.0 and not group["cautious_wd"]:
-                torch._foreach_mul_([self.params[i] for i in indices], decay)
+                if i not in self.fused_reads:
+                    advance_momentum(
+                        self.grads[i], self.momenta[i], group["momentum"], self.momenta[i]
+                    )
+            decay = self.decay[indices[0]]
+            decayed = [self.params[i] for i in indices if i not in self.fused_writes]
+            if decay != 1.0 and decayed and not group["cautious_wd"]:
+                torch._foreach_mul_(decayed, decay)
 
     def _magma(self, optimizer: Muon, entries: Sequence[_MuonParam]) -> None:
         """Damp Magma groups' updates per matrix by momentum-gradient agreement.
@@ -601,12 +654,14 @@ class _StepContext:
 
     def read_update(self, param: int, slices: tuple[slice, ...], out: torch.Tensor) -> None:
         grad, momentum = self.grads[param][slices], self.momenta[param][slices]
-        if self._pending is not None:
-            # The momentum buffer is only updated at commit: use its next value, computed
-            # with the same arithmetic the commit will use.
-            momentum = _accumulate(grad, momentum, self.momentum[param])
         mix = self.mix[param]
-        if mix is None:
+        if self._pending is not None or param in self.fused_reads:
+            # Advance the momentum in this pass. A transactional step only commits it later,
+            # so it reads the next value without storing it, as the commit will compute it.
+            momentum_input_(
+                grad, momentum, out, self.momentum[param], mix, store=self._pending is None
+            )
+        elif mix is None:
             out.copy_(momentum)
         else:
             # One pass that casts on the way: the mix is never stored in fp32.
@@ -627,11 +682,14 @@ class _StepContext:
 
     def _apply_now(self, param: int, slices: tuple[slice, ...], update: torch.Tensor) -> None:
         target = self.params[param][slices]
+        step = self.step_size[param]
+        if param in self.fused_writes:
+            decay_and_update_(target, update, self.decay[param], cast(float, step))
+            return
         decay = self.cautious_decay[param]
         if decay:
             # Cautious weight decay: only where sign(update) == sign(weight).
             target.sub_(target * (torch.sign(update) == torch.sign(target)), alpha=decay)
-        step = self.step_size[param]
         if isinstance(step, torch.Tensor):
             target.add_(update * step[slices[0]])
         else:
@@ -656,13 +714,6 @@ class _StepContext:
         return newton_schulz(
             stack, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
         )
-
-
-def _accumulate(
-    grad: torch.Tensor, momentum: torch.Tensor, beta: float, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``beta·momentum + grad`` in one pass (into ``out`` when given, e.g. the buffer itself)."""
-    return torch.add(grad, momentum, alpha=beta, out=out)
 
 
 def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:

@@ -20,6 +20,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from muon_dist.routing import Box, MatrixView
 
+# A piece of a local tensor, as indexed: one slice per dimension, explicit start and stop.
+Slices = tuple[slice, ...]
+
 REPLICA_MODES = ("split", "redundant")
 
 
@@ -96,7 +99,7 @@ def intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:
+def relative_slices(inner: Box, outer: Box) -> Slices:
     """Index ``inner`` inside a tensor that holds exactly ``outer``."""
     return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
 
@@ -336,7 +339,7 @@ class LocalPiece:
 
     peer: int
     param: int
-    slices: tuple[slice, ...]
+    slices: Slices
     shape: tuple[int, ...]
 
 
@@ -346,7 +349,7 @@ class BlockPiece:
 
     peer: int
     block: int
-    slices: tuple[slice, ...]
+    slices: Slices
     shape: tuple[int, ...]
 
 
@@ -361,7 +364,7 @@ class OwnedBlock:
     rows: int
     cols: int
     ns_key: Hashable
-    own_slices: tuple[tuple[slice, ...], tuple[slice, ...]] | None  # (local, block)
+    own_slices: tuple[Slices, Slices] | None  # (local, block)
 
 
 @dataclass
@@ -386,6 +389,42 @@ class Plan:
     buckets: list[BucketPlan]
     load: dict[int, float]
     blocks: list[Block]
+
+
+def local_pieces(plan: Plan) -> tuple[dict[int, list[Slices]], dict[int, list[Slices]]]:
+    """Per layout, the pieces of this rank's local shard read as Newton–Schulz input, and
+    the pieces a result is written to, over the whole step."""
+    reads: dict[int, list[Slices]] = defaultdict(list)
+    writes: dict[int, list[Slices]] = defaultdict(list)
+    for bucket in plan.buckets:
+        for block in bucket.owned:
+            if block.own_slices is not None:
+                reads[block.param].append(block.own_slices[0])
+                writes[block.param].append(block.own_slices[0])
+        for piece in bucket.gather_sends:
+            reads[piece.param].append(piece.slices)
+        for piece in bucket.scatter_recvs:
+            writes[piece.param].append(piece.slices)
+    return reads, writes
+
+
+def covers_exactly(shape: Sequence[int], pieces: Sequence[Slices]) -> bool:
+    """Whether ``pieces`` tile a tensor of ``shape``: every element lies in exactly one."""
+    boxes = sorted(tuple((s.start, s.stop) for s in piece) for piece in pieces)
+    inside = all(
+        len(box) == len(shape)
+        and all(0 <= lo < hi <= size for (lo, hi), size in zip(box, shape, strict=True))
+        for box in boxes
+    )
+    if not inside or sum(box_numel(box) for box in boxes) != math.prod(shape):
+        return False
+    for index, box in enumerate(boxes):
+        for later in boxes[index + 1 :]:
+            if later[0][0] >= box[0][1]:
+                break  # sorted by first row: no later box reaches back into this one
+            if intersect(box, later) is not None:
+                return False
+    return True
 
 
 def split_sizes(pieces: Sequence[LocalPiece] | Sequence[BlockPiece], world_size: int) -> list[int]:

@@ -3,8 +3,9 @@
 The CPU tests run Triton's interpreter in fp32 only; this covers what they cannot: bf16 and
 fp16 tensor-core products, compiled masking on shapes off the tile sizes, a batch past
 2**31 elements (64-bit offsets), and the full iteration in bf16, whose error against
-float64 must be at most 1.5x the torch bf16 reference's on the same input, never NaN.
-Exits 1 on any failure.
+float64 must be at most 1.5x the torch bf16 reference's on the same input, never NaN. It
+also checks the fused momentum and update passes against torch's adds with bf16 state and
+outputs, and past 2**31 elements. Exits 1 on any failure.
 
     python scripts/check_kernels_gpu.py
 """
@@ -18,6 +19,8 @@ from bench_kernels import MAX_ERROR_RATIO, newton_schulz_float64, rel_err
 
 from muon_dist.kernels import newton_schulz
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS
+from muon_dist.kernels.elementwise import advance_momentum
+from muon_dist.kernels.triton_elementwise import decay_and_update_triton, momentum_input_triton
 from muon_dist.kernels.triton_kernels import sym_product
 
 # Product tolerances against float64: fp32 is exact-product ("ieee"), bf16/fp16 round once.
@@ -84,6 +87,45 @@ def check_newton_schulz(failures: list[str]) -> None:
     check("ns zeros", bool((out == 0).all()), "zero input gives zeros", failures)
 
 
+def _close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[bool, str]:
+    """Equal up to two roundings to ``dtype`` at the tensor's scale: the fused pass rounds
+    once where torch's adds may round an intermediate to the state dtype first."""
+    diff = (out.float() - expected.float()).abs().max().item()
+    bound = 2 * torch.finfo(dtype).eps * expected.float().abs().max().item()
+    return diff <= bound, f"max diff {diff:.2e} (bound {bound:.2e})"
+
+
+def check_elementwise(failures: list[str]) -> None:
+    for state_dtype in (torch.float32, torch.bfloat16):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            for mix in (0.95, None):
+                grad = torch.randn(3, 1000, 1001, device="cuda", dtype=state_dtype)
+                momentum = torch.randn_like(grad)
+                advanced = advance_momentum(grad, momentum, 0.9)
+                expected = advanced if mix is None else torch.add(grad, advanced, alpha=mix)
+                out = torch.empty_like(grad, dtype=out_dtype)
+                momentum_input_triton(grad, momentum, out, 0.9, mix, store=True)
+                coarse = torch.bfloat16 if torch.bfloat16 in (state_dtype, out_dtype) else out_dtype
+                ok, detail = _close(out, expected.to(out_dtype), coarse)
+                stored, _ = _close(momentum, advanced, state_dtype)
+                name = f"momentum {state_dtype}->{out_dtype} mix={mix}"
+                check(name, ok and stored, detail, failures)
+        param = torch.randn(5, 777, 513, device="cuda", dtype=state_dtype)
+        update = torch.randn_like(param, dtype=torch.bfloat16)
+        expected = param.mul(0.998).add_(update, alpha=-0.02)
+        decay_and_update_triton(param, update, 0.998, -0.02)
+        check(f"update {state_dtype}", *_close(param, expected, state_dtype), failures)
+    # 64-bit offsets: the last elements of a tensor past 2**31 elements.
+    numel = 2**31 + 4100
+    grad = torch.ones(numel, device="cuda")
+    momentum = torch.full_like(grad, 2.0)
+    out = torch.zeros(numel, device="cuda", dtype=torch.bfloat16)
+    momentum_input_triton(grad, momentum, out, 0.5, 1.0, store=True)
+    tail_ok = bool((out[-5000:] == 3.0).all() and (momentum[-5000:] == 2.0).all())
+    check("momentum past 2**31 elements", tail_ok, "last 5000 elements written", failures)
+    del grad, momentum, out
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         raise RuntimeError("check_kernels_gpu.py checks CUDA kernels; run it on a GPU machine")
@@ -92,6 +134,7 @@ def main() -> int:
     check_products(failures)
     check_newton_schulz(failures)
     check_large_batch(failures)
+    check_elementwise(failures)
     print(f"{len(failures)} failures" + (f": {failures}" if failures else ""))
     return 1 if failures else 0
 

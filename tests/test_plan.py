@@ -14,7 +14,9 @@ from muon_dist.plan import (
     Plan,
     box_shape,
     build_plan,
+    covers_exactly,
     local_boxes,
+    local_pieces,
     ns_cost,
     relative_slices,
 )
@@ -67,12 +69,14 @@ def _simulate(layouts: list[ParamLayout], world: int, replica_mode: str = "split
         for r in boxes[i]
     }
     written = {key: torch.zeros_like(t) for key, t in shards.items()}
+    read = {key: torch.zeros_like(t) for key, t in shards.items()}
     for b in range(len(plans[0].buckets)):
         # Gather: what each rank sends to each peer, in order.
         outbox = defaultdict(list)
         for r, plan in enumerate(plans):
             for piece in plan.buckets[b].gather_sends:
                 outbox[(r, piece.peer)].append(shards[(r, piece.param)][piece.slices])
+                read[(r, piece.param)][piece.slices] += 1
         results: dict[tuple[int, int], torch.Tensor] = {}
         for r, plan in enumerate(plans):
             bucket = plan.buckets[b]
@@ -83,6 +87,7 @@ def _simulate(layouts: list[ParamLayout], world: int, replica_mode: str = "split
                 if ob.own_slices is not None:
                     local, inside = ob.own_slices
                     assembled[index][inside] = shards[(r, ob.param)][local]
+                    read[(r, ob.param)][local] += 1
             for piece in bucket.gather_recvs:
                 chunk = outbox[(piece.peer, r)].pop(0)
                 assert chunk.shape == piece.shape
@@ -114,6 +119,16 @@ def _simulate(layouts: list[ParamLayout], world: int, replica_mode: str = "split
         assert all(not v for v in returned.values()), "a result was never received"
     for key, count in written.items():
         assert torch.all(count == 1), f"rank/param {key}: every element updated exactly once"
+    # The optimizer fuses a pass into the reads or writes only where they cover a shard once.
+    for r, plan in enumerate(plans):
+        reads, writes = local_pieces(plan)
+        for i in range(len(layouts)):
+            if (r, i) not in shards:
+                continue
+            shape = shards[(r, i)].shape
+            once = bool(torch.all(read[(r, i)] == 1))
+            assert covers_exactly(shape, reads.get(i, [])) == once, f"rank {r}, param {i} reads"
+            assert covers_exactly(shape, writes.get(i, [])), f"rank {r}, param {i} writes"
     return plans
 
 
@@ -199,6 +214,23 @@ def test_owner_loads_within_one_matrix(shapes: list[tuple[int, int, int]], world
     loads = [plan.load.get(r, 0.0) for r in range(world)]
     largest = max(ns_cost(r, c) for r, c, _ in shapes)
     assert max(loads) - min(loads) <= largest * (1 + 1e-9)
+
+
+def test_covers_exactly() -> None:
+    rows = [(slice(0, 2), slice(0, 4)), (slice(2, 5), slice(0, 4))]
+    assert covers_exactly((5, 4), rows)
+    assert covers_exactly((5, 4), rows[::-1])
+    assert covers_exactly((0, 4), [])
+    assert not covers_exactly((5, 4), rows[:1]), "a gap"
+    assert not covers_exactly((6, 4), rows), "a gap at the end"
+    overlap = [(slice(0, 3), slice(0, 4)), (slice(2, 4), slice(0, 4))]
+    assert not covers_exactly((5, 4), overlap), "the sizes add up but two pieces overlap"
+    columns = [(slice(0, 5), slice(0, 2)), (slice(0, 5), slice(2, 4))]
+    assert covers_exactly((5, 4), columns)
+    assert not covers_exactly((5, 4), [(slice(0, 5), slice(0, 2))] * 2), "one piece twice"
+    outside = [(slice(0, 5), slice(0, 2)), (slice(0, 5), slice(3, 5))]
+    assert not covers_exactly((5, 4), outside), "the sizes add up but one piece leaves the shape"
+    assert not covers_exactly((5, 4), [(slice(0, 5),)]), "wrong number of dimensions"
 
 
 def test_relative_slices_and_shapes() -> None:
