@@ -251,3 +251,29 @@ def test_lr_scale_uses_full_shape() -> None:
     assert view.lr_scale("rms_norm") == pytest.approx(0.2 * math.sqrt(4096))
     experts = matrix_view((8, 64, 16), experts=True)
     assert experts.lr_scale("spectral_norm") == 2.0
+
+
+def test_passes_fuse_only_where_a_shard_is_read_or_written_once() -> None:
+    """Momentum rides along the input read, and decay along the update write, only where
+    nothing else needs them first: not under Magma (cosines of the advanced momentum, per-row
+    steps) nor cautious decay (the update's sign)."""
+    plain, magma, cautious = (nn.Parameter(torch.randn(12, 8)) for _ in range(3))
+    split = nn.Parameter(torch.randn(12, 8))
+    opt = muon_dist.Muon(
+        [
+            {"params": [plain], "algorithm": "muon"},
+            {"params": [magma], "algorithm": "muon", "magma": True},
+            {"params": [cautious], "algorithm": "muon", "cautious_wd": True},
+            {"params": [split], "algorithm": "muon", "split_sizes": [4, 8]},
+        ],
+        weight_decay=0.1,
+    )
+    entries = opt._muon_params()
+    step_plan = opt._get_plan(entries)
+    labels = [e.name for e in entries]
+    fused_reads = {labels[i] for i in step_plan.fused_reads}
+    fused_writes = {labels[i] for i in step_plan.fused_writes}
+    split_views = {"group3.param0[0:4]", "group3.param0[4:12]"}
+    assert len(entries) == 5 and split_views <= set(labels)
+    assert fused_reads == {"group0.param0", "group2.param0", *split_views}
+    assert fused_writes == {"group0.param0", *split_views}
