@@ -3,12 +3,16 @@
     torchrun --standalone --nproc-per-node 2 scripts/profile_step.py --preset llama8b --layers 8
 
 Builds the same FSDP2 model as scripts/bench_step.py, takes warm-up steps, profiles two
-steps and prints rank 0's kernels by total device time, with the step's wall time.
+steps and prints rank 0's kernels by total device time, with the step's wall time. With
+``--host`` it profiles rank 0's Python instead (cProfile, by own time), to tell whether the
+step is bound by the host launching its kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -34,6 +38,7 @@ def main() -> None:
     parser.add_argument(
         "--trace-dir", type=Path, help="write each rank's Chrome trace here (trace_rank<r>.json)"
     )
+    parser.add_argument("--host", action="store_true", help="profile rank 0's Python instead")
     args = parser.parse_args()
     device, mesh = init_distributed(args)
     with torch.no_grad():
@@ -46,6 +51,10 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
+        if args.host:
+            profile_host(opt, device, args.rows)
+            dist.destroy_process_group()
+            return
         activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
@@ -69,6 +78,23 @@ def main() -> None:
             f"{wall * 1e3:.1f} ms per step"
         )
     dist.destroy_process_group()
+
+
+def profile_host(opt: torch.optim.Optimizer, device: torch.device, rows: int) -> None:
+    """cProfile two steps on rank 0; the other ranks step alongside, unprofiled."""
+    host = cProfile.Profile() if dist.get_rank() == 0 else None
+    start = time.perf_counter()
+    if host is not None:
+        host.enable()
+    for _ in range(2):
+        opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if host is not None:
+        host.disable()
+        wall = (time.perf_counter() - start) / 2
+        print(f"host profile, rank 0: {wall * 1e3:.1f} ms per step (profiled)")
+        pstats.Stats(host).sort_stats("tottime").print_stats(rows)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 
 Per trace: GEMM, NCCL and other kernel time; how much NCCL time overlapped compute; the
 gaps in which no compute kernel ran (split at 20 µs: many short gaps mean launch-bound);
-and the kernels with the most total time. Reads plain or gzipped JSON.
+the longest gaps with the kernels on either side and the innermost host (CPU) event that
+spans most of the gap, which says what the host was doing meanwhile; and the kernels with
+the most total time. Reads plain or gzipped JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ Interval = tuple[float, float]
 
 GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "_sym_product_kernel")
 SHORT_GAP_US = 20.0
+LONGEST_GAPS = 6
 
 
 def category(name: str) -> str:
@@ -61,19 +64,36 @@ def overlap(a: list[Interval], b: list[Interval]) -> float:
     return length
 
 
-def load_kernels(path: Path) -> list[dict[str, Any]]:
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+
+
+def load_events(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The trace's GPU kernels and its host events."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    return [
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
+    return kernels, host
+
+
+def host_during(host: list[dict[str, Any]], start: float, end: float) -> str:
+    """The shortest host event covering at least half of ``[start, end)``."""
+    covering = [
         e
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        for e in host
+        if min(end, float(e["ts"]) + float(e["dur"])) - max(start, float(e["ts"]))
+        >= 0.5 * (end - start)
     ]
+    if not covering:
+        return "no host event"
+    inner = min(covering, key=lambda e: float(e["dur"]))
+    return f"{inner['name'][:40]} ({float(inner['dur']) * 1e-3:.2f} ms)"
 
 
 def summarise(path: Path, rows: int) -> None:
-    kernels = load_kernels(path)
+    kernels, host = load_events(path)
     if not kernels:
         print(f"{path}: no GPU kernels (a CPU trace?)")
         return
@@ -102,6 +122,24 @@ def summarise(path: Path, rows: int) -> None:
         f"  no compute kernel running for {sum(gaps) * ms:.1f} ms: {short * ms:.1f} ms in gaps"
         f" under {SHORT_GAP_US:.0f} µs, {(sum(gaps) - short) * ms:.1f} ms in longer ones"
     )
+    # Which kernels bound the longest gaps says what the GPU waited for.
+    starts = sorted(
+        (float(e["ts"]), e["name"][:50]) for e in kernels if category(e["name"]) != "nccl"
+    )
+    ends = sorted(
+        (float(e["ts"]) + float(e["dur"]), e["name"][:50])
+        for e in kernels
+        if category(e["name"]) != "nccl"
+    )
+    origin = compute[0][0]
+    longest = sorted(zip(gaps, pairwise(compute), strict=True), reverse=True)[:LONGEST_GAPS]
+    for gap, (before, after) in longest:
+        last = max((item for item in ends if item[0] <= before[1]), default=(0.0, "?"))[1]
+        first = min((item for item in starts if item[0] >= after[0]), default=(0.0, "?"))[1]
+        print(
+            f"  gap {gap * ms:6.2f} ms at +{(before[1] - origin) * ms:7.1f} ms: after {last}"
+            f" | before {first} | host: {host_during(host, before[1], after[0])}"
+        )
     for name, durations in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:rows]:
         print(f"  {sum(durations) * ms:8.2f} ms {len(durations):6d}x  {name}")
 
