@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from muon_dist.kernels.triton_ns import on_device
+
 _BLOCK = 4096
 _WARPS = 8
 
@@ -78,18 +80,19 @@ def momentum_input_triton(
     numel = grad.numel()
     if numel == 0:
         return
-    _momentum_input_kernel[_grid(numel)](
-        grad,
-        momentum,
-        out,
-        numel,
-        float(beta),
-        float(mix or 0.0),
-        NESTEROV=mix is not None,
-        STORE=store,
-        BLOCK=_BLOCK,
-        num_warps=_WARPS,
-    )
+    with on_device(grad.device):
+        _momentum_input_kernel[_grid(numel)](
+            grad,
+            momentum,
+            out,
+            numel,
+            float(beta),
+            float(mix or 0.0),
+            NESTEROV=mix is not None,
+            STORE=store,
+            BLOCK=_BLOCK,
+            num_warps=_WARPS,
+        )
 
 
 def decay_and_update_triton(
@@ -99,6 +102,7 @@ def decay_and_update_triton(
     numel = param.numel()
     if numel == 0:
         return
-    _decay_and_update_kernel[_grid(numel)](
-        param, update, numel, float(decay), float(step), BLOCK=_BLOCK, num_warps=_WARPS
-    )
+    with on_device(param.device):
+        _decay_and_update_kernel[_grid(numel)](
+            param, update, numel, float(decay), float(step), BLOCK=_BLOCK, num_warps=_WARPS
+        )

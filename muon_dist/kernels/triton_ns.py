@@ -77,7 +77,7 @@ def newton_schulz_triton(
     private = Y.untyped_storage().data_ptr() != X.untyped_storage().data_ptr()
     inverse = inverse_norms(Y, schedule.norm_scale, eps)
     batch, m = Y.size(0), min(Y.size(-2), Y.size(-1))
-    with _on_device(Y.device):
+    with on_device(Y.device):
         A = Y.new_empty(batch, m, m)
         B = torch.empty_like(A)
         spare = torch.empty_like(Y)
@@ -95,6 +95,6 @@ def newton_schulz_triton(
     return Y.reshape(*X.shape[:-2], Y.size(-2), Y.size(-1))
 
 
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Triton launches on the current CUDA device, which need not be the tensor's."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
