@@ -15,7 +15,12 @@ from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
 from muon_dist.kernels.dispatch import newton_schulz, validate_backend
-from muon_dist.kernels.elementwise import advance_momentum, decay_and_update_, momentum_input_
+from muon_dist.kernels.elementwise import (
+    advance_momentum,
+    decay_and_update_,
+    momentum_input_,
+    nesterov_input_,
+)
 from muon_dist.plan import (
     REPLICA_MODES,
     Plan,
@@ -661,11 +666,8 @@ class _StepContext:
             momentum_input_(
                 grad, momentum, out, self.momentum[param], mix, store=self._pending is None
             )
-        elif mix is None:
-            out.copy_(momentum)
         else:
-            # One pass that casts on the way: the mix is never stored in fp32.
-            torch.add(grad, momentum, alpha=mix, out=out)
+            nesterov_input_(grad, momentum, out, mix)
 
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
         # Owners add their own result in the dtype the other holders receive it in, so

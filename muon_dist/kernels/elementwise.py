@@ -35,6 +35,17 @@ def advance_momentum(
     return torch.add(grad, momentum, alpha=beta, out=out)
 
 
+def nesterov_input_(
+    grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, mix: float | None
+) -> None:
+    """Write Newton–Schulz's input from an advanced momentum into ``out``: ``g + mix·m``,
+    or ``m`` when ``mix`` is None, in one torch pass that casts on the way."""
+    if mix is None:
+        out.copy_(momentum)
+    else:
+        torch.add(grad, momentum, alpha=mix, out=out)
+
+
 def momentum_input_(
     grad: torch.Tensor,
     momentum: torch.Tensor,
@@ -55,10 +66,7 @@ def momentum_input_(
         momentum_input_triton(grad, momentum, out, beta, mix, store)
         return
     advanced = advance_momentum(grad, momentum, beta, out=momentum if store else None)
-    if mix is None:
-        out.copy_(advanced)
-    else:
-        torch.add(grad, advanced, alpha=mix, out=out)
+    nesterov_input_(grad, advanced, out, mix)
 
 
 def decay_and_update_(param: torch.Tensor, update: torch.Tensor, decay: float, step: float) -> None:
