@@ -57,6 +57,15 @@ def check_products(failures: list[str]) -> None:
             ok = err < tol and not poly.isnan().any()
             check(f"poly {dtype} {shape}", ok, f"{err:.2e}", failures)
 
+            # The first Newton–Schulz step's epilogue: a scale per matrix and a diagonal.
+            scale = torch.rand(batch, device="cuda") + 0.5
+            sym_product(A, out=poly, alpha=2.03, Y=A, beta=-4.78, diag=3.44, scale=scale)
+            eye = torch.eye(m, device="cuda", dtype=torch.float64)
+            ref = (ref + 3.44 * eye) * scale.double().view(-1, 1, 1)
+            err = rel_err(poly, ref)
+            ok = err < tol and not poly.isnan().any()
+            check(f"scaled poly {dtype} {shape}", ok, f"{err:.2e}", failures)
+
 
 def check_large_batch(failures: list[str]) -> None:
     """A batch of 2**31+ elements: only 64-bit batch offsets reach the last matrices."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from muon_dist.kernels import newton_schulz, resolve_coefficients
+from muon_dist.kernels.reference import gram_inverse_norms, inverse_norms, scale_matrices_
 
 # Singular values each set leaves on inputs spanning two decades (condition number 100),
 # after 5 steps in bf16. Keller's quintic overshoots 1 by design, trading accuracy for
@@ -74,6 +75,26 @@ def test_folded_normalisation_matches_dividing_first() -> None:
         y = a * y + (b * gram + c * gram @ gram) @ y
     out = newton_schulz(x, coefficients="polar_express", dtype=torch.float64, eps=0.0)
     torch.testing.assert_close(out, y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gram_trace_gives_the_stack_norm(dtype: torch.dtype) -> None:
+    """‖X‖_F² = tr(X·Xᵀ): the torch iteration reads its norm off the first Gram matrix."""
+    x = torch.randn(3, 20, 70).to(dtype)
+    from_gram = gram_inverse_norms(x @ x.mT, 1.02, 1e-7)
+    from_stack = inverse_norms(x, 1.02, 1e-7)
+    assert from_gram.shape == from_stack.shape == (3,)
+    # bf16 rounds each squared row norm once: the trace stays within 2**-9 relative.
+    torch.testing.assert_close(
+        from_gram, from_stack, rtol=2**-9 if dtype == torch.bfloat16 else 1e-6, atol=0
+    )
+
+
+def test_scale_matrices_scales_each_matrix_by_its_factor() -> None:
+    x = torch.randn(4, 6, 5)
+    factors = torch.tensor([0.5, 2.0, -1.0, 3.0])
+    expected = x * factors.view(-1, 1, 1)
+    assert torch.equal(scale_matrices_(x, factors), expected)
 
 
 def test_scale_invariance_and_overflow() -> None:

@@ -67,6 +67,32 @@ def test_polynomial_matches_float64(shape: tuple[int, int, int]) -> None:
     assert rel_err(out, ref) < 1e-6
 
 
+@pytest.mark.parametrize("shape", [(1, 70, 50), (3, 33, 130), (5, 16, 16)], ids=str)
+def test_epilogue_scale_and_diagonal(shape: tuple[int, int, int]) -> None:
+    """``scale·(alpha·P·Pᵀ + beta·Y + diag·I)`` with a different scale per matrix."""
+    torch.manual_seed(3)
+    batch, m, _ = shape
+    P = torch.randn(shape)
+    Y = torch.randn(batch, m, m)
+    Y = Y + Y.mT
+    scale = torch.rand(batch) + 0.5
+    out = torch.full_like(Y, float("nan"))
+    sym_product(P, out=out, alpha=1.7, Y=Y, beta=-0.3, diag=2.5, scale=scale)
+    eye = torch.eye(m, dtype=torch.float64)
+    ref = 1.7 * P.double() @ P.double().mT - 0.3 * Y.double() + 2.5 * eye
+    ref = ref * scale.double().view(-1, 1, 1)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-6
+
+
+def test_epilogue_scale_is_checked() -> None:
+    P = torch.randn(3, 8, 8)
+    with pytest.raises(ValueError, match="3 float32 factors"):
+        sym_product(P, out=torch.empty(3, 8, 8), scale=torch.ones(2))
+    with pytest.raises(ValueError, match="3 float32 factors"):
+        sym_product(P, out=torch.empty(3, 8, 8), scale=torch.ones(3, dtype=torch.float64))
+
+
 def test_gram_reads_strided_input() -> None:
     """Strides are honoured: a transposed view gives the same Gram matrix."""
     torch.manual_seed(2)

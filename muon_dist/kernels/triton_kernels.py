@@ -1,13 +1,16 @@
 """Triton kernels for the symmetric products of a Newton–Schulz step.
 
 ``A = X·Xᵀ`` and ``B = b·A + c·A·A`` are both symmetric, and ``A·A = A·Aᵀ`` because ``A`` is,
-so one kernel computes ``out = alpha·P·Pᵀ + beta·Y`` for both: only the tiles on or below the
-diagonal are computed (about half the FLOPs of a plain matmul) and each is also written to
-its mirrored position. Importing this module imports Triton; the driver imports it lazily.
+so one kernel computes ``out = s·(alpha·P·Pᵀ + beta·Y + d·I)`` for both: only the tiles on or
+below the diagonal are computed (about half the FLOPs of a plain matmul) and each is also
+written to its mirrored position. The per-matrix scale ``s`` and the diagonal ``d`` let the
+step's normalisation and its ``a·I`` term ride in the epilogue instead of separate passes.
+Importing this module imports Triton; the driver imports it lazily.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -60,6 +63,7 @@ def _sym_product_kernel(
     p_ptr,
     y_ptr,
     out_ptr,
+    scale_ptr,
     M,
     K,
     batch_class,  # autotune key only: the best tile size depends on how many programs run
@@ -74,6 +78,7 @@ def _sym_product_kernel(
     stride_on,
     alpha,
     beta,
+    diag,
     HAS_Y: tl.constexpr,
     K_CONTIGUOUS: tl.constexpr,  # autotune key only: a transposed P loads differently
     INPUT_PRECISION: tl.constexpr,
@@ -81,7 +86,10 @@ def _sym_product_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``out[b] = alpha·P[b]·P[b]ᵀ (+ beta·Y[b])`` for one lower-triangular tile of one matrix."""
+    """``out[b] = s[b]·(alpha·P[b]·P[b]ᵀ + beta·Y[b] + diag·I)`` for one lower-triangular tile
+    of one matrix (the Y term only with HAS_Y). The scale and the diagonal are always
+    applied, with 1 and 0 when unused: two flags more would double the variants that a
+    new shape compiles on its first call, for a few epilogue instructions per tile."""
     pid = tl.program_id(0)
     tiles_per_side = tl.cdiv(M, BLOCK_M)
     tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2
@@ -124,6 +132,8 @@ def _sym_product_kernel(
     if HAS_Y:
         y_ptrs = y_ptr + batch * stride_yb + out_r[:, None] * stride_ym + out_c[None, :] * stride_yn
         result += beta * tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    result = tl.where(offs_r[:, None] == offs_c[None, :], result + diag, result)
+    result *= tl.load(scale_ptr + batch)
     result = result.to(out_ptr.dtype.element_ty)
 
     o_base = out_ptr + batch * stride_ob
@@ -131,6 +141,12 @@ def _sym_product_kernel(
     if row != col:
         mirror_ptrs = o_base + out_c[:, None] * stride_om + out_r[None, :] * stride_on
         tl.store(mirror_ptrs, tl.trans(result), mask=tl.trans(mask))
+
+
+@functools.cache
+def _unit_scales(batch: int, device: torch.device) -> torch.Tensor:
+    """Scales of 1 for products without one, kept per batch size and device."""
+    return torch.ones(batch, dtype=torch.float32, device=device)
 
 
 def _batch_class(batch: int) -> int:
@@ -144,12 +160,17 @@ def sym_product(
     alpha: float = 1.0,
     Y: torch.Tensor | None = None,
     beta: float = 0.0,
+    diag: float = 0.0,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write ``alpha·P·Pᵀ + beta·Y`` for a batch ``P`` of shape [batch, m, k] into ``out``.
+    """Write ``scale·(alpha·P·Pᵀ + beta·Y + diag·I)`` for a batch ``P`` of shape [batch, m, k]
+    into ``out``.
 
     ``out`` is [batch, m, m] in any floating dtype; ``Y`` (same shape as ``out``) must be
-    symmetric, since only its lower-triangular tiles are read. Accumulates in fp32; fp32
-    operands use exact ("ieee") products rather than TF32 so the CPU tests are meaningful.
+    symmetric, since only its lower-triangular tiles are read; ``scale`` holds one fp32
+    factor per matrix (``batch`` elements, any shape). Accumulates in fp32 and rounds once;
+    fp32 operands use exact ("ieee") products rather than TF32 so the CPU tests are
+    meaningful.
     """
     batch, m, k = P.shape
     if out.shape != (batch, m, m):
@@ -158,6 +179,11 @@ def sym_product(
         raise ValueError(f"Y must have shape {tuple(out.shape)}, got {tuple(Y.shape)}")
     if batch == 0 or m == 0:
         return out
+    if scale is not None and (scale.numel() != batch or scale.dtype != torch.float32):
+        raise ValueError(
+            f"scale must hold {batch} float32 factors, one per matrix; got "
+            f"{scale.numel()} of {scale.dtype}"
+        )
     y_strides = Y.stride() if Y is not None else (0, 0, 0)
 
     def grid(meta: dict) -> tuple[int]:
@@ -168,6 +194,7 @@ def sym_product(
         P,
         Y,
         out,
+        scale.contiguous() if scale is not None else _unit_scales(batch, P.device),
         m,
         k,
         _batch_class(batch),
@@ -176,6 +203,7 @@ def sym_product(
         *out.stride(),
         float(alpha),
         float(beta),
+        float(diag),
         HAS_Y=Y is not None,
         K_CONTIGUOUS=P.stride(2) == 1,
         INPUT_PRECISION="ieee" if P.dtype == torch.float32 else "tf32",

@@ -13,13 +13,7 @@ import os
 import torch
 
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
-from muon_dist.kernels.reference import (
-    DEFAULT_EPS,
-    absorb_identity_,
-    as_stack,
-    inverse_norms,
-    normalize_gram_,
-)
+from muon_dist.kernels.reference import DEFAULT_EPS, as_stack, inverse_norms
 
 # Dtypes tl.dot takes with fp32 accumulation; float64 stays on the torch reference.
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,8 +47,9 @@ def newton_schulz_triton(
 ) -> torch.Tensor:
     """Same contract as ``newton_schulz_torch``, with ``X·Xᵀ`` and ``b·A + c·A·A`` in Triton.
 
-    Only the symmetric products use Triton: they compute half the tiles of a plain matmul.
-    ``(a·I + B)·X`` is a general product and stays on ``torch.bmm`` (cuBLAS); a Triton
+    Only the symmetric products use Triton: they compute half the tiles of a plain matmul,
+    and their epilogues also apply the normalisation and add ``a·I``, so a step is three
+    launches. ``(a·I + B)·X`` is a general product and stays on ``torch.bmm`` (cuBLAS); a Triton
     variant is worth adding only if it measures faster there. Tall matrices take the Gram
     matrix ``Xᵀ·X`` from a transposed view, as the torch reference does, without a copy.
     """
@@ -75,18 +70,20 @@ def newton_schulz_triton(
     tall = Y.size(-2) > Y.size(-1)
     # The input stack may be the caller's tensor: it is read, never overwritten.
     private = Y.untyped_storage().data_ptr() != X.untyped_storage().data_ptr()
+    # Fold the normalisation into the first step's epilogues (see absorb_identity_): the
+    # Gram matrix takes 1/s², B takes 1/s, and every B its a·I. The norm comes from the
+    # stack, not the Gram trace, since the Gram epilogue already needs it.
     inverse = inverse_norms(Y, schedule.norm_scale, eps)
+    gram_scale = inverse.square()
     batch, m = Y.size(0), min(Y.size(-2), Y.size(-1))
     with on_device(Y.device):
         A = Y.new_empty(batch, m, m)
         B = torch.empty_like(A)
         spare = torch.empty_like(Y)
         for index, (a, b, c) in enumerate(schedule.steps):
-            sym_product(Y.mT if tall else Y, out=A)
-            if index == 0:
-                normalize_gram_(A, inverse)
-            sym_product(A, out=B, alpha=c, Y=A, beta=b)
-            absorb_identity_(B, a, inverse if index == 0 else None)
+            first = index == 0
+            sym_product(Y.mT if tall else Y, out=A, scale=gram_scale if first else None)
+            sym_product(A, out=B, alpha=c, Y=A, beta=b, diag=a, scale=inverse if first else None)
             if tall:
                 torch.bmm(Y, B, out=spare)
             else:

@@ -1,0 +1,117 @@
+"""Time the two symmetric products of a Newton–Schulz step: Triton against cuBLAS, per stack.
+
+    python scripts/bench_products.py [--sweep]
+
+For each stack: the Gram product ``X·Xᵀ`` (cuBLAS ``bmm``) and ``b·A + c·A·A`` (cuBLAS
+``baddbmm``, which copies ``A`` into its output first) against ``sym_product`` with its
+autotuned config. ``--sweep`` also times each config of ``CANDIDATES`` alone, by handing the
+autotuner that one config, to tell whether the kept list misses a better one. bf16, one GPU;
+µs are medians of ``triton.testing.do_bench``; "TF" is TFLOP/s by the standard count
+(``2·b·m²·k`` and ``2·b·m³``), the same count for both, so the symmetric kernel's halved work
+shows as a rate above the hardware's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import triton
+import triton.testing
+
+from muon_dist.kernels import triton_kernels
+
+STACKS = [
+    (32, 768, 2048),
+    (128, 768, 2048),
+    (32, 1536, 4096),
+    (4, 1024, 4096),
+    (1, 4096, 4096),
+    (1, 8192, 8192),
+]
+# (BLOCK_M, BLOCK_K, warps, stages): the kept list's shapes and some it does not hold.
+CANDIDATES = [
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (64, 64, 4, 4),
+    (64, 128, 4, 3),
+    (128, 128, 8, 3),
+    (128, 32, 4, 4),
+    (64, 64, 4, 3),
+    (64, 32, 4, 5),
+    (128, 64, 4, 4),
+]
+
+
+@contextmanager
+def only_config(candidate: tuple[int, int, int, int]) -> Iterator[None]:
+    """Let the autotuner run one config: with a single candidate it benchmarks nothing."""
+    kernel = triton_kernels._sym_product_kernel
+    kept = kernel.configs
+    block_m, block_k, warps, stages = candidate
+    kernel.configs = [
+        triton.Config({"BLOCK_M": block_m, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
+    ]
+    try:
+        yield
+    finally:
+        kernel.configs = kept
+
+
+def time_us(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+def report(label: str, flop: float, runs: dict[str, Callable[[], object]], sweep: bool) -> None:
+    """Print one product's times, fastest first; ``runs`` holds "cublas" and "triton"."""
+    times = {name: time_us(fn) for name, fn in runs.items()}
+    if sweep:
+        for candidate in CANDIDATES:
+            with only_config(candidate):
+                times[str(candidate)] = time_us(runs["triton"])
+    ranked = sorted(times.items(), key=lambda item: item[1])
+    cells = ", ".join(f"{name} {us:.0f} µs ({flop / us / 1e6:.0f} TF)" for name, us in ranked)
+    print(f"{label}: {cells}", flush=True)
+
+
+def bench_stack(batch: int, m: int, k: int, sweep: bool) -> None:
+    P = torch.randn(batch, m, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    A = torch.bmm(P, P.mT)
+    out = torch.empty_like(A)
+    report(
+        f"{batch}x{m}x{k} gram",
+        2.0 * batch * m * m * k,
+        {
+            "cublas": lambda: torch.bmm(P, P.mT, out=out),
+            "triton": lambda: triton_kernels.sym_product(P, out=out),
+        },
+        sweep,
+    )
+    report(
+        f"{batch}x{m}x{k} poly",
+        2.0 * batch * m**3,
+        {
+            "cublas": lambda: torch.baddbmm(A, A, A, beta=-4.7, alpha=2.0),
+            "triton": lambda: triton_kernels.sym_product(
+                A, out=out, alpha=2.0, Y=A, beta=-4.7, diag=3.4
+            ),
+        },
+        sweep,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time each candidate config")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_products.py times CUDA kernels; run it on a GPU machine")
+    for batch, m, k in STACKS:
+        bench_stack(batch, m, k, args.sweep)
+
+
+if __name__ == "__main__":
+    main()
