@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-import triton
 import triton.testing
 
 from muon_dist.kernels import triton_kernels
@@ -31,13 +30,9 @@ STACKS = [
     (1, 4096, 4096),
     (1, 8192, 8192),
 ]
-# (BLOCK_M, BLOCK_K, warps, stages): the kept list's shapes and some it does not hold.
+# (BLOCK_M, BLOCK_K, warps, stages): the kept list and some tiles it does not hold.
 CANDIDATES = [
-    (128, 64, 4, 3),
-    (128, 64, 8, 3),
-    (128, 64, 8, 4),
-    (64, 64, 4, 4),
-    (64, 128, 4, 3),
+    *triton_kernels.GPU_TILES,
     (128, 128, 8, 3),
     (128, 32, 4, 4),
     (64, 64, 4, 3),
@@ -51,10 +46,7 @@ def only_config(candidate: tuple[int, int, int, int]) -> Iterator[None]:
     """Let the autotuner run one config: with a single candidate it benchmarks nothing."""
     kernel = triton_kernels._sym_product_kernel
     kept = kernel.configs
-    block_m, block_k, warps, stages = candidate
-    kernel.configs = [
-        triton.Config({"BLOCK_M": block_m, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
-    ]
+    kernel.configs = [triton_kernels.tile_config(candidate)]
     try:
         yield
     finally:

@@ -22,29 +22,31 @@ from muon_dist.kernels.triton_ns import interpret_mode
 _INTERPRET = interpret_mode()
 
 
-def _gpu_configs() -> list[triton.Config]:
-    """A short list so the first call on a new shape compiles and times only a few kernels.
+# (BLOCK_M, BLOCK_K, warps, stages) of the autotuned configs on a GPU. A short list, so the
+# first call on a new shape compiles and times only a few kernels. Square 128 tiles feed the
+# Hopper tensor cores best on large Gram matrices (on an H200, 128/64 with 4 or 8 warps won
+# on every large shape measured); 64 tiles keep enough programs in flight when there are
+# few 128 tiles (one 1024-row matrix has only 36).
+GPU_TILES: tuple[tuple[int, int, int, int], ...] = (
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (64, 64, 4, 4),
+    (64, 128, 4, 3),
+)
 
-    Square 128 tiles feed the Hopper tensor cores best on large Gram matrices (on an H200,
-    128/64 with 4 or 8 warps won on every large shape measured); 64 tiles keep enough
-    programs in flight when there are few 128 tiles (one 1024-row matrix has only 36).
-    """
-    shapes = [
-        (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (128, 64, 8, 4),
-        (64, 64, 4, 4),
-        (64, 128, 4, 3),
-    ]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
-        for bm, bk, warps, stages in shapes
-    ]
+
+def tile_config(tile: tuple[int, int, int, int]) -> triton.Config:
+    """The autotuner config for a (BLOCK_M, BLOCK_K, warps, stages) tile."""
+    block_m, block_k, warps, stages = tile
+    return triton.Config(
+        {"BLOCK_M": block_m, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages
+    )
 
 
 def _interpreter_configs() -> list[triton.Config]:
     """One small config: the CPU interpreter's cost grows with block volume, and it has no timer."""
-    return [triton.Config({"BLOCK_M": 32, "BLOCK_K": 32}, num_warps=1, num_stages=1)]
+    return [tile_config((32, 32, 1, 1))]
 
 
 def _bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> list[float]:
@@ -53,7 +55,7 @@ def _bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> lis
 
 
 @triton.autotune(
-    configs=_interpreter_configs() if _INTERPRET else _gpu_configs(),
+    configs=_interpreter_configs() if _INTERPRET else [tile_config(t) for t in GPU_TILES],
     key=["M", "K", "batch_class", "HAS_Y", "K_CONTIGUOUS"],
     do_bench=_bench,
 )
