@@ -5,10 +5,12 @@ its own fresh state, so their times and peak memory compare directly. The Newton
 floor (standard FLOPs over all Muon matrices / W GPUs / measured bf16 matmul rate) is the
 yardstick: a perfectly balanced, perfectly overlapped Muon step cannot beat it. Before timing,
 the first step of muon_dist and of the all-gather baseline are compared on identical inputs;
-the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON).
+the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON). On CUDA,
+muon_dist is also timed with its step captured in a CUDA graph (``cuda_graph=True``).
 
     torchrun --standalone --nproc-per-node 4 scripts/bench_step.py --preset llama8b \
         --sweep-inflight 1,2,3,4 --json $OUT/bench_step_llama8b.json
+    torchrun --standalone --nproc-per-node 2 scripts/bench_step.py --preset small224
     torchrun --standalone --nproc-per-node 2 scripts/bench_step.py --preset tiny --device cpu
 """
 
@@ -81,6 +83,15 @@ PRESETS = {
             "experts": {"w1": (128, 768, 2048), "w3": (128, 768, 2048), "w2": (128, 2048, 768)},
         },
         layers=8,
+    ),
+    # llama8b's seven shapes at 1/16 of their dimensions: 224 tiny matrices, so the GPU work
+    # is negligible and the step time is the host's fixed cost (launches, collectives).
+    "small224": Preset(
+        {
+            "attn": {"wq": (256, 256), "wk": (64, 256), "wv": (64, 256), "wo": (256, 256)},
+            "mlp": {"w1": (896, 256), "w3": (896, 256), "w2": (256, 896)},
+        },
+        layers=32,
     ),
     # Odd sizes on purpose: 65 and 689 rows shard unevenly over 2 or 4 ranks, and 5 experts
     # over 4 ranks leave one rank an empty shard, so the CPU smoke test covers those layouts.
@@ -366,6 +377,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sweep-inflight", metavar="K,K,...", help="time muon_dist at each max_inflight listed"
     )
+    parser.add_argument(
+        "--no-cuda-graph", action="store_true", help="skip the captured muon_dist row on CUDA"
+    )
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument("--coefficients", choices=sorted(COEFFICIENT_SETS), default="quintic")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per method (>= 5)")
@@ -419,7 +433,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     if any(g["algorithm"] != "muon" for g in groups):
         raise RuntimeError("every preset parameter is a hidden matrix and must route to Muon")
 
-    def make_muon(max_inflight: int) -> muon_dist.Muon:
+    def make_muon(max_inflight: int, cuda_graph: bool = False) -> muon_dist.Muon:
         return muon_dist.Muon(
             groups,
             lr=LR,
@@ -434,6 +448,8 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             bucket_bytes=int(args.bucket_mb * MIB),
             max_inflight=max_inflight,
             replica_mode=args.replica_mode,
+            cuda_graph=cuda_graph,
+            graph_warmup=1,
         )
 
     def make_baseline() -> AllGatherMuon:
@@ -466,12 +482,23 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
         log(f"timing muon_dist max_inflight={k}")
         name = f"muon_dist inflight={k}"
         methods.append(time_method(name, lambda k=k: make_muon(k), args, device))
+    if device.type == "cuda" and not args.no_cuda_graph:
+        k = args.inflight[0]
+        log(f"timing muon_dist captured in a CUDA graph, max_inflight={k}")
+        methods.append(
+            time_method(
+                f"muon_dist graph inflight={k}",
+                lambda k=k: make_muon(k, cuda_graph=True),
+                args,
+                device,
+            )
+        )
     log("timing the all-gather baseline")
     methods.append(time_method("allgather_muon", make_baseline, args, device))
     log("timing AdamW")
     adamw_name = "adamw fused" if device.type == "cuda" else "adamw foreach"
     methods.append(time_method(adamw_name, make_adamw, args, device))
-    baseline_ms = methods[-2]["median_ms"]
+    baseline_ms = next(m["median_ms"] for m in methods if m["name"] == "allgather_muon")
     for row in methods:
         row["floor_multiple"] = row["median_ms"] / floor_ms
         row["speedup_vs_allgather"] = baseline_ms / row["median_ms"]

@@ -19,9 +19,9 @@ from bench_kernels import MAX_ERROR_RATIO, newton_schulz_float64, rel_err
 
 from muon_dist.kernels import newton_schulz
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS
-from muon_dist.kernels.elementwise import advance_momentum
 from muon_dist.kernels.triton_elementwise import decay_and_update_triton, momentum_input_triton
 from muon_dist.kernels.triton_kernels import sym_product
+from muon_dist.update_rule import advance_momentum
 
 # Product tolerances against float64: fp32 is exact-product ("ieee"), bf16/fp16 round once.
 PRODUCT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -105,6 +105,7 @@ def _close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tup
 
 
 def check_elementwise(failures: list[str]) -> None:
+    keep = torch.ones((), dtype=torch.bool, device="cuda")
     for state_dtype in (torch.float32, torch.bfloat16):
         for out_dtype in (torch.bfloat16, torch.float32):
             for mix in (0.95, None):
@@ -113,7 +114,7 @@ def check_elementwise(failures: list[str]) -> None:
                 advanced = advance_momentum(grad, momentum, 0.9)
                 expected = advanced if mix is None else torch.add(grad, advanced, alpha=mix)
                 out = torch.empty_like(grad, dtype=out_dtype)
-                momentum_input_triton(grad, momentum, out, 0.9, mix, store=True)
+                momentum_input_triton(grad, momentum, out, 0.9, mix, True, keep)
                 coarse = torch.bfloat16 if torch.bfloat16 in (state_dtype, out_dtype) else out_dtype
                 ok, detail = _close(out, expected.to(out_dtype), coarse)
                 stored, _ = _close(momentum, advanced, state_dtype)
@@ -122,14 +123,20 @@ def check_elementwise(failures: list[str]) -> None:
         param = torch.randn(5, 777, 513, device="cuda", dtype=state_dtype)
         update = torch.randn_like(param, dtype=torch.bfloat16)
         expected = param.mul(0.998).add_(update, alpha=-0.02)
-        decay_and_update_triton(param, update, 0.998, -0.02)
+        decay_and_update_triton(
+            param,
+            update,
+            torch.tensor(0.998, device="cuda"),
+            torch.tensor(-0.02, device="cuda"),
+            keep,
+        )
         check(f"update {state_dtype}", *_close(param, expected, state_dtype), failures)
     # 64-bit offsets: the last elements of a tensor past 2**31 elements.
     numel = 2**31 + 4100
     grad = torch.ones(numel, device="cuda")
     momentum = torch.full_like(grad, 2.0)
     out = torch.zeros(numel, device="cuda", dtype=torch.bfloat16)
-    momentum_input_triton(grad, momentum, out, 0.5, 1.0, store=True)
+    momentum_input_triton(grad, momentum, out, 0.5, 1.0, True, keep)
     tail_ok = bool((out[-5000:] == 3.0).all() and (momentum[-5000:] == 2.0).all())
     check("momentum past 2**31 elements", tail_ok, "last 5000 elements written", failures)
     del grad, momentum, out

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from muon_dist.kernels.availability import triton_available
 from muon_dist.kernels.coefficients import Coefficients
-from muon_dist.kernels.reference import DEFAULT_EPS, newton_schulz_torch
-from muon_dist.kernels.triton_ns import (
-    TRITON_DTYPES,
-    newton_schulz_triton,
-    triton_available,
-)
+from muon_dist.kernels.torch_ns import DEFAULT_EPS, newton_schulz_torch
+from muon_dist.kernels.triton_ns import TRITON_DTYPES, newton_schulz_triton
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -64,7 +61,7 @@ def newton_schulz(
 ) -> torch.Tensor:
     """Orthogonalize a matrix or a batch of matrices (any leading dims); returns ``dtype``.
 
-    "torch" runs the reference; "triton" the Triton kernels (CUDA tensors, or CPU tensors
+    "torch" runs the torch backend; "triton" the Triton kernels (CUDA tensors, or CPU tensors
     under TRITON_INTERPRET=1); "auto" takes Triton for CUDA tensors where
     ``prefer_triton`` says it is faster, torch otherwise.
     """

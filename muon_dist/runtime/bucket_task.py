@@ -15,6 +15,44 @@ from muon_dist.plan import BlockPiece, BucketPlan, LocalPiece, OwnedBlock
 from muon_dist.runtime.scheduler import Task, TaskBody
 
 
+@dataclass(frozen=True)
+class StackLayout:
+    """Same-shape, same-schedule owned blocks of a bucket, stacked for one batched kernel
+    call; laid out once per plan. ``layouts`` names each matrix's layout (plan position)."""
+
+    index: int  # unique over the plan: the context keys per-stack data by it
+    blocks: tuple[int, ...]
+    offsets: tuple[int, ...]  # first matrix of each block in the stack
+    shape: tuple[int, int, int]
+    ns_key: Hashable
+    layouts: tuple[int, ...]
+
+
+def stack_layouts(bucket: BucketPlan, first_index: int) -> list[StackLayout]:
+    """The stacks of one bucket, numbered from ``first_index``."""
+    groups: dict[tuple[int, int, Hashable], list[int]] = defaultdict(list)
+    for index, block in enumerate(bucket.owned):
+        groups[(block.rows, block.cols, block.ns_key)].append(index)
+    stacks = []
+    for (rows, cols, ns_key), members in groups.items():
+        offsets, layouts = [], []
+        for index in members:
+            block = bucket.owned[index]
+            offsets.append(len(layouts))
+            layouts += [block.param] * (block.stop - block.start)
+        stacks.append(
+            StackLayout(
+                first_index + len(stacks),
+                tuple(members),
+                tuple(offsets),
+                (len(layouts), rows, cols),
+                ns_key,
+                tuple(layouts),
+            )
+        )
+    return stacks
+
+
 class StepContext(Protocol):
     """What a bucket task needs from the optimizer for one step."""
 
@@ -23,65 +61,38 @@ class StepContext(Protocol):
     device: torch.device
 
     def read_update(self, param: int, slices: tuple[slice, ...], out: torch.Tensor) -> None:
-        """Write the Newton–Schulz input (momentum or Nesterov mix) of a piece of a local
-        shard into ``out``, casting to its dtype."""
+        """Write the Newton–Schulz input of a piece of a local shard into ``out``, casting
+        to its dtype."""
+        ...
+
+    def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
+        """Newton–Schulz on a ``[k, rows, cols]`` stack, recording on the device whether
+        the result is finite."""
         ...
 
     def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
         """Add the scaled orthogonalized update to a piece of a local shard."""
         ...
 
-    def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
-        """Newton–Schulz on a ``[k, rows, cols]`` stack."""
-        ...
 
-    def watch_finite(self, names: tuple[str, ...], result: torch.Tensor) -> None:
-        """Record, without a device sync, whether a Newton–Schulz result is finite."""
-        ...
-
-
-@dataclass
-class _Stack:
-    """Same-shape, same-schedule owned blocks stacked for one batched kernel call."""
-
-    blocks: list[int]
-    offsets: list[int]  # first matrix of each block in the stack
-    tensor: torch.Tensor
-
-
-def _stacks(bucket: BucketPlan, ctx: StepContext) -> list[_Stack]:
-    groups: dict[tuple[int, int, Hashable], list[int]] = defaultdict(list)
-    for index, block in enumerate(bucket.owned):
-        groups[(block.rows, block.cols, block.ns_key)].append(index)
-    stacks = []
-    for (rows, cols, _), members in groups.items():
-        offsets, total = [], 0
-        for index in members:
-            offsets.append(total)
-            total += bucket.owned[index].stop - bucket.owned[index].start
-        tensor = torch.empty(total, rows, cols, dtype=ctx.comm_dtype, device=ctx.device)
-        stacks.append(_Stack(members, offsets, tensor))
-    return stacks
-
-
-def _block_views(bucket: BucketPlan, stacks: list[_Stack]) -> list[torch.Tensor]:
+def _block_views(
+    bucket: BucketPlan, layouts: Sequence[StackLayout], tensors: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
     """Each owned block's region of its stack, shaped like the block's box."""
     views: list[torch.Tensor] = [torch.empty(0)] * len(bucket.owned)
-    for stack in stacks:
-        for index, offset in zip(stack.blocks, stack.offsets, strict=True):
+    for layout, tensor in zip(layouts, tensors, strict=True):
+        for index, offset in zip(layout.blocks, layout.offsets, strict=True):
             block: OwnedBlock = bucket.owned[index]
-            views[index] = stack.tensor[offset : offset + block.stop - block.start].view(
-                block.shape
-            )
+            views[index] = tensor[offset : offset + block.stop - block.start].view(block.shape)
     return views
 
 
-def bucket_task(bucket: BucketPlan, ctx: StepContext) -> Task:
+def bucket_task(bucket: BucketPlan, layouts: Sequence[StackLayout], ctx: StepContext) -> Task:
     """Wrap one bucket's work as a task; it yields once per collective it waits on."""
-    return Task(bucket.names, _run_bucket(bucket, ctx))
+    return Task(bucket.names, _run_bucket(bucket, layouts, ctx))
 
 
-def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
+def _run_bucket(bucket: BucketPlan, layouts: Sequence[StackLayout], ctx: StepContext) -> TaskBody:
     # Buffers are dropped as soon as they are consumed (the collectives keep their own
     # references until they finish), so a bucket waiting on its scatter holds no gather
     # buffers or input stacks while other buckets compute.
@@ -95,12 +106,10 @@ def _run_bucket(bucket: BucketPlan, ctx: StepContext) -> TaskBody:
         )
         yield
         work.wait()
-    stacks = _assemble(bucket, ctx, received)
+    stacks = _assemble(bucket, layouts, ctx, received)
     del received
-    for stack in stacks:
-        stack.tensor = ctx.orthogonalize(stack.tensor, bucket.owned[stack.blocks[0]].ns_key)
-        ctx.watch_finite(bucket.names, stack.tensor)
-    results = _block_views(bucket, stacks)
+    stacks = [ctx.orthogonalize(t, layout) for t, layout in zip(stacks, layouts, strict=True)]
+    results = _block_views(bucket, layouts, stacks)
     del stacks
     for block, result in zip(bucket.owned, results, strict=True):
         if block.own_slices is not None:
@@ -131,10 +140,15 @@ def _start(
     return start_exchange(send, sends, recvs, ctx.world_size)
 
 
-def _assemble(bucket: BucketPlan, ctx: StepContext, received: torch.Tensor | None) -> list[_Stack]:
+def _assemble(
+    bucket: BucketPlan,
+    layouts: Sequence[StackLayout],
+    ctx: StepContext,
+    received: torch.Tensor | None,
+) -> list[torch.Tensor]:
     """Newton–Schulz input stacks: this rank's own pieces plus the gathered ones."""
-    stacks = _stacks(bucket, ctx)
-    inputs = _block_views(bucket, stacks)
+    stacks = [torch.empty(lay.shape, dtype=ctx.comm_dtype, device=ctx.device) for lay in layouts]
+    inputs = _block_views(bucket, layouts, stacks)
     for block, view in zip(bucket.owned, inputs, strict=True):
         if block.own_slices is not None:
             local, inside = block.own_slices
