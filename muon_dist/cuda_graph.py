@@ -12,7 +12,8 @@ same work with one call. What a replay cannot see, it must not depend on:
 - ``load_state_dict`` replaces state tensors, so it drops the graph too.
 
 Warm-up steps run eagerly on the capture stream first, so that Triton autotuning, cuBLAS
-workspaces and NCCL communicators exist before capture.
+workspaces and NCCL communicators exist before capture. A graph holding collectives keeps
+them alive: drop the optimizer before ``dist.destroy_process_group()``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class StepGraph:
             return
         if self._graph is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self._stream):
+            # "thread_local": the NCCL watchdog thread polls events while this thread
+            # captures; "global" would fail the capture on its calls.
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
                 body()
             self._graph, self._pointers = graph, pointers
         self._graph.replay()

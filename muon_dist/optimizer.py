@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim.adamw import adamw as adamw_update
@@ -355,22 +355,54 @@ class _StepRunner:
         self.agreement = Agreement(
             [name for name, _, _ in named], muon_positions, self.device, world_size
         )
-        self.state = state
+        # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
+        self._adamw_members: dict[int, list[int]] = {}
+        for position, (_, group, _) in enumerate(named):
+            if group["algorithm"] == "adamw":
+                self._adamw_members.setdefault(group_index[id(group)], []).append(position)
         self.group_count = len(groups)
         self.hyper = torch.zeros(2 * len(groups) + len(self.params), device=self.device)
         # AdamW reads its lr from device memory on CUDA (fused AdamW takes a tensor lr).
         self._lr_views = list(self.hyper[: len(groups)].unbind(0))
         self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
+        self._grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
+            (None, None) for _ in self.params
+        ]
+        self.bind_state(state)
 
     def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Point at the state tensors (again after a state load, which replaces them)."""
         self.state = state
+        self._adamw_tensors = {
+            i: (
+                local(p),
+                local(state[p]["exp_avg"]),
+                local(state[p]["exp_avg_sq"]),
+                state[p]["step"],
+            )
+            for members in self._adamw_members.values()
+            for i in members
+            for p in (self.params[i],)
+        }
         if self.muon is not None:
             self.muon.bind_state(state)
         if self.graph is not None:
             self.graph.reset()
 
+    def _local_grads(self) -> list[torch.Tensor | None]:
+        """Local gradient shards; a gradient kept between steps is unwrapped only once."""
+        grads: list[torch.Tensor | None] = []
+        for index, p in enumerate(self.params):
+            grad = p.grad
+            source, unwrapped = self._grads[index]
+            if grad is not source:
+                unwrapped = None if grad is None else local(grad)
+                self._grads[index] = (grad, unwrapped)
+            grads.append(unwrapped)
+        return grads
+
     def run(self, groups: Sequence[dict[str, Any]]) -> None:
-        grads = [None if p.grad is None else local(p.grad) for p in self.params]
+        grads = self._local_grads()
         values = [float(g["lr"]) for g in groups] + [float(g["weight_decay"]) for g in groups]
         values += [0.0 if g is None else 1.0 for g in grads]
         pinned = self.device.type == "cuda"
@@ -409,23 +441,25 @@ class _StepRunner:
             )
         for index, group in enumerate(groups):
             if group["algorithm"] == "adamw":
-                self._adamw(group, index)
+                self._adamw(group, index, grads)
         agreement.publish()
 
-    def _adamw(self, group: dict[str, Any], index: int) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
+    def _adamw(
+        self, group: dict[str, Any], index: int, grads: Sequence[torch.Tensor | None]
+    ) -> None:
+        members = [i for i in self._adamw_members[index] if grads[i] is not None]
+        if not members:
             return
-        states = [self.state[p] for p in params]
+        tensors = self._adamw_tensors
         beta1, beta2 = group["betas"]
         cuda = self.device.type == "cuda"
         adamw_update(
-            [local(p) for p in params],
-            [local(p.grad) for p in params],
-            [local(s["exp_avg"]) for s in states],
-            [local(s["exp_avg_sq"]) for s in states],
+            [tensors[i][0] for i in members],
+            [cast(torch.Tensor, grads[i]) for i in members],
+            [tensors[i][1] for i in members],
+            [tensors[i][2] for i in members],
             [],
-            [s["step"] for s in states],
+            [tensors[i][3] for i in members],
             fused=True,
             amsgrad=False,
             beta1=beta1,

@@ -188,6 +188,7 @@ class QKClipper:
             self.rows.append(local_rows(layout, rank))
         return _Block(index, start, stop, heads)
 
+    @torch.no_grad()
     def __call__(self, found_inf: torch.Tensor) -> None:
         """Scale query/key rows of every layer whose recorded max logit exceeds its tau.
 
