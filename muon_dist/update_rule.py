@@ -108,13 +108,14 @@ def post_orthogonalize_(
     cautious: torch.Tensor | None = None,
     fused: bool = False,
 ) -> None:
-    """``param ← d·param + step·update`` where ``keep`` (``step`` is 0 elsewhere).
+    """``param ← d·param + step·update``.
 
     ``decay`` is given where this write also applies the decoupled decay (otherwise it ran
     over the whole tensor before); ``cautious`` is the rate of cautious decay, applied only
     where the update and the weight share a sign. ``step`` is one element, or one per row
-    of ``param`` (Magma). ``update`` must be finite where ``keep`` is false
-    (:func:`mask_stack_` makes it zero there).
+    of ``param`` (Magma). Where ``keep`` is false the caller passes scalars with no effect
+    (decay 1, step and cautious rate 0) and a finite update (:func:`mask_stack_` makes it
+    zero), so the torch form needs no mask; the fused form also skips the write there.
     """
     if fused and decay is not None and cautious is None and step.numel() == 1:
         from muon_dist.kernels.triton_elementwise import decay_and_update_triton

@@ -36,11 +36,11 @@ def _momentum_input_kernel(
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-    momentum = tl.load(momentum_ptr + offsets, mask=mask).to(tl.float32)
+    stored = tl.load(momentum_ptr + offsets, mask=mask)
     # Round the new momentum to its storage dtype before the mix, as two torch adds would.
-    momentum = (grad + beta * momentum).to(momentum_ptr.dtype.element_ty)
+    momentum = (grad + beta * stored.to(tl.float32)).to(momentum_ptr.dtype.element_ty)
     if STORE:
-        tl.store(momentum_ptr + offsets, momentum, mask=mask & keep)
+        tl.store(momentum_ptr + offsets, tl.where(keep, momentum, stored), mask=mask)
     if NESTEROV:
         update = grad + mix * momentum.to(tl.float32)
     else:
@@ -66,10 +66,10 @@ def _decay_and_update_kernel(
     step = tl.load(step_ptr).to(tl.float32)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+    stored = tl.load(param_ptr + offsets, mask=mask)
     update = tl.load(update_ptr + offsets, mask=mask).to(tl.float32)
-    param = decay * param + step * update
-    tl.store(param_ptr + offsets, param.to(param_ptr.dtype.element_ty), mask=mask & keep)
+    param = (decay * stored.to(tl.float32) + step * update).to(param_ptr.dtype.element_ty)
+    tl.store(param_ptr + offsets, tl.where(keep, param, stored), mask=mask)
 
 
 def _grid(numel: int) -> tuple[int]:
