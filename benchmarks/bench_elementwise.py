@@ -4,7 +4,7 @@ Two numbers per size: the GPU time of one call (triton.testing.do_bench, median)
 wall time per call of a back-to-back loop, which is the CPU's launch cost once that is the
 larger. ``FUSED_MIN_NUMEL`` in muon_dist/kernels/elementwise.py comes from this table.
 
-    python scripts/bench_elementwise.py [--json out.json]
+    python benchmarks/bench_elementwise.py [--json out.json]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ float64 iteration on a few matrices of the batch for torch-bf16 and Triton-bf16.
 if Triton's error is over 1.5x torch's or any output is NaN, so it doubles as the GPU bf16
 correctness gate.
 
-    python scripts/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
+    python benchmarks/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
         [--cold-cache]
 """
 

@@ -1,6 +1,6 @@
 """Time the two symmetric products of a Newton–Schulz step: Triton against cuBLAS, per stack.
 
-    python scripts/bench_products.py [--sweep]
+    python benchmarks/bench_products.py [--sweep]
 
 For each stack: the Gram product ``X·Xᵀ`` (cuBLAS ``bmm``) and ``b·A + c·A·A`` (cuBLAS
 ``baddbmm``, which copies ``A`` into its output first) against ``sym_product`` with its

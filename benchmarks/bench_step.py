@@ -7,9 +7,9 @@ yardstick: a perfectly balanced, perfectly overlapped Muon step cannot beat it. 
 the first step of muon_dist and of the all-gather baseline are compared on identical inputs;
 the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON).
 
-    torchrun --standalone --nproc-per-node 4 scripts/bench_step.py --preset llama8b \
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_step.py --preset llama8b \
         --sweep-inflight 1,2,3,4 --json $OUT/bench_step_llama8b.json
-    torchrun --standalone --nproc-per-node 2 scripts/bench_step.py --preset tiny --device cpu
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset tiny --device cpu
 """
 
 from __future__ import annotations

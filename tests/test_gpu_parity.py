@@ -1,54 +1,47 @@
-"""Run the CPU parity suite's layouts on GPUs with NCCL (torchrun, one process per GPU).
+"""The CPU parity suite's layouts on GPUs with NCCL, one spawned process per GPU (`pytest -m gpu`).
 
-    torchrun --standalone --nproc-per-node 4 scripts/gpu_parity.py
-
-With fp32 communication the Newton–Schulz runs in fp32 (TF32 off): cuBLAS may round batched
-and single bf16 GEMMs differently, which would hide real errors behind bf16 noise. Exits 1 if
-any layout misses its criterion.
+World sizes up to the number of GPUs present (1 to 4). With fp32 communication the
+Newton–Schulz runs in fp32 with TF32 off: cuBLAS may round batched and single bf16 GEMMs
+differently, which would hide real errors behind bf16 noise. The criteria: fp32, max
+relative difference of the parameters <= 1e-5; bf16, within bf16 rounding, <= 2e-2 of the
+update norm-wise (cuBLAS rounds batched and single bf16 GEMMs differently, which moves
+single elements by several bf16 ulps).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-os.environ.setdefault("MUON_DIST_TEST_DEVICE", "cuda")
-
+import pytest
 import torch
-import torch.distributed as dist
+from dist_harness import pool
+from parity_cases import case_names, parity_worker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from parity_cases import parity_worker
+pytestmark = pytest.mark.gpu
+
+# (communication dtype, Newton–Schulz dtype, error measure, tolerance)
+CRITERIA = {
+    "float32": ("float32", "param", 1e-5),
+    "bfloat16": ("bfloat16", "update_fro", 2e-2),
+}
+CASES = [
+    pytest.param(world_size, name, comm, id=f"w{world_size}-{name}-{comm}")
+    for world_size in (1, 2, 3, 4)
+    for name in case_names(world_size)
+    for comm in CRITERIA
+]
 
 
-def main() -> int:
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
+def gpu_parity_worker(rank: int, world_size: int, name: str, comm: str) -> dict[str, float]:
     torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    failures = 0
-    # The acceptance criteria: fp32 communication, max relative difference of the
-    # parameters <= 1e-5; bf16 communication, within bf16 rounding, <= 2e-2 of the update
-    # norm-wise (cuBLAS rounds batched and single bf16 GEMMs differently, which moves single
-    # elements by several bf16 ulps). The other errors are printed for the record.
-    checks = (("float32", "float32", "param", 1e-5), ("bfloat16", "bfloat16", "update_fro", 2e-2))
-    for comm, ns, metric, tolerance in checks:
-        results = parity_worker(rank, world, comm, ns)
-        for case, err in results.items():
-            ok = err[metric] <= tolerance and err["bf16_param"] <= 3e-2
-            failures += not ok
-            if rank == 0:
-                cells = "  ".join(f"{k} {v:.2e}" for k, v in err.items())
-                print(
-                    f"W={world} comm={comm:8s} ns={ns:8s} {case:15s} {cells}  "
-                    f"[{metric} <= {tolerance:g}: {'ok' if ok else 'FAIL'}]",
-                    flush=True,
-                )
-    dist.destroy_process_group()
-    return 1 if failures else 0
+    ns = CRITERIA[comm][0]
+    return parity_worker(rank, world_size, name, comm, ns, device="cuda")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize(("world_size", "name", "comm"), CASES)
+def test_sharded_step_matches_single_device_on_nccl(world_size: int, name: str, comm: str) -> None:
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    _, metric, tolerance = CRITERIA[comm]
+    results = pool(world_size, "nccl").run(gpu_parity_worker, name, comm)
+    for rank, err in enumerate(results):
+        assert err[metric] <= tolerance, f"rank {rank}: {metric} {err[metric]:.2e} > {tolerance:g}"
+        assert err["bf16_param"] <= 3e-2, f"rank {rank}: {err}"
