@@ -12,6 +12,7 @@ import os
 import queue
 import shutil
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -131,11 +132,19 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and remove the rendezvous file."""
+        self.stop()
+        self.join()
+
+    def stop(self) -> None:
+        """Ask every rank to leave the group and exit; ``join`` waits for them."""
         for p, tasks in zip(self._procs, self._tasks, strict=True):
             if p.is_alive():
                 tasks.put(None)
+
+    def join(self, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
         for p in self._procs:
-            p.join(10)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -157,8 +166,13 @@ def pool(world_size: int, backend: str = "gloo") -> WorkerPool:
 
 
 def close_pools() -> None:
-    while _POOLS:
-        _POOLS.popitem()[1].close()
+    """Stop every pool: all are asked at once, then awaited."""
+    pools = list(_POOLS.values())
+    _POOLS.clear()
+    for p in pools:
+        p.stop()
+    for p in pools:
+        p.join()
 
 
 def run_distributed(
