@@ -58,7 +58,7 @@ class Agreement:
         self._host = torch.zeros_like(self._report, device="cpu", pin_memory=pinned)
         # A numpy view of the host copy: reading it is a plain memory read, made once here.
         self._host_view = self._host.numpy() if pinned else self._report.numpy()
-        self._event = torch.cuda.Event() if pinned else None
+        self._event = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
         self._pending: int | None = None  # step number whose report is queued, unread
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
 

@@ -59,7 +59,7 @@ class StepGraph:
             )
         if self._graph is None and self._eager < self.warmup:
             if self._stream is None:
-                self._stream = torch.cuda.Stream()
+                self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
                 body()

@@ -93,6 +93,7 @@ def _distributed_worker(rank: int, world_size: int) -> list[list[str]]:
     return [_steady_state_reads(policy, sharded=True) for policy in ("raise", "skip_step")]
 
 
+@pytest.mark.slow
 def test_sharded_steady_state_step_reads_no_device_value() -> None:
     for calls in run_distributed(2, _distributed_worker, timeout=180):
         assert calls == [[], []]

@@ -30,6 +30,6 @@ def triton_available() -> bool:
     return _triton_importable() and (torch.cuda.is_available() or interpret_mode())
 
 
-def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """Triton launches on the current CUDA device, which need not be the tensor's."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -33,9 +33,10 @@ def stack_layouts(bucket: BucketPlan, first_index: int) -> list[StackLayout]:
     groups: dict[tuple[int, int, Hashable], list[int]] = defaultdict(list)
     for index, block in enumerate(bucket.owned):
         groups[(block.rows, block.cols, block.ns_key)].append(index)
-    stacks = []
+    stacks: list[StackLayout] = []
     for (rows, cols, ns_key), members in groups.items():
-        offsets, layouts = [], []
+        offsets: list[int] = []
+        layouts: list[int] = []
         for index in members:
             block = bucket.owned[index]
             offsets.append(len(layouts))
