@@ -25,23 +25,18 @@ def pack(
     device: torch.device,
 ) -> torch.Tensor:
     """One flat buffer of ``dtype``; ``write(piece, view)`` fills each piece's region."""
-    total = sum(math.prod(p.shape) for p in pieces)
-    buffer = torch.empty(total, dtype=dtype, device=device)
-    offset = 0
-    for piece in pieces:
-        numel = math.prod(piece.shape)
-        write(piece, buffer[offset : offset + numel].view(piece.shape))
-        offset += numel
+    numels = [math.prod(p.shape) for p in pieces]
+    buffer = torch.empty(sum(numels), dtype=dtype, device=device)
+    for piece, chunk in zip(pieces, buffer.split_with_sizes(numels), strict=True):
+        write(piece, chunk.view(piece.shape))
     return buffer
 
 
 def unpack(buffer: torch.Tensor, pieces: Sequence[PieceT]) -> Iterator[tuple[PieceT, torch.Tensor]]:
     """Views of a received buffer, one per piece, shaped like the piece."""
-    offset = 0
-    for piece in pieces:
-        numel = math.prod(piece.shape)
-        yield piece, buffer[offset : offset + numel].view(piece.shape)
-        offset += numel
+    numels = [math.prod(p.shape) for p in pieces]
+    for piece, chunk in zip(pieces, buffer.split_with_sizes(numels), strict=True):
+        yield piece, chunk.view(piece.shape)
 
 
 def start_exchange(

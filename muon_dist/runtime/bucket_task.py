@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.comm import PieceT, pack, start_exchange, unpack
-from muon_dist.plan import BlockPiece, BucketPlan, LocalPiece, OwnedBlock
+from muon_dist.plan import BlockPiece, BucketPlan, LocalPiece
 from muon_dist.runtime.scheduler import Task, TaskBody
 
 
@@ -82,9 +82,10 @@ def _block_views(
     """Each owned block's region of its stack, shaped like the block's box."""
     views: list[torch.Tensor] = [torch.empty(0)] * len(bucket.owned)
     for layout, tensor in zip(layouts, tensors, strict=True):
-        for index, offset in zip(layout.blocks, layout.offsets, strict=True):
-            block: OwnedBlock = bucket.owned[index]
-            views[index] = tensor[offset : offset + block.stop - block.start].view(block.shape)
+        blocks = [bucket.owned[index] for index in layout.blocks]
+        parts = tensor.split_with_sizes([block.stop - block.start for block in blocks])
+        for index, block, part in zip(layout.blocks, blocks, parts, strict=True):
+            views[index] = part.view(block.shape)
     return views
 
 
