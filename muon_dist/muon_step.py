@@ -116,6 +116,12 @@ class MuonStep:
         self.fusable_reads, self.fusable_writes = self._fusable()
         self._fused_reads = self._fused(self.fusable_reads)
         self._fused_writes = self._fused(self.fusable_writes)
+        # Entries whose writes are a plain ``param += step·update`` (the decay ran before).
+        self._plain_writes = frozenset(
+            i
+            for i, e in enumerate(entries)
+            if i not in self._fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
+        )
         self._layouts: list[list[StackLayout]] = []
         for bucket in plan.buckets:
             first = sum(len(layouts) for layouts in self._layouts)
@@ -240,9 +246,13 @@ class MuonStep:
             self.keep.copy_(keep)
             self._scalars(hyper)
             self._advance_state(store_all=True)
-            for index, slices, update in deferred:
-                keep_view = self._keep_views[self.entries[index].param_index]
-                self._write(index, slices, torch.where(keep_view, update, 0.0))
+            self._write_all(
+                [
+                    (index, slices, torch.where(self._keep_views[e.param_index], update, 0.0))
+                    for index, slices, update in deferred
+                    for e in (self.entries[index],)
+                ]
+            )
 
     def _set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Local gradients, zeros where absent; piece views are kept while a gradient stays."""
@@ -376,14 +386,27 @@ class MuonStep:
         self.ns_bad.index_add_(0, params, finite.logical_not_().float())
         return result
 
-    def apply(self, param: int, slices: Slices, ortho: torch.Tensor) -> None:
+    def apply(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
         # Owners add their own result in the dtype the other holders receive it in, so
         # replicas of a parameter round identically and stay bitwise equal.
-        update = ortho.to(self.comm_dtype)
+        updates = [(index, slices, ortho.to(self.comm_dtype)) for index, slices, ortho in pieces]
         if self._deferred is not None:
-            self._deferred.append((param, slices, update))
+            self._deferred += updates
             return
-        self._write(param, slices, update)
+        self._write_all(updates)
+
+    def _write_all(self, updates: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
+        """Plain pieces (torch form, no Magma or cautious decay) in one foreach launch."""
+        targets, sources, steps = [], [], []
+        for index, slices, update in updates:
+            if index in self._plain_writes:
+                targets.append(self._pieces(index, slices)[0])
+                sources.append(update)
+                steps.append(self._step_views[index])
+            else:
+                self._write(index, slices, update)
+        if targets:
+            torch._foreach_addcmul_(targets, sources, steps)
 
     def _write(self, index: int, slices: Slices, update: torch.Tensor) -> None:
         j = self.entries[index].param_index

@@ -71,8 +71,9 @@ class StepContext(Protocol):
         the result is finite."""
         ...
 
-    def apply(self, param: int, slices: tuple[slice, ...], ortho: torch.Tensor) -> None:
-        """Add the scaled orthogonalized update to a piece of a local shard."""
+    def apply(self, pieces: Sequence[tuple[int, tuple[slice, ...], torch.Tensor]]) -> None:
+        """Add each ``(param, slices, ortho)``'s scaled orthogonalized update to that piece
+        of a local shard (all pieces of one phase at once, so they can share launches)."""
         ...
 
 
@@ -113,10 +114,13 @@ def _run_bucket(bucket: BucketPlan, layouts: Sequence[StackLayout], ctx: StepCon
     stacks = [ctx.orthogonalize(t, layout) for t, layout in zip(stacks, layouts, strict=True)]
     results = _block_views(bucket, layouts, stacks)
     del stacks
-    for block, result in zip(bucket.owned, results, strict=True):
-        if block.own_slices is not None:
-            local, inside = block.own_slices
-            ctx.apply(block.param, local, result[inside])
+    ctx.apply(
+        [
+            (block.param, block.own_slices[0], result[block.own_slices[1]])
+            for block, result in zip(bucket.owned, results, strict=True)
+            if block.own_slices is not None
+        ]
+    )
     if bucket.communicates:
         received, work = _start(
             bucket.scatter_sends,
@@ -127,8 +131,12 @@ def _run_bucket(bucket: BucketPlan, layouts: Sequence[StackLayout], ctx: StepCon
         del results
         yield
         work.wait()
-        for piece, chunk in unpack(received, bucket.scatter_recvs):
-            ctx.apply(piece.param, piece.slices, chunk)
+        ctx.apply(
+            [
+                (piece.param, piece.slices, chunk)
+                for piece, chunk in unpack(received, bucket.scatter_recvs)
+            ]
+        )
 
 
 def _start(
