@@ -375,6 +375,17 @@ def table_row(report: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def host_row(report: dict[str, Any], captured: dict[str, Any]) -> dict[str, str]:
+    """The host-overhead table's row: the eager step against the captured one."""
+    return {
+        "preset (layers)": f"{report['preset']} ({report['layers']})",
+        "GPUs": str(report["world_size"]),
+        "backend": report["options"]["backend"],
+        "eager ms": f"{report['methods'][0]['median_ms']:.2f}",
+        "captured ms": f"{captured['median_ms']:.2f}",
+    }
+
+
 def default_json(preset: str) -> str:
     name = f"bench_step_{preset}.json"
     return os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else name
@@ -564,7 +575,11 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
         print(f"\nwrote {args.json} ({report['wall_s']:.0f} s)")
         print_table(report)
         if args.write_table:
-            tables.record("step", [table_row(report)], tables.run_info(gpus=world))
+            info = tables.run_info(gpus=world)
+            tables.record("step", [table_row(report)], info)
+            captured = [m for m in methods if m["name"].startswith("muon_dist graph")]
+            if captured:
+                tables.record("host", [host_row(report, captured[0])], info)
     return 0 if parity["ok"] else 1
 
 
