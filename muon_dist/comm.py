@@ -20,15 +20,16 @@ PieceT = TypeVar("PieceT", LocalPiece, BlockPiece)
 
 def pack(
     pieces: Sequence[PieceT],
-    write: Callable[[PieceT, torch.Tensor], object],
+    fill: Callable[[list[tuple[PieceT, torch.Tensor]]], object],
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """One flat buffer of ``dtype``; ``write(piece, view)`` fills each piece's region."""
+    """One flat buffer of ``dtype``; ``fill`` gets every ``(piece, view)`` at once, so it
+    can write them with a few batched launches rather than one per piece."""
     numels = [math.prod(p.shape) for p in pieces]
     buffer = torch.empty(sum(numels), dtype=dtype, device=device)
-    for piece, chunk in zip(pieces, buffer.split_with_sizes(numels), strict=True):
-        write(piece, chunk.view(piece.shape))
+    chunks = buffer.split_with_sizes(numels)
+    fill([(p, c.view(p.shape)) for p, c in zip(pieces, chunks, strict=True)])
     return buffer
 
 

@@ -33,7 +33,7 @@ from muon_dist.settings import ExecutionSettings
 from muon_dist.update_rule import (
     fused_form,
     mask_stack_,
-    ns_input_,
+    ns_inputs_,
     post_orthogonalize_,
     pre_orthogonalize_,
     store_momentum_,
@@ -150,6 +150,9 @@ class MuonStep:
         self.cautious = torch.zeros(len(self.params), device=device)
         self.step = torch.zeros(len(entries), device=device)
         self._decay_views = list(self.decay.unbind(0))
+        self._group_count = group_count
+        self.group_decay = torch.ones(group_count, device=device)
+        self._group_decay_views = list(self.group_decay.unbind(0))
         self._cautious_views = list(self.cautious.unbind(0))
         self._step_views = list(self.step.unbind(0))
         self._row_maps = {
@@ -161,6 +164,8 @@ class MuonStep:
         self.keep = torch.ones(len(self.params), dtype=torch.bool, device=device)
         self._keep_views = list(self.keep.unbind(0))
         self.ns_bad = torch.zeros(len(self.params), device=device)
+        self.found_inf = torch.zeros((), device=device)
+        self._local_grad = [True] * len(self.params)
         self.grads: list[torch.Tensor] = []
         self._grad_views: list[dict[tuple[int, int], torch.Tensor]] = [{} for _ in self.params]
         self._grad_sources: list[torch.Tensor | None] = [None] * len(self.params)
@@ -215,18 +220,22 @@ class MuonStep:
         self,
         grads: Sequence[torch.Tensor | None],
         keep: torch.Tensor,
+        found_inf: torch.Tensor,
         ns_bad: torch.Tensor,
         hyper: torch.Tensor,
         agree_on_results: Callable[[], None],
         transactional: bool,
     ) -> None:
         """One Muon phase. ``grads`` are the local gradients (None where absent), ``keep`` the
-        agreed per-parameter mask, ``ns_bad`` (zeroed) counts non-finite Newton–Schulz results
-        per parameter, ``hyper`` holds the step's lr and weight decay per group.
+        agreed per-parameter mask and ``found_inf`` the step's flag (a parameter with a local
+        gradient has ``keep = not found_inf``, which lets its decay share one launch with its
+        group's), ``ns_bad`` (zeroed) counts non-finite Newton–Schulz results per parameter,
+        ``hyper`` holds the step's lr and weight decay per group.
         ``agree_on_results`` all-reduces the Newton–Schulz flags (and, when transactional,
         updates ``keep``) before the deferred writes."""
         self._set_grads(grads)
         self.keep.copy_(keep)
+        self.found_inf = found_inf
         self.ns_bad = ns_bad
         self._scalars(hyper)
         if not transactional:
@@ -257,6 +266,7 @@ class MuonStep:
     def _set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Local gradients, zeros where absent; piece views are kept while a gradient stays."""
         self.grads = []
+        self._local_grad = [grad is not None for grad in grads]
         for j, grad in enumerate(grads):
             if grad is None:
                 grad = torch.zeros_like(self.local_params[j])
@@ -274,6 +284,10 @@ class MuonStep:
         torch.mul(rate, self._cautious_mask, out=self.cautious)
         per_entry = (lr * keep).index_select(0, self._entry_param)
         torch.mul(per_entry, self._neg_scale, out=self.step)
+        groups = self._group_count
+        ok = (self.found_inf == 0).float()
+        group_rate = hyper[:groups] * hyper[groups : 2 * groups] * ok
+        torch.sub(1.0, group_rate, out=self.group_decay)
 
     def _advance_state(self, store_all: bool) -> None:
         """Momentum (one foreach pass per coefficient), Magma and the unfused decay."""
@@ -289,14 +303,22 @@ class MuonStep:
                 store_momentum_(self.momenta[j], new, self._keep_views[j])
         if self.magma:
             self._magma()
-        decayed = [
-            j
-            for j, group in enumerate(self.groups)
-            if not group["cautious_wd"] and self._views_of[j][0] not in self._fused_writes
-        ]
-        if decayed:
+        # Parameters with a local gradient decay by their group's factor, one launch per
+        # group; the others by their own, which depends on the other ranks' gradients.
+        by_group: dict[int, list[int]] = {}
+        alone: list[int] = []
+        for j, group in enumerate(self.groups):
+            if group["cautious_wd"] or self._views_of[j][0] in self._fused_writes:
+                continue
+            if self._local_grad[j]:
+                by_group.setdefault(self.entries[self._views_of[j][0]].group_index, []).append(j)
+            else:
+                alone.append(j)
+        for g, members in by_group.items():
+            torch._foreach_mul_([self.local_params[j] for j in members], self._group_decay_views[g])
+        if alone:
             torch._foreach_mul_(
-                [self.local_params[j] for j in decayed], [self._decay_views[j] for j in decayed]
+                [self.local_params[j] for j in alone], [self._decay_views[j] for j in alone]
             )
 
     def _magma(self) -> None:
@@ -349,25 +371,32 @@ class MuonStep:
 
     # -- the bucket tasks' context ------------------------------------------------------
 
-    def read_update(self, param: int, slices: Slices, out: torch.Tensor) -> None:
-        entry = self.entries[param]
-        group = entry.group
-        mix = group["momentum"] if group["nesterov"] else None
-        grad = self._grad_piece(param, slices)
-        _, momentum = self._pieces(param, slices)
-        if self._deferred is not None or param in self._fused_reads:
-            pre_orthogonalize_(
-                grad,
-                momentum,
-                out,
-                beta=group["momentum"],
-                mix=mix,
-                keep=self._keep_views[entry.param_index],
-                store=self._deferred is None,
-                fused=param in self._fused_reads,
-            )
-        else:
-            ns_input_(grad, momentum, out, mix)
+    def read_updates(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
+        # Pieces whose momentum advanced before (torch form, not transactional) take one
+        # foreach add per Nesterov coefficient and one foreach copy that casts to ``out``.
+        batched: dict[float | None, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for index, slices, out in pieces:
+            entry = self.entries[index]
+            group = entry.group
+            mix = group["momentum"] if group["nesterov"] else None
+            grad = self._grad_piece(index, slices)
+            _, momentum = self._pieces(index, slices)
+            if self._deferred is not None or index in self._fused_reads:
+                pre_orthogonalize_(
+                    grad,
+                    momentum,
+                    out,
+                    beta=group["momentum"],
+                    mix=mix,
+                    keep=self._keep_views[entry.param_index],
+                    store=self._deferred is None,
+                    fused=index in self._fused_reads,
+                )
+            else:
+                batched.setdefault(mix, []).append((grad, momentum, out))
+        for mix, items in batched.items():
+            grads, momenta, outs = zip(*items, strict=True)
+            ns_inputs_(grads, momenta, outs, mix)
 
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
         params = self._stack_params[layout.index]

@@ -434,6 +434,7 @@ class _StepRunner:
             self.muon.run(
                 [grads[i] for i in self.muon_positions],
                 agreement.keep,
+                agreement.found_inf,
                 agreement.ns_bad,
                 self.hyper,
                 lambda: agreement.agree_on_results(skip),

@@ -17,6 +17,8 @@ in fp32; :func:`fused_form` is the one place that chooses between them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from muon_dist.kernels.availability import triton_available
@@ -49,15 +51,19 @@ def advance_momentum(
     return torch.add(grad, momentum, alpha=beta, out=out)
 
 
-def ns_input_(
-    grad: torch.Tensor, momentum: torch.Tensor, out: torch.Tensor, mix: float | None
+def ns_inputs_(
+    grads: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    mix: float | None,
 ) -> None:
-    """Write Newton–Schulz's input from an advanced momentum into ``out``: ``g + mix·m``,
-    or ``m`` when ``mix`` is None, in one torch pass that casts on the way."""
+    """Write Newton–Schulz's inputs from advanced momenta into ``outs``: ``g + mix·m``, or
+    ``m`` when ``mix`` is None, computed in the momentum's dtype and cast on the copy; one
+    foreach launch per step of the formula, however many pieces."""
     if mix is None:
-        out.copy_(momentum)
+        torch._foreach_copy_(list(outs), list(momenta))
     else:
-        torch.add(grad, momentum, alpha=mix, out=out)
+        torch._foreach_copy_(list(outs), torch._foreach_add(list(grads), list(momenta), alpha=mix))
 
 
 def store_momentum_(momentum: torch.Tensor, advanced: torch.Tensor, keep: torch.Tensor) -> None:
@@ -90,7 +96,7 @@ def pre_orthogonalize_(
     advanced = advance_momentum(grad, momentum, beta)
     if store:
         store_momentum_(momentum, advanced, keep)
-    ns_input_(grad, advanced, out, mix)
+    ns_inputs_([grad], [advanced], [out], mix)
 
 
 def mask_stack_(stack: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -61,9 +61,9 @@ class StepContext(Protocol):
     comm_dtype: torch.dtype
     device: torch.device
 
-    def read_update(self, param: int, slices: tuple[slice, ...], out: torch.Tensor) -> None:
-        """Write the Newton–Schulz input of a piece of a local shard into ``out``, casting
-        to its dtype."""
+    def read_updates(self, pieces: Sequence[tuple[int, tuple[slice, ...], torch.Tensor]]) -> None:
+        """Write the Newton–Schulz input of each ``(param, slices, out)`` piece of a local
+        shard into ``out``, casting to its dtype (all pieces of one phase at once)."""
         ...
 
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
@@ -104,7 +104,7 @@ def _run_bucket(bucket: BucketPlan, layouts: Sequence[StackLayout], ctx: StepCon
         received, work = _start(
             bucket.gather_sends,
             bucket.gather_recvs,
-            lambda p, out: ctx.read_update(p.param, p.slices, out),
+            lambda items: ctx.read_updates([(p.param, p.slices, out) for p, out in items]),
             ctx,
         )
         yield
@@ -125,7 +125,9 @@ def _run_bucket(bucket: BucketPlan, layouts: Sequence[StackLayout], ctx: StepCon
         received, work = _start(
             bucket.scatter_sends,
             bucket.scatter_recvs,
-            lambda p, out: out.copy_(results[p.block][p.slices]),
+            lambda items: _copy_all(
+                [out for _, out in items], [results[p.block][p.slices] for p, _ in items]
+            ),
             ctx,
         )
         del results
@@ -142,11 +144,11 @@ def _run_bucket(bucket: BucketPlan, layouts: Sequence[StackLayout], ctx: StepCon
 def _start(
     sends: Sequence[PieceT],
     recvs: Sequence[LocalPiece] | Sequence[BlockPiece],
-    write: Callable[[PieceT, torch.Tensor], object],
+    fill: Callable[[list[tuple[PieceT, torch.Tensor]]], object],
     ctx: StepContext,
 ) -> tuple[torch.Tensor, dist.Work]:
     """Pack the pieces this rank sends and start the all-to-all; returns the receive buffer."""
-    send = pack(sends, write, ctx.comm_dtype, ctx.device)
+    send = pack(sends, fill, ctx.comm_dtype, ctx.device)
     return start_exchange(send, sends, recvs, ctx.world_size)
 
 
@@ -159,11 +161,20 @@ def _assemble(
     """Newton–Schulz input stacks: this rank's own pieces plus the gathered ones."""
     stacks = [torch.empty(lay.shape, dtype=ctx.comm_dtype, device=ctx.device) for lay in layouts]
     inputs = _block_views(bucket, layouts, stacks)
-    for block, view in zip(bucket.owned, inputs, strict=True):
-        if block.own_slices is not None:
-            local, inside = block.own_slices
-            ctx.read_update(block.param, local, view[inside])
+    ctx.read_updates(
+        [
+            (block.param, block.own_slices[0], view[block.own_slices[1]])
+            for block, view in zip(bucket.owned, inputs, strict=True)
+            if block.own_slices is not None
+        ]
+    )
     if received is not None:
-        for piece, chunk in unpack(received, bucket.gather_recvs):
-            inputs[piece.block][piece.slices].copy_(chunk)
+        pieces = list(unpack(received, bucket.gather_recvs))
+        _copy_all([inputs[p.block][p.slices] for p, _ in pieces], [chunk for _, chunk in pieces])
     return stacks
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for all i, in one foreach launch where it can."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
