@@ -145,6 +145,16 @@ class MuonStep:
         self._neg_scale = tensor(
             [-e.view.lr_scale(e.group["adjust_lr"]) for e in entries], torch.float32
         )
+        # Step classes: entries of one group and one lr scale share a step where kept.
+        classes: dict[tuple[int, float], int] = {}
+        self._entry_class = [
+            classes.setdefault((e.group_index, e.view.lr_scale(e.group["adjust_lr"])), len(classes))
+            for e in entries
+        ]
+        self._class_group = tensor([g for g, _ in classes], torch.long)
+        self._class_neg_scale = tensor([-scale for _, scale in classes], torch.float32)
+        self.class_step = torch.zeros(len(classes), device=device)
+        self._class_step_views = list(self.class_step.unbind(0))
         # This step's scalars, written in place every step; per-tensor views made once.
         self.decay = torch.ones(len(self.params), device=device)
         self.cautious = torch.zeros(len(self.params), device=device)
@@ -288,6 +298,8 @@ class MuonStep:
         ok = (self.found_inf == 0).float()
         group_rate = hyper[:groups] * hyper[groups : 2 * groups] * ok
         torch.sub(1.0, group_rate, out=self.group_decay)
+        class_lr = hyper.index_select(0, self._class_group) * ok
+        torch.mul(class_lr, self._class_neg_scale, out=self.class_step)
 
     def _advance_state(self, store_all: bool) -> None:
         """Momentum (one foreach pass per coefficient), Magma and the unfused decay."""
@@ -425,17 +437,42 @@ class MuonStep:
         self._write_all(updates)
 
     def _write_all(self, updates: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
-        """Plain pieces (torch form, no Magma or cautious decay) in one foreach launch."""
+        """Write updates; plain pieces (torch form, no Magma or cautious decay) batched.
+
+        A plain piece of a parameter with a local gradient has the step of its class (group
+        and lr scale), so each class takes three multi-tensor launches: cast the updates to
+        the parameters' dtype, scale them, add them. Other plain pieces take one foreach
+        ``addcmul`` with their own steps; the rest go one by one.
+        """
+        classes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         targets, sources, steps = [], [], []
         for index, slices, update in updates:
-            if index in self._plain_writes:
-                targets.append(self._pieces(index, slices)[0])
+            if index not in self._plain_writes:
+                self._write(index, slices, update)
+                continue
+            target = self._pieces(index, slices)[0]
+            if self._local_grad[self.entries[index].param_index]:
+                classes.setdefault(self._entry_class[index], []).append((target, update))
+            else:
+                targets.append(target)
                 sources.append(update)
                 steps.append(self._step_views[index])
-            else:
-                self._write(index, slices, update)
         if targets:
             torch._foreach_addcmul_(targets, sources, steps)
+        for cls, pieces in classes.items():
+            by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for target, update in pieces:
+                by_dtype.setdefault(target.dtype, []).append((target, update))
+            for dtype, items in by_dtype.items():
+                numels = [target.numel() for target, _ in items]
+                flat = torch.empty(sum(numels), dtype=dtype, device=self.device)
+                scaled = [
+                    part.view(target.shape)
+                    for part, (target, _) in zip(flat.split_with_sizes(numels), items, strict=True)
+                ]
+                torch._foreach_copy_(scaled, [update for _, update in items])
+                torch._foreach_mul_(scaled, self._class_step_views[cls])
+                torch._foreach_add_([target for target, _ in items], scaled)
 
     def _write(self, index: int, slices: Slices, update: torch.Tensor) -> None:
         j = self.entries[index].param_index
