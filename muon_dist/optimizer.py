@@ -37,6 +37,7 @@ from muon_dist.routing import (
     ALGORITHMS,
     MUON_MODES,
     MatrixView,
+    PartSplit,
     format_routing_table,
     group_param_names,
     matrix_views,
@@ -57,13 +58,23 @@ _AGREE_KEYS = (
     "num_experts",
     "num_heads",
     "split_sizes",
+    "split_groups",
+    "transposed",
     "ns_steps",
     "coefficients",
     "magma",
     "cautious_wd",
 )
 # Muon-only group keys: an AdamW group that sets one is a configuration mistake.
-MUON_ONLY_KEYS = ("num_heads", "split_sizes", "magma", "magma_beta", "cautious_wd")
+MUON_ONLY_KEYS = (
+    "num_heads",
+    "split_sizes",
+    "split_groups",
+    "transposed",
+    "magma",
+    "magma_beta",
+    "cautious_wd",
+)
 _MAX_CACHED_PLANS = 8
 NONFINITE_POLICIES = ("raise", "skip_step")
 # Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
@@ -207,6 +218,8 @@ class Muon(torch.optim.Optimizer):
                 "num_experts": None,
                 "num_heads": None,
                 "split_sizes": None,
+                "split_groups": 1,
+                "transposed": False,
                 "magma": magma,
                 "magma_beta": magma_beta,
                 "cautious_wd": cautious_wd,
@@ -229,7 +242,10 @@ class Muon(torch.optim.Optimizer):
         # gradient anywhere, and those sets tend to recur, so each is planned once.
         self._plans: dict[Hashable, _StepPlan] = {}
         self._row_maps: dict[Hashable, torch.Tensor] = {}
-        super().__init__(_split_by_algorithm(params), defaults={})
+        # What torch reads: its schedulers scale "lr" and cycle "momentum" (OneCycleLR,
+        # CyclicLR), which is Muon's; AdamW groups keep their betas and drop the key.
+        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+        super().__init__(_split_by_algorithm(params), defaults=defaults)
         self._check_ranks_agree(qk_clip)
         entries = self._muon_params()
         if entries:
@@ -256,6 +272,8 @@ class Muon(torch.optim.Optimizer):
         group.setdefault("steps", 0)
         group.setdefault("skipped_steps", 0)
         super().add_param_group(group)
+        if algorithm == "adamw" and "momentum" not in param_group:
+            del group["momentum"]  # torch's defaults put Muon's momentum in every group
         names = group_param_names(group, len(self.param_groups) - 1)
         for p, name in zip(group["params"], names, strict=True):
             state = self.state[p]
@@ -488,12 +506,13 @@ class Muon(torch.optim.Optimizer):
             self.bucket_bytes,
             self.replica_mode,
             self.comm_dtype,
-            tuple((id(e.param), e.view, _ns_key(e.group)) for e in entries),
+            tuple((id(e.param), e.view, _ns_key(e.group, e.view)) for e in entries),
         )
         cached = self._plans.get(key)
         if cached is None:
             layouts = [
-                layout_of(e.param, e.name, e.view, world_size, _ns_key(e.group)) for e in entries
+                layout_of(e.param, e.name, e.view, world_size, _ns_key(e.group, e.view))
+                for e in entries
             ]
             plan = build_plan(
                 layouts,
@@ -712,17 +731,23 @@ class _StepContext:
         )
 
     def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
-        steps, coefficients = cast(tuple[int, Coefficients], ns_key)
-        return newton_schulz(
-            stack, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
-        )
+        steps, coefficients, parts = cast(tuple[int, Coefficients, PartSplit | None], ns_key)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(
+                x, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
+            )
+
+        return run(stack) if parts is None else parts.orthogonalize(stack, run)
 
 
-def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:
+def _ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None]:
+    """What Newton–Schulz runs on a view's matrices: steps, coefficients, and the parts the
+    owner cuts each matrix into (with their lr scales)."""
     coefficients = group["coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
-    return (group["ns_steps"], coefficients)
+    return (group["ns_steps"], coefficients, view.part_split(group["adjust_lr"]))
 
 
 def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
