@@ -329,14 +329,18 @@ def _row_blocks(
 
 @dataclass(frozen=True)
 class RouteEntry:
-    """One row of the routing table."""
+    """One row of the routing table; ``lr_scales`` has one entry per part of the view."""
 
     name: str
     shape: tuple[int, ...]
     algorithm: str
     view: str
-    lr_scale: float
+    lr_scales: tuple[float, ...]
     numel: int
+
+    @property
+    def scale_text(self) -> str:
+        return "/".join(f"{s:.3f}" for s in self.lr_scales) if self.algorithm == "muon" else "-"
 
 
 def format_routing_table(entries: Iterable[RouteEntry]) -> str:
@@ -345,8 +349,7 @@ def format_routing_table(entries: Iterable[RouteEntry]) -> str:
     totals: dict[str, int] = {}
     for e in entries:
         shape = "x".join(str(s) for s in e.shape) or "scalar"
-        scale = f"{e.lr_scale:.3f}" if e.algorithm == "muon" else "-"
-        rows.append((e.name, shape, e.algorithm, e.view, scale, f"{e.numel / 1e6:.2f}"))
+        rows.append((e.name, shape, e.algorithm, e.view, e.scale_text, f"{e.numel / 1e6:.2f}"))
         totals[e.algorithm] = totals.get(e.algorithm, 0) + e.numel
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
@@ -633,18 +636,13 @@ def routing_entries(groups: Sequence[dict[str, Any]]) -> list[RouteEntry]:
     for name, group, p in named_params(groups):
         shape = tuple(p.shape)
         if group.get("algorithm", "muon") != "muon":
-            entries.append(RouteEntry(name, shape, "adamw", "-", 1.0, p.numel()))
+            entries.append(RouteEntry(name, shape, "adamw", "-", (), p.numel()))
             continue
         adjust_lr = group.get("adjust_lr", "spectral_norm")
-        entries += [
-            RouteEntry(
-                view.label(name),
-                shape,
-                "muon",
-                view.describe(),
-                view.lr_scale(adjust_lr),
-                view.numel,
+        for view in matrix_views(shape, group, name):
+            parts = view.part_split(adjust_lr)
+            scales = parts.scales if parts is not None else (view.lr_scale(adjust_lr),)
+            entries.append(
+                RouteEntry(view.label(name), shape, "muon", view.describe(), scales, view.numel)
             )
-            for view in matrix_views(shape, group, name)
-        ]
     return entries
