@@ -525,13 +525,13 @@ def param_groups(
     for key, (params, names) in buckets.items():
         group: dict[str, Any] = {"params": params, "param_names": names}
         if key[0] == "muon":
-            _, experts, fused_experts, *layout = key
+            _, experts, fused_experts, *declared = key
             group.update(muon)
             if experts:
                 group["experts"] = True
             if fused_experts is not None:
                 group["num_experts"] = fused_experts
-            for items in layout:
+            for items in declared:
                 group.update({k: list(v) if isinstance(v, tuple) else v for k, v in items})
         else:
             group.update(adamw)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from dist_harness import run_distributed
 from group_cases import hsdp_worker, pipeline_worker
+
+pytestmark = pytest.mark.slow
 
 
 def test_pipeline_stages_each_with_own_muon_match_reference() -> None:

@@ -26,6 +26,7 @@ def test_routing_table_of_family(family: str, caplog: pytest.LogCaptureFixture) 
     assert "look like fused matrices" not in caplog.text
 
 
+@pytest.mark.slow
 def test_families_train_under_fsdp2_on_two_ranks() -> None:
     reports = run_distributed(2, train_families, FAMILIES)
     for family in FAMILIES:

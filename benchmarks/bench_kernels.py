@@ -7,8 +7,8 @@ float64 iteration on a few matrices of the batch for torch-bf16 and Triton-bf16.
 if Triton's error is over 1.5x torch's or any output is NaN, so it doubles as the GPU bf16
 correctness gate.
 
-    python scripts/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
-        [--cold-cache]
+    python benchmarks/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
+        [--cold-cache] [--write-table]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import tables
 import torch
 import triton.testing
 
@@ -118,6 +119,18 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def table_row(row: dict) -> dict[str, str]:
+    return {
+        "shape": "×".join(map(str, row["shape"])),
+        "torch ms": f"{row['torch_ms']:.3f}",
+        "Triton ms": f"{row['triton_ms']:.3f}",
+        "auto ms": f"{row['auto_ms']:.3f}",
+        "Triton/torch": f"{row['speedup']:.2f}×",
+        "error ratio": f"{row['err_ratio']:.2f}",
+        "1st call s": f"{row['first_call_s']:.1f}",
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -128,6 +141,7 @@ def main() -> int:
         action="store_true",
         help="compile into a fresh Triton cache, so first calls include compilation",
     )
+    parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     args = parser.parse_args()
     if args.cold_cache:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="muon_dist_triton_cache_")
@@ -154,6 +168,8 @@ def main() -> int:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     print(", ".join(f"{k}={v}" for k, v in meta.items()))
     print_table(rows)
+    if args.write_table:
+        tables.record("kernels", [table_row(r) for r in rows], tables.run_info())
     return 0 if all(r["ok"] for r in rows) else 1
 
 
