@@ -805,11 +805,24 @@ def _state_shapes(group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str
     return shapes
 
 
+def _with_names(saved: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
+    """A saved group, named after the current group at its index when it lost its names
+    (torchtitan's flat, name-keyed checkpoints come back without them) and sizes agree."""
+    names = (current or {}).get("param_names")
+    if "param_names" in saved or names is None or len(names) != len(saved["params"]):
+        return saved
+    return {**saved, "param_names": names}
+
+
 def _check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
     """Name every parameter whose saved algorithm, state keys or state shapes differ from now."""
+    saved_groups = [
+        _with_names(saved, groups[i] if i < len(groups) else None)
+        for i, saved in enumerate(state_dict.get("param_groups", []))
+    ]
     saved = {
         name: (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
-        for name, group, key in named_params(state_dict.get("param_groups", []))
+        for name, group, key in named_params(saved_groups)
     }
     current = {name: (group, p) for name, group, p in named_params(groups)}
     problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]
