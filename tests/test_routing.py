@@ -300,3 +300,53 @@ def test_example_model_routes_without_warnings(caplog: pytest.LogCaptureFixture)
     assert views["layers.0.feed_forward.router.weight"] == "matrix 4x32"
     assert views["layers.0.attention.wq.weight"] == "matrix 32x32"
     assert views["tok_embeddings.weight"] == views["output.weight"] == "adamw"
+
+
+class MoE(nn.Module):
+    """transformers-style experts: fused gate+up [E, 2I, H] with biases [E, 2I], a down
+    projection stored [E, in, out], and a dense shared expert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.randn(4, 2 * 6, 8))
+        self.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 2 * 6))
+        self.experts.down_proj = nn.Parameter(torch.randn(4, 6, 12))  # [E, in=6, out=12]
+        self.shared_experts = nn.Module()
+        self.shared_experts.up_proj = nn.Linear(8, 8, bias=False)
+
+
+def test_declared_layouts_split_expert_stacks_and_read_storage_orientation() -> None:
+    groups = muon_dist.param_groups(
+        MoE(),
+        num_experts=4,
+        fused={
+            r"experts\.gate_up_proj$": {"split_sizes": [6, 6]},
+            r"experts\.down_proj$": {"transposed": True},
+        },
+    )
+    rows = {e.name: e for e in muon_dist.routing.routing_entries(groups)}
+    assert rows["experts.gate_up_proj"].view == "expert_stack 4x[12x8] parts 6+6"
+    assert rows["experts.gate_up_proj_bias"].algorithm == "adamw"
+    # [E, in, out] = [4, 6, 12]: 12 outputs from 6 inputs, the same scale as [4, 12, 6]
+    assert rows["experts.down_proj"].lr_scales == (pytest.approx(2**0.5),)
+    assert rows["shared_experts.up_proj.weight"].view == "matrix 8x8"  # not cut into experts
+
+
+def test_param_groups_writes_only_what_it_is_given() -> None:
+    opt = muon_dist.Muon(
+        muon_dist.param_groups(Tiny(False)), lr=0.05, adamw_lr=1e-3, weight_decay=0.0
+    )
+    for group in opt.param_groups:
+        expected = 0.05 if group["algorithm"] == "muon" else 1e-3
+        assert group["lr"] == expected and group["weight_decay"] == 0.0, group["param_names"]
+    opt = muon_dist.Muon(muon_dist.param_groups(Tiny(False), lr=0.01, weight_decay=0.2), lr=0.05)
+    decay = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
+    assert decay["proj.weight"] == decay["tok_embeddings.weight"] == 0.2
+    assert decay["norm.weight"] == 0.0
+    assert {g["lr"] for g in opt.param_groups if g["algorithm"] == "muon"} == {0.01}
+
+
+def test_overrides_pattern_matching_nothing_raises() -> None:
+    with pytest.raises(ValueError, match=r"overrides patterns \['\^router\\\\.'\] match no"):
+        muon_dist.param_groups(Block(), overrides={r"^router\.": "adamw"})
