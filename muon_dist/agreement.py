@@ -2,7 +2,8 @@
 
 Every rank must take the same decision about each parameter (is there a gradient on any
 rank? is any gradient non-finite?), and the step must not wait for the device to learn
-it. So the decision stays a device tensor: one small all-reduce builds per-parameter
+it. So the decision stays a device tensor: one small all-reduce among the ranks holding
+the parameters (:mod:`muon_dist.groups`) builds per-parameter
 flags, and the step turns them into a ``keep`` mask and a ``found_inf`` flag (as
 ``torch.amp.GradScaler`` does) that the update rule and fused AdamW read on the device.
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from muon_dist.groups import Peers
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,13 @@ class Agreement:
         names: Sequence[str],
         muon_positions: Sequence[int],
         device: torch.device,
-        world_size: int,
+        holders: Peers,
     ) -> None:
         count = len(names)
         self.names = list(names)
         self.muon_names = [self.names[i] for i in muon_positions]
         self.device = device
-        self.world_size = world_size
+        self.holders = holders
         self.flags = torch.zeros(2 * count, device=device)  # present | non-finite
         self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
         self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
@@ -86,8 +89,8 @@ class Agreement:
             norms = torch._foreach_norm([g for g in grads if g is not None])
             bad = torch.isfinite(torch.stack(norms).float()).logical_not_().float()
             nonfinite.index_copy_(0, self._index(positions), bad)
-        if self.world_size > 1:
-            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX)
+        if self.holders.size > 1:
+            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
         torch.amax(nonfinite, dim=0, out=self.found_inf)
         self.ns_bad.zero_()
         self._set_keep()
@@ -100,8 +103,8 @@ class Agreement:
     def agree_on_results(self, skip: bool) -> None:
         """All-reduce the non-finite Newton–Schulz flags; under ``skip`` they also set
         ``found_inf`` and clear ``keep``, so the still-pending writes leave everything alone."""
-        if self.world_size > 1:
-            dist.all_reduce(self.ns_bad, op=dist.ReduceOp.MAX)
+        if self.holders.size > 1:
+            dist.all_reduce(self.ns_bad, op=dist.ReduceOp.MAX, group=self.holders.group)
         if skip:
             torch.maximum(self.found_inf, self.ns_bad.amax(), out=self.found_inf)
             self._set_keep()

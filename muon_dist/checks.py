@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from muon_dist.groups import Peers
 from muon_dist.routing import matrix_views, named_params
 
 # Group keys every rank must share: they decide the matrix views, the plan and which
@@ -22,6 +23,8 @@ AGREE_KEYS = (
     "num_experts",
     "num_heads",
     "split_sizes",
+    "split_groups",
+    "transposed",
     "ns_steps",
     "coefficients",
     "magma",
@@ -29,21 +32,17 @@ AGREE_KEYS = (
 )
 
 
-def distributed() -> tuple[int, int]:
-    """This rank and the world size; (0, 1) without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def check_ranks_agree(groups: Sequence[dict[str, Any]], extra: Sequence[str]) -> None:
+def check_ranks_agree(
+    groups: Sequence[dict[str, Any]], extra: Sequence[str], rank: int, holders: Peers
+) -> None:
     """Fail fast, instead of hanging in a collective, when ranks hold different params.
 
-    ``extra`` lines (e.g. the QK-clip layers) must agree too.
+    ``extra`` lines (e.g. the QK-clip layers) must agree too; ``holders`` are the ranks
+    that hold the parameters and run the optimizer's collectives.
     """
-    rank, world_size = distributed()
-    if world_size == 1:
+    if holders.size == 1:
         return
+    first = holders.ranks[0]
     lines = list(extra)
     for name, group, p in named_params(groups):
         options = {k: group.get(k) for k in AGREE_KEYS}
@@ -51,14 +50,14 @@ def check_ranks_agree(groups: Sequence[dict[str, Any]], extra: Sequence[str]) ->
         mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
         lines.append(f"{name} {tuple(p.shape)} {p.dtype} {placements} {mesh} {options}")
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    digests: list[str | None] = [None] * world_size
-    dist.all_gather_object(digests, digest)
+    digests: list[str | None] = [None] * holders.size
+    dist.all_gather_object(digests, digest, group=holders.group)
     if len(set(digests)) == 1:
         return
-    all_lines: list[list[str] | None] = [None] * world_size
-    dist.all_gather_object(all_lines, lines)
+    all_lines: list[list[str] | None] = [None] * holders.size
+    dist.all_gather_object(all_lines, lines, group=holders.group)
     reference = all_lines[0] or []
-    for other, other_lines in enumerate(all_lines):
+    for other, other_lines in zip(holders.ranks, all_lines, strict=True):
         other_lines = other_lines or []
         if other_lines == reference:
             continue
@@ -71,11 +70,11 @@ def check_ranks_agree(groups: Sequence[dict[str, Any]], extra: Sequence[str]) ->
             (min(len(reference), len(other_lines)), "<end>", "<end>"),
         )
         raise RuntimeError(
-            f"muon_dist.Muon: rank {other} built a different parameter list than rank 0 "
-            f"(this is rank {rank}); rank 0 has {len(reference)} params, rank {other} has "
-            f"{len(other_lines)}; first difference at entry {diff[0]}: rank 0 {diff[1]!r} vs "
-            f"rank {other} {diff[2]!r}. Build the model and param groups identically on "
-            "every rank."
+            f"muon_dist.Muon: rank {other} built a different parameter list than rank "
+            f"{first} (this is rank {rank}); rank {first} has {len(reference)} params, rank "
+            f"{other} has {len(other_lines)}; first difference at entry {diff[0]}: rank "
+            f"{first} {diff[1]!r} vs rank {other} {diff[2]!r}. Build the model and param "
+            "groups identically on every rank that holds them."
         )
 
 
@@ -94,11 +93,24 @@ def state_shapes(group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str,
     return shapes
 
 
+def _with_names(saved: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
+    """A saved group, named after the current group at its index when it lost its names
+    (torchtitan's flat, name-keyed checkpoints come back without them) and sizes agree."""
+    names = (current or {}).get("param_names")
+    if "param_names" in saved or names is None or len(names) != len(saved["params"]):
+        return saved
+    return {**saved, "param_names": names}
+
+
 def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
     """Name every parameter whose saved algorithm, state keys or state shapes differ from now."""
+    saved_groups = [
+        _with_names(saved, groups[i] if i < len(groups) else None)
+        for i, saved in enumerate(state_dict.get("param_groups", []))
+    ]
     saved = {
         name: (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
-        for name, group, key in named_params(state_dict.get("param_groups", []))
+        for name, group, key in named_params(saved_groups)
     }
     current = {name: (group, p) for name, group, p in named_params(groups)}
     problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]

@@ -23,10 +23,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from muon_dist.groups import CommGroups
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import newton_schulz
 from muon_dist.plan import Plan, covers_exactly, layout_of, local, local_pieces, local_rows
-from muon_dist.routing import MatrixView
+from muon_dist.routing import MatrixView, PartSplit
 from muon_dist.runtime import run_tasks
 from muon_dist.runtime.bucket_task import StackLayout, bucket_task, stack_layouts
 from muon_dist.settings import ExecutionSettings
@@ -66,19 +67,21 @@ class MuonEntry:
     group_index: int
 
 
-def ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:
-    """What decides a Newton–Schulz call besides the shape: its steps and coefficients."""
+def ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None]:
+    """What Newton–Schulz runs on a view's matrices besides the shape: steps, coefficients,
+    and the parts the owner cuts each matrix into (with their lr scales)."""
     coefficients = group["coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
-    return (group["ns_steps"], coefficients)
+    return (group["ns_steps"], coefficients, view.part_split(group["adjust_lr"]))
 
 
-def _row_matrices(entries: Sequence[MuonEntry], rank: int, world_size: int) -> torch.Tensor:
+def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tensor:
     """For each dim-0 row of this rank's shard, which of the parameter's matrices it is in
     (``entries`` are all the views of one parameter)."""
     first = entries[0]
-    lo, hi = local_rows(layout_of(first.param, first.name, first.view, world_size), rank)
+    layout = layout_of(first.param, first.name, first.view, comm.holders.ranks)
+    lo, hi = local_rows(layout, comm.rank)
     rows = torch.arange(lo, hi)
     matrices = torch.zeros_like(rows)
     for e in entries:
@@ -98,8 +101,11 @@ class MuonStep:
         state: dict[torch.Tensor, dict[str, Any]],
         settings: ExecutionSettings,
         group_count: int,
+        comm: CommGroups,
     ) -> None:
         self.plan = plan
+        self.peers = comm.exchange  # this rank's bucket all-to-alls
+        self.holders = comm.holders  # Magma's sums
         self.entries = list(entries)
         self.settings = settings
         self.world_size = plan.world_size
@@ -166,8 +172,7 @@ class MuonStep:
         self._cautious_views = list(self.cautious.unbind(0))
         self._step_views = list(self.step.unbind(0))
         self._row_maps = {
-            j: _row_matrices([entries[i] for i in self._views_of[j]], plan.rank, self.world_size)
-            for j in self.magma
+            j: _row_matrices([entries[i] for i in self._views_of[j]], comm) for j in self.magma
         }
         self._magma_steps: dict[int, torch.Tensor] = {}
         # The step's inputs, set by run().
@@ -348,8 +353,8 @@ class MuonStep:
             total = torch.zeros(3, self.scores[j].numel(), device=self.device)
             sums.append(total.index_add_(1, self._row_maps[j], per_row))
         totals = torch.cat(sums, dim=1)
-        if self.world_size > 1:
-            dist.all_reduce(totals)
+        if self.holders.size > 1:
+            dist.all_reduce(totals, group=self.holders.group)
         offset = 0
         for j in self.magma:
             score = self.scores[j]
@@ -413,14 +418,18 @@ class MuonStep:
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
         params = self._stack_params[layout.index]
         mask_stack_(stack, self.keep.index_select(0, params))
-        steps, coefficients = cast(tuple[int, Coefficients], layout.ns_key)
-        result = newton_schulz(
-            stack,
-            steps=steps,
-            coefficients=coefficients,
-            dtype=self.settings.ns_dtype,
-            backend=self.settings.backend,
-        )
+        steps, coefficients, parts = cast(tuple[int, Coefficients, PartSplit | None], layout.ns_key)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(
+                x,
+                steps=steps,
+                coefficients=coefficients,
+                dtype=self.settings.ns_dtype,
+                backend=self.settings.backend,
+            )
+
+        result = run(stack) if parts is None else parts.orthogonalize(stack, run)
         # One sum per matrix instead of an elementwise test: a sum is finite exactly when
         # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
         finite = torch.isfinite(result.sum(dim=(-2, -1), dtype=torch.float32))

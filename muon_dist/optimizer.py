@@ -13,16 +13,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.agreement import Agreement, Outcome
-from muon_dist.checks import (
-    check_ranks_agree,
-    check_saved_routing,
-    distributed,
-    matrix_count,
-)
+from muon_dist.checks import check_ranks_agree, check_saved_routing, matrix_count
 from muon_dist.cuda_graph import StepGraph
+from muon_dist.groups import CommGroups, comm_groups
 from muon_dist.kernels.coefficients import resolve_coefficients
 from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
 from muon_dist.plan import build_plan, layout_of, local
@@ -42,7 +39,15 @@ from muon_dist.settings import ExecutionSettings
 logger = logging.getLogger(__name__)
 
 # Muon-only group keys: an AdamW group that sets one is a configuration mistake.
-MUON_ONLY_KEYS = ("num_heads", "split_sizes", "magma", "magma_beta", "cautious_wd")
+MUON_ONLY_KEYS = (
+    "num_heads",
+    "split_sizes",
+    "split_groups",
+    "transposed",
+    "magma",
+    "magma_beta",
+    "cautious_wd",
+)
 # Group entries that a captured step does not read from the group: the lr is staged into
 # device memory every step, the rest is bookkeeping. Any other change is captured anew.
 _NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
@@ -104,6 +109,7 @@ class Muon(torch.optim.Optimizer):
         max_logits: MaxLogitTracker | None = None,
         cuda_graph: bool = False,
         graph_warmup: int = 2,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.settings = ExecutionSettings(
             backend=backend,
@@ -116,7 +122,7 @@ class Muon(torch.optim.Optimizer):
             cuda_graph=cuda_graph,
             graph_warmup=graph_warmup,
         )
-        defaults: dict[str, Any] = {
+        muon_defaults: dict[str, Any] = {
             "algorithm": "muon",
             "lr": lr,
             "momentum": momentum,
@@ -130,12 +136,14 @@ class Muon(torch.optim.Optimizer):
             "num_experts": None,
             "num_heads": None,
             "split_sizes": None,
+            "split_groups": 1,
+            "transposed": False,
             "magma": magma,
             "magma_beta": magma_beta,
             "cautious_wd": cautious_wd,
         }
         self._defaults_by_algorithm: dict[str, dict[str, Any]] = {
-            "muon": defaults,
+            "muon": muon_defaults,
             "adamw": {
                 "algorithm": "adamw",
                 "lr": adamw_lr,
@@ -145,8 +153,20 @@ class Muon(torch.optim.Optimizer):
             },
         }
         self._runner: _StepRunner | None = None
+        # What torch reads: its schedulers scale "lr" and cycle "momentum" (OneCycleLR,
+        # CyclicLR), which is Muon's; AdamW groups keep their betas. Groups get their own
+        # algorithm's defaults in add_param_group, never these.
+        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         super().__init__(_split_by_algorithm(params), defaults=defaults)
-        check_ranks_agree(self.param_groups, [repr(spec) for spec in qk_clip])
+        self._comm = comm_groups(
+            [p for g in self.param_groups for p in g["params"]], replica_mode, process_group
+        )
+        check_ranks_agree(
+            self.param_groups,
+            [repr(spec) for spec in qk_clip],
+            self._comm.rank,
+            self._comm.holders,
+        )
         runner = self._step_runner()  # unsupported layouts fail here, not mid-training
         if cuda_graph and runner.device.type != "cuda":
             raise ValueError(
@@ -156,7 +176,9 @@ class Muon(torch.optim.Optimizer):
         if max_logits is not None and not qk_clip:
             raise ValueError("max_logits is only read by qk_clip; pass qk_clip=[QKClip(...)]")
         if qk_clip:
-            clipper = QKClipper(qk_clip, max_logits, self._named_params(), *distributed())
+            clipper = QKClipper(
+                qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
+            )
             self.register_step_post_hook(
                 lambda opt, _args, _kwargs: clipper(opt._step_runner().agreement.found_inf)
             )
@@ -233,7 +255,7 @@ class Muon(torch.optim.Optimizer):
     def _step_runner(self) -> _StepRunner:
         """The plan, bound tensors and device buffers of a step; built once per group set."""
         if self._runner is None:
-            self._runner = _StepRunner(self.param_groups, self.state, self.settings)
+            self._runner = _StepRunner(self.param_groups, self.state, self.settings, self._comm)
         return self._runner
 
     # -- step ---------------------------------------------------------------------------
@@ -308,9 +330,9 @@ class _StepRunner:
         groups: Sequence[dict[str, Any]],
         state: dict[torch.Tensor, dict[str, Any]],
         settings: ExecutionSettings,
+        comm: CommGroups,
     ) -> None:
         self.settings = settings
-        rank, world_size = distributed()
         named = list(named_params(groups))
         self.params = [p for _, _, p in named]
         self.device = local(self.params[0]).device
@@ -339,21 +361,22 @@ class _StepRunner:
         self.muon: MuonStep | None = None
         if entries:
             layouts = [
-                layout_of(e.param, e.name, e.view, world_size, ns_key(e.group)) for e in entries
+                layout_of(e.param, e.name, e.view, comm.holders.ranks, ns_key(e.group, e.view))
+                for e in entries
             ]
             plan = build_plan(
                 layouts,
-                rank,
-                world_size,
+                comm.rank,
+                comm.world_size,
                 bucket_bytes=settings.bucket_bytes,
                 itemsize=settings.comm_dtype.itemsize,
                 replica_mode=settings.replica_mode,
                 steps=[e.group["ns_steps"] for e in entries],
             )
             logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
-            self.muon = MuonStep(plan, entries, state, settings, len(groups))
+            self.muon = MuonStep(plan, entries, state, settings, len(groups), comm)
         self.agreement = Agreement(
-            [name for name, _, _ in named], muon_positions, self.device, world_size
+            [name for name, _, _ in named], muon_positions, self.device, comm.holders
         )
         # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
         self._adamw_members: dict[int, list[int]] = {}
