@@ -24,14 +24,21 @@ import torch.distributed as dist
 
 from muon_dist.groups import Peers
 
+# Per-parameter gradient verdicts; the all-reduce takes the worst (MAX) over ranks.
+TOO_LARGE = 1.0  # finite, but its norm would overflow Newton–Schulz's normalisation
+NONFINITE = 2.0  # a NaN or an infinity somewhere in it
+
 
 @dataclass(frozen=True)
 class Outcome:
-    """What went wrong in one step, as every rank saw it."""
+    """What went wrong in one step, as every rank saw it. ``failed_rank`` is a rank whose
+    inputs were refused (it raised the error naming them), None when every rank's were fine."""
 
     step: int
     nonfinite_grads: tuple[str, ...]
     nonfinite_results: tuple[str, ...]
+    overflowing_grads: tuple[str, ...] = ()
+    failed_rank: int | None = None
 
 
 class Agreement:
@@ -50,13 +57,14 @@ class Agreement:
         self.muon_names = [self.names[i] for i in muon_positions]
         self.device = device
         self.holders = holders
-        self.flags = torch.zeros(2 * count, device=device)  # present | non-finite
+        self.flags = torch.zeros(2 * count + 1, device=device)  # present | verdict | failed
         self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
         self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
         self.keep_float = torch.zeros(len(muon_positions), device=device)
         self.ns_bad = torch.zeros(len(muon_positions), device=device)
         self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
-        self._report = torch.zeros(count + len(muon_positions) + 1, device=device)
+        # verdicts | non-finite results | failed rank + 1 | found_inf
+        self._report = torch.zeros(count + len(muon_positions) + 2, device=device)
         pinned = device.type == "cuda"
         self._host = torch.zeros_like(self._report, device="cpu", pin_memory=pinned)
         # A numpy view of the host copy: reading it is a plain memory read, made once here.
@@ -74,24 +82,38 @@ class Agreement:
             )
         return cached
 
-    def decide(self, grads: Sequence[torch.Tensor | None], presence: torch.Tensor) -> None:
+    def decide(self, grads: Sequence[torch.Tensor | None], staged: torch.Tensor) -> None:
         """Fill the flags for this step's local gradients and agree on them over all ranks.
 
-        ``presence`` holds 1.0 per parameter with a local gradient (staged by the caller, who
-        copies it to the device with the step's hyper-parameters). Zeroes the result flags.
+        ``staged`` (copied to the device by the caller with the step's hyper-parameters)
+        holds per parameter 1.0 where it has a local gradient, then per parameter the
+        largest gradient norm Newton–Schulz can normalise (inf for AdamW), then this rank's
+        failure (rank + 1, or 0). Norms are taken in fp64, so a finite gradient of any dtype
+        has a finite norm, and an overflow of the normalisation is told apart from a
+        non-finite entry. Zeroes the result flags.
         """
         count = len(self.names)
-        present, nonfinite = self.flags[:count], self.flags[count:]
-        present.copy_(presence)
-        nonfinite.zero_()
+        verdict = self.flags[count : 2 * count]
+        self.flags[:count].copy_(staged[:count])
+        self.flags[-1:].copy_(staged[-1:])
+        verdict.zero_()
         positions = tuple(i for i, g in enumerate(grads) if g is not None)
         if positions:
-            norms = torch._foreach_norm([g for g in grads if g is not None])
-            bad = torch.isfinite(torch.stack(norms).float()).logical_not_().float()
-            nonfinite.index_copy_(0, self._index(positions), bad)
+            index = self._index(positions)
+            norms = torch.stack(
+                torch._foreach_norm([g for g in grads if g is not None], 2, dtype=torch.float64)
+            )
+            limits = staged[count : 2 * count].index_select(0, index).double()
+            bad = torch.where(
+                torch.isfinite(norms),
+                (norms > limits).to(verdict.dtype) * TOO_LARGE,
+                torch.full_like(norms, NONFINITE, dtype=verdict.dtype),
+            )
+            verdict.index_copy_(0, index, bad)
         if self.holders.size > 1:
             dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
-        torch.amax(nonfinite, dim=0, out=self.found_inf)
+        torch.amax(self.flags[count:], dim=0, out=self.found_inf)
+        self.found_inf.clamp_(max=1.0)
         self.ns_bad.zero_()
         self._set_keep()
 
@@ -113,8 +135,9 @@ class Agreement:
         """Queue the host copy of this step's outcome (part of a captured step)."""
         count = len(self.names)
         report = self._report
-        report[:count].copy_(self.flags[count:])
-        report[count:-1].copy_(self.ns_bad)
+        report[:count].copy_(self.flags[count : 2 * count])
+        report[count:-2].copy_(self.ns_bad)
+        report[-2:-1].copy_(self.flags[-1:])
         report[-1:].copy_(self.found_inf.view(1))
         if self._event is not None:
             self._host.copy_(report, non_blocking=True)
@@ -124,6 +147,10 @@ class Agreement:
         if self._event is not None:
             self._event.record()
         self._pending = step
+
+    def discard(self) -> None:
+        """Forget the queued outcome: this rank failed the step and raises its own error."""
+        self._pending = None
 
     @property
     def on_host(self) -> bool:
@@ -139,10 +166,13 @@ class Agreement:
             self._event.synchronize()
         values = self._host_view
         count = len(self.names)
-        if not values[-1] and not np.any(values[count:-1]):
+        if not values[-1] and not np.any(values[count:-2]):
             return None
+        verdicts = values[:count]
         return Outcome(
             step,
-            tuple(n for n, v in zip(self.names, values[:count], strict=True) if v),
-            tuple(n for n, v in zip(self.muon_names, values[count:-1], strict=True) if v),
+            tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == NONFINITE),
+            tuple(n for n, v in zip(self.muon_names, values[count:-2], strict=True) if v),
+            tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == TOO_LARGE),
+            int(values[-2]) - 1 if values[-2] else None,
         )

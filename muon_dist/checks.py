@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muon_dist.groups import Peers
-from muon_dist.routing import matrix_views, named_params
+from muon_dist.routing import group_param_names, matrix_views, named_params
 
 # Group keys every rank must share: they decide the matrix views, the plan and which
 # collectives run. Hyper-parameters such as lr are read fresh every step instead.
@@ -102,26 +102,80 @@ def _with_names(saved: dict[str, Any], current: dict[str, Any] | None) -> dict[s
     return {**saved, "param_names": names}
 
 
-def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
-    """Name every parameter whose saved algorithm, state keys or state shapes differ from now."""
-    saved_groups = [
+# Group keys that decide a Muon parameter's matrix views: a saved state built under other
+# values holds momenta of other matrices, so loading it is refused.
+ROUTING_KEYS = (
+    "muon_mode",
+    "experts",
+    "num_experts",
+    "num_heads",
+    "split_sizes",
+    "split_groups",
+    "transposed",
+)
+
+
+def _saved_groups(
+    state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The saved groups, each named (see :func:`_with_names`); refuses a foreign state."""
+    saved_groups = state_dict.get("param_groups", [])
+    for index, saved in enumerate(saved_groups):
+        if "algorithm" not in saved:
+            raise ValueError(
+                f"saved param group {index} has no 'algorithm' key (it has "
+                f"{sorted(k for k in saved if k != 'params')}): this state was not saved by "
+                "muon_dist.Muon (a torch.optim.AdamW or SGD state?); load it into the "
+                "optimizer class that saved it, or start this optimizer fresh"
+            )
+    return [
         _with_names(saved, groups[i] if i < len(groups) else None)
-        for i, saved in enumerate(state_dict.get("param_groups", []))
+        for i, saved in enumerate(saved_groups)
     ]
+
+
+def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
+    """Name every parameter whose saved algorithm, group, matrix views (``muon_mode`` and
+    the other routing keys), state keys or state shapes differ from now."""
+    saved_groups = _saved_groups(state_dict, groups)
     saved = {
-        name: (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
-        for name, group, key in named_params(saved_groups)
+        name: (index, group, state_dict["state"].get(key, {}))
+        for index, group in enumerate(saved_groups)
+        for name, key in zip(group_param_names(group, index), group["params"], strict=True)
     }
-    current = {name: (group, p) for name, group, p in named_params(groups)}
+    current = {
+        name: (index, group, p)
+        for index, group in enumerate(groups)
+        for name, p in zip(group_param_names(group, index), group["params"], strict=True)
+    }
     problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]
-    for name, (group, p) in current.items():
+    for name, (index, group, p) in current.items():
         if name not in saved:
             problems.append(f"{name}: absent from the saved state")
             continue
-        saved_algorithm, state = saved[name]
+        saved_index, saved_group, state = saved[name]
         algorithm = group["algorithm"]
-        if saved_algorithm != algorithm:
-            problems.append(f"{name}: saved as {saved_algorithm}, routed to {algorithm} now")
+        if saved_group["algorithm"] != algorithm:
+            problems.append(
+                f"{name}: saved as {saved_group['algorithm']}, routed to {algorithm} now"
+            )
+            continue
+        if saved_index != index:
+            problems.append(
+                f"{name}: in saved param group {saved_index}, in group {index} now; "
+                "build the groups as they were when saving"
+            )
+            continue
+        changed = [
+            f"{key}={saved_group[key]!r} when saved, {group.get(key)!r} now"
+            for key in ROUTING_KEYS
+            if algorithm == "muon" and key in saved_group and saved_group[key] != group.get(key)
+        ]
+        if changed:
+            problems.append(
+                f"{name}: {'; '.join(changed)}; its momentum belongs to other matrices: "
+                "construct the optimizer with the saved values, or start it fresh"
+            )
             continue
         shapes = state_shapes(group, p, name)
         kept = set(state) - {"step"}
@@ -137,7 +191,7 @@ def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, A
                     f"{name}: saved {key} has shape {tuple(value.shape)}, "
                     f"this optimizer keeps {shapes[key]}"
                 )
-    saved_sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+    saved_sizes = [len(g["params"]) for g in saved_groups]
     if not problems and saved_sizes != [len(g["params"]) for g in groups]:
         problems.append(f"param group sizes {saved_sizes} were saved; rebuild the same groups")
     if problems:
@@ -145,3 +199,61 @@ def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, A
             "the saved optimizer state does not match this optimizer's routing:\n  "
             + "\n  ".join(problems)
         )
+
+
+def by_name(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The saved state rearranged into this optimizer's parameter order, matched by name.
+
+    ``Optimizer.load_state_dict`` pairs saved and current parameters by position; after a
+    model lists same-shape parameters in another order that would swap their state. Call
+    after :func:`check_saved_routing`, which makes the names and groups correspond.
+    """
+    saved_groups = _saved_groups(state_dict, groups)
+    key_of = {name: key for name, _, key in named_params(saved_groups)}
+    state: dict[int, Any] = {}
+    new_groups = []
+    position = 0
+    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        names = group_param_names(group, index)
+        ids = []
+        for name in names:
+            if key_of[name] in state_dict["state"]:
+                state[position] = state_dict["state"][key_of[name]]
+            ids.append(position)
+            position += 1
+        renamed = {**saved, "params": ids}
+        if "param_names" in saved:
+            renamed["param_names"] = names
+        new_groups.append(renamed)
+    return {**state_dict, "state": state, "param_groups": new_groups}
+
+
+def check_grad(name: str, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The local shard of ``p``'s gradient, after checking that it lies like ``p``: dense,
+    on the same mesh with the same placements, of the same local shape."""
+    if grad.layout != torch.strided:
+        raise TypeError(
+            f"{name} has a sparse gradient ({grad.layout}); this optimizer takes dense "
+            "gradients: build the layer with sparse=False or call grad.to_dense()"
+        )
+    if isinstance(p, DTensor) != isinstance(grad, DTensor):
+        kind = "a DTensor" if isinstance(p, DTensor) else "a plain tensor"
+        raise ValueError(
+            f"{name}: the parameter is {kind} but its gradient is not; give it a gradient "
+            "of the parameter's kind"
+        )
+    if isinstance(p, DTensor) and isinstance(grad, DTensor):
+        if grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements):
+            raise ValueError(
+                f"{name}: gradient placements {tuple(grad.placements)} on mesh "
+                f"{tuple(grad.device_mesh.shape)} differ from the parameter's "
+                f"{tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}; redistribute "
+                "it first: p.grad = grad.redistribute(p.device_mesh, p.placements)"
+            )
+        grad, p = grad.to_local(), p.to_local()
+    if grad.shape != p.shape:
+        raise ValueError(
+            f"{name}: gradient shape {tuple(grad.shape)} differs from the parameter's "
+            f"{tuple(p.shape)}"
+        )
+    return grad

@@ -9,6 +9,7 @@ device-side agreement on gradients in :mod:`muon_dist.agreement`, capture in
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -17,17 +18,20 @@ import torch.distributed as dist
 from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.agreement import Agreement, Outcome
-from muon_dist.checks import check_ranks_agree, check_saved_routing, matrix_count
+from muon_dist.checks import (
+    by_name,
+    check_grad,
+    check_ranks_agree,
+    check_saved_routing,
+    matrix_count,
+)
 from muon_dist.cuda_graph import StepGraph
 from muon_dist.groups import CommGroups, comm_groups
-from muon_dist.kernels.coefficients import resolve_coefficients
 from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
 from muon_dist.plan import build_plan, layout_of, local
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.routing import (
-    ADJUST_LR,
     ALGORITHMS,
-    MUON_MODES,
     format_routing_table,
     group_param_names,
     matrix_views,
@@ -35,19 +39,13 @@ from muon_dist.routing import (
     routing_entries,
 )
 from muon_dist.settings import ExecutionSettings
+from muon_dist.validation import check_group_keys, validate_group
 
 logger = logging.getLogger(__name__)
 
-# Muon-only group keys: an AdamW group that sets one is a configuration mistake.
-MUON_ONLY_KEYS = (
-    "num_heads",
-    "split_sizes",
-    "split_groups",
-    "transposed",
-    "magma",
-    "magma_beta",
-    "cautious_wd",
-)
+# Newton–Schulz divides its input by the Frobenius norm, whose square overflows fp32 above
+# about 1.84e19 (3.4e38 ** 0.5); the limit leaves room for Polar Express's 1.02 factor.
+NS_NORM_LIMIT = 1.8e19 / 1.02
 # Group entries that a captured step does not read from the group: the lr is staged into
 # device memory every step, the rest is bookkeeping. Any other change is captured anew.
 _NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
@@ -157,7 +155,9 @@ class Muon(torch.optim.Optimizer):
         # CyclicLR), which is Muon's; AdamW groups keep their betas. Groups get their own
         # algorithm's defaults in add_param_group, never these.
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-        super().__init__(_split_by_algorithm(params), defaults=defaults)
+        super().__init__(
+            _split_by_algorithm(params, self._defaults_by_algorithm), defaults=defaults
+        )
         self._comm = comm_groups(
             [p for g in self.param_groups for p in g["params"]], replica_mode, process_group
         )
@@ -192,8 +192,12 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(
                 f"algorithm={algorithm!r} is not supported; choose one of {ALGORITHMS}"
             )
-        group = {**self._defaults_by_algorithm[algorithm], **param_group}
-        _validate_group(group, len(self.param_groups))
+        defaults_of = self._defaults_by_algorithm[algorithm]
+        where = f"param group {len(self.param_groups)} ({algorithm})"
+        other = "adamw" if algorithm == "muon" else "muon"
+        check_group_keys(param_group, defaults_of, self._defaults_by_algorithm[other], where)
+        group = {**defaults_of, **param_group}
+        validate_group(group, len(self.param_groups))
         group.setdefault("steps", 0)
         group.setdefault("skipped_steps", 0)
         # torch fills missing keys from ``defaults``, which are Muon's; this group already
@@ -223,13 +227,19 @@ class Muon(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by Muon, refusing one whose routing no longer matches."""
+        """Load a state saved by Muon, matching parameters by name, refusing one whose routing
+        no longer matches and checking every loaded option as the constructor does."""
         check_saved_routing(state_dict, self.param_groups)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        state_dict = by_name(state_dict, self.param_groups)
+        for index, (saved, group) in enumerate(
+            zip(state_dict["param_groups"], self.param_groups, strict=True)
+        ):
+            options = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            validate_group({**group, **options}, index)
         params = [p for g in self.param_groups for p in g["params"]]
         scores = {
             p: state_dict["state"][i]["magma_score"]
-            for i, p in zip(saved_ids, params, strict=True)
+            for i, p in enumerate(params)
             if "magma_score" in state_dict["state"].get(i, {})
         }
         super().load_state_dict(state_dict)
@@ -270,10 +280,13 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         self.check_finite()
         runner = self._step_runner()
-        runner.run(self.param_groups)
+        failure = runner.run(self.param_groups)
         runner.agreement.queued(self.param_groups[0]["steps"] + 1)
         for group in self.param_groups:
             group["steps"] += 1
+        if failure is not None:
+            runner.agreement.discard()
+            raise failure
         if runner.agreement.on_host:
             self.check_finite()
         return loss
@@ -293,8 +306,20 @@ class Muon(torch.optim.Optimizer):
 
     def _report(self, outcome: Outcome) -> None:
         step = outcome.step
+        if outcome.failed_rank is not None:
+            raise RuntimeError(
+                f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
+                "refused its inputs and raised an error naming them; parameters and state "
+                "were left as they were on every rank; fix that rank's inputs"
+            )
         if outcome.nonfinite_grads:
             reason = f"non-finite gradient in {', '.join(outcome.nonfinite_grads)}"
+        elif outcome.overflowing_grads:
+            reason = (
+                f"gradient norm too large in {', '.join(outcome.overflowing_grads)} (finite, "
+                f"but above {NS_NORM_LIMIT:.2g}·(1 - momentum), where Newton–Schulz's "
+                "normalisation would overflow fp32)"
+            )
         else:
             reason = f"non-finite Newton–Schulz result for {', '.join(outcome.nonfinite_results)}"
         if self.settings.nonfinite == "skip_step":
@@ -307,10 +332,11 @@ class Muon(torch.optim.Optimizer):
                 self.param_groups[0]["skipped_steps"],
             )
             return
-        if outcome.nonfinite_grads:
+        if outcome.nonfinite_grads or outcome.overflowing_grads:
             raise FloatingPointError(
                 f"muon_dist.Muon step {step}: {reason}; parameters and state were left as "
-                "they were; fix the loss or pass nonfinite='skip_step' to skip such steps"
+                "they were; fix the loss (or clip gradients) or pass nonfinite='skip_step' "
+                "to skip such steps"
             )
         raise FloatingPointError(
             f"muon_dist.Muon step {step}: Newton–Schulz returned non-finite values for "
@@ -384,7 +410,11 @@ class _StepRunner:
             if group["algorithm"] == "adamw":
                 self._adamw_members.setdefault(group_index[id(group)], []).append(position)
         self.group_count = len(groups)
-        self.hyper = torch.zeros(2 * len(groups) + len(self.params), device=self.device)
+        self.names = [name for name, _, _ in named]
+        self._group_of = [group_index[id(group)] for _, group, _ in named]
+        self.rank = comm.rank
+        # lr and weight decay per group | presence and norm limit per parameter | failure
+        self.hyper = torch.zeros(2 * len(groups) + 2 * len(self.params) + 1, device=self.device)
         # AdamW reads its lr from device memory on CUDA (fused AdamW takes a tensor lr).
         self._lr_views = list(self.hyper[: len(groups)].unbind(0))
         self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
@@ -413,40 +443,49 @@ class _StepRunner:
             self.graph.reset()
 
     def _local_grads(self) -> list[torch.Tensor | None]:
-        """Local gradient shards; a gradient kept between steps is unwrapped only once."""
+        """Local gradient shards; a gradient kept between steps is checked and unwrapped
+        only once."""
         grads: list[torch.Tensor | None] = []
         for index, p in enumerate(self.params):
             grad = p.grad
             source, unwrapped = self._grads[index]
             if grad is not source:
-                unwrapped = None if grad is None else local(grad)
+                unwrapped = None if grad is None else check_grad(self.names[index], p, grad)
                 self._grads[index] = (grad, unwrapped)
             grads.append(unwrapped)
         return grads
 
-    def run(self, groups: Sequence[dict[str, Any]]) -> None:
-        grads = self._local_grads()
+    def run(self, groups: Sequence[dict[str, Any]]) -> Exception | None:
+        """Queue one step. A rank that refuses its inputs (a gradient of the wrong layout,
+        a sparse one, a missing one under capture) still takes part in the step's agreement,
+        with every gradient absent and its failure flagged, so every rank leaves everything
+        as it was and learns of the failure; it returns its error for the caller to raise.
+        """
+        failure: Exception | None = None
+        try:
+            grads = self._local_grads()
+            if self.graph is not None:
+                _check_captured(grads)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            failure = exc
+            grads = [None] * len(self.params)
         values = [float(g["lr"]) for g in groups] + [float(g["weight_decay"]) for g in groups]
         values += [0.0 if g is None else 1.0 for g in grads]
+        values += [_norm_limit(groups[g]) for g in self._group_of]
+        values.append(0.0 if failure is None else float(self.rank + 1))
         pinned = self.device.type == "cuda"
         staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
         self.hyper.copy_(staged, non_blocking=pinned)
+        if self.graph is None or failure is not None:
+            self._body(groups, grads)
+            return failure
 
         def body() -> None:
             self._body(groups, grads)
 
-        if self.graph is None:
-            body()
-            return
-        if any(g is None for g in grads):
-            missing = [i for i, g in enumerate(grads) if g is None]
-            raise RuntimeError(
-                f"cuda_graph=True: {len(missing)} parameters have no gradient this step; a "
-                "captured step reads every gradient tensor in place, so keep them between "
-                "steps with zero_grad(set_to_none=False), or use cuda_graph=False"
-            )
         key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
         self.graph.run(body, key, grads)
+        return None
 
     def _body(self, groups: Sequence[dict[str, Any]], grads: Sequence[torch.Tensor | None]) -> None:
         """The device work of one step: everything a captured step replays."""
@@ -496,17 +535,32 @@ class _StepRunner:
         )
 
 
-def _check_range(name: str, value: float, low: float, high: float, *, closed_high: bool) -> None:
-    ok = low <= value <= high if closed_high else low <= value < high
-    if not ok:
-        bracket = "]" if closed_high else ")"
-        raise ValueError(
-            f"{name}={value!r} is out of range; it must lie in [{low}, {high}{bracket}"
+def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
+    missing = [i for i, g in enumerate(grads) if g is None]
+    if missing:
+        raise RuntimeError(
+            f"cuda_graph=True: {len(missing)} parameters have no gradient this step; a "
+            "captured step reads every gradient tensor in place, so keep them between "
+            "steps with zero_grad(set_to_none=False), or use cuda_graph=False"
         )
 
 
-def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
-    """Normalise the constructor's input to groups that each name their algorithm."""
+def _norm_limit(group: dict[str, Any]) -> float:
+    """The largest gradient norm a Muon parameter of ``group`` takes: its momentum stays
+    below ``norm / (1 - momentum)``, and Newton–Schulz's input must stay below
+    :data:`NS_NORM_LIMIT`. AdamW parameters have none."""
+    if group["algorithm"] != "muon":
+        return math.inf
+    return NS_NORM_LIMIT * (1.0 - float(group["momentum"]))
+
+
+def _split_by_algorithm(
+    params: Iterable[Any], defaults_by_algorithm: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Normalise the constructor's input to groups that each name their algorithm.
+
+    A group without an algorithm is split; each part keeps the keys the other algorithm's
+    part alone reads out of it (a Muon part drops ``betas``, an AdamW part ``momentum``)."""
     items = list(params)
     if not items:
         raise ValueError("Muon got an empty parameter list")
@@ -529,52 +583,11 @@ def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
             chosen = [i for i, p in enumerate(raw) if (p.ndim >= 2) == matrices]
             if not chosen:
                 continue
-            part = {**group, "algorithm": algorithm, "params": [raw[i] for i in chosen]}
-            if algorithm == "adamw":
-                part = {k: v for k, v in part.items() if k not in MUON_ONLY_KEYS}
+            other = "adamw" if algorithm == "muon" else "muon"
+            foreign = set(defaults_by_algorithm[other]) - set(defaults_by_algorithm[algorithm])
+            part = {k: v for k, v in group.items() if k not in foreign}
+            part.update(algorithm=algorithm, params=[raw[i] for i in chosen])
             if names is not None:
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
     return groups
-
-
-def _validate_group(group: dict[str, Any], index: int) -> None:
-    """Reject a bad option at construction, naming the key, the value and the choices."""
-    where = f"param group {index} ({group['algorithm']})"
-    if group["lr"] < 0:
-        raise ValueError(f"{where}: lr={group['lr']!r} must be >= 0")
-    if group["weight_decay"] < 0:
-        raise ValueError(f"{where}: weight_decay={group['weight_decay']!r} must be >= 0")
-    if group["algorithm"] == "adamw":
-        beta1, beta2 = group["betas"]
-        _check_range(f"{where}: betas[0]", beta1, 0.0, 1.0, closed_high=False)
-        _check_range(f"{where}: betas[1]", beta2, 0.0, 1.0, closed_high=False)
-        if group["eps"] < 0:
-            raise ValueError(f"{where}: eps={group['eps']!r} must be >= 0")
-        for key in MUON_ONLY_KEYS:
-            if group.get(key) not in (None, False):
-                raise ValueError(
-                    f"{where}: {key}={group[key]!r} is a Muon option; set it on a group with "
-                    "algorithm='muon' (valid keys here: lr, betas, eps, weight_decay)"
-                )
-        return
-    _check_range(f"{where}: momentum", group["momentum"], 0.0, 1.0, closed_high=False)
-    if group["adjust_lr"] not in ADJUST_LR:
-        raise ValueError(
-            f"{where}: adjust_lr={group['adjust_lr']!r} is not supported; choose one of {ADJUST_LR}"
-        )
-    if group["muon_mode"] not in MUON_MODES:
-        raise ValueError(
-            f"{where}: muon_mode={group['muon_mode']!r} is not supported; "
-            f"choose one of {MUON_MODES}"
-        )
-    try:
-        resolve_coefficients(group["coefficients"], group["ns_steps"])
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from exc
-    for key in ("magma", "cautious_wd"):
-        if not isinstance(group[key], bool):
-            raise ValueError(f"{where}: {key}={group[key]!r}; choose True or False")
-    _check_range(f"{where}: magma_beta", group["magma_beta"], 0.0, 1.0, closed_high=False)
-    for name, p in zip(group_param_names(group, index), group["params"], strict=True):
-        matrix_views(p.shape, group, name=f"{where}: parameter {name!r}")

@@ -1,0 +1,167 @@
+"""Checks of param groups and their parameters, run before anything changes.
+
+The constructor (through ``add_param_group``) and ``load_state_dict`` run the same checks,
+so a saved ``lr=nan`` or ``momentum=1.5`` is refused as a constructed one is. Each error
+names the group, the key (or parameter), the value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from muon_dist.kernels.coefficients import resolve_coefficients
+from muon_dist.routing import ADJUST_LR, MUON_MODES, group_param_names, matrix_views
+
+# Keys a group may hold besides its algorithm's options: bookkeeping of this optimizer and
+# the keys torch's lr schedulers add (an unknown key is a misspelling, never ignored).
+BOOKKEEPING_KEYS = frozenset(
+    {
+        "params",
+        "param_names",
+        "steps",
+        "skipped_steps",
+        "initial_lr",
+        "max_lr",
+        "min_lr",
+        "base_lr",
+        "max_momentum",
+        "base_momentum",
+    }
+)
+
+
+def check_group_keys(
+    group: dict[str, Any], own: Iterable[str], other: Iterable[str], where: str
+) -> None:
+    """Refuse a key this group's algorithm does not read: another algorithm's option set to
+    a value (``num_heads`` on an AdamW group), or a misspelling (``weight_decy``, with the
+    closest key suggested). ``own`` and ``other`` are the keys of each algorithm."""
+    allowed = set(own) | BOOKKEEPING_KEYS
+    foreign = set(other) - allowed
+    algorithm = group.get("algorithm", "muon")
+    for key, value in group.items():
+        if key in allowed:
+            continue
+        if key in foreign:
+            if value in (None, False):
+                continue
+            owner = "adamw" if algorithm == "muon" else "muon"
+            raise ValueError(
+                f"{where}: {key}={value!r} is a {'Muon' if owner == 'muon' else 'AdamW'} "
+                f"option; set it on a group with algorithm={owner!r} (valid keys here: "
+                f"{', '.join(sorted(set(own) - {'algorithm'}))})"
+            )
+        close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(allowed)}"
+        raise ValueError(f"{where}: unknown group key {key!r}; {hint}")
+
+
+def _number(where: str, key: str, value: Any) -> float:
+    """A finite real number given as a Python or NumPy scalar (a tensor is refused)."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{where}: {key} is a tensor ({value!r}); pass a Python float "
+            f"(e.g. {key}={float(value.detach().cpu().reshape(-1)[0])}): the step stages "
+            "every group's hyper-parameters into device memory itself"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{where}: {key}={value!r} must be a real number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: {key}={value!r} is not finite; pass a finite number")
+    return float(value)
+
+
+def _at_least(where: str, key: str, value: Any, low: float) -> None:
+    if _number(where, key, value) < low:
+        raise ValueError(f"{where}: {key}={value!r} must be >= {low}")
+
+
+def _in_unit(where: str, key: str, value: Any) -> None:
+    """``value`` in [0, 1), as momentum and betas must be."""
+    if not 0.0 <= _number(where, key, value) < 1.0:
+        raise ValueError(f"{where}: {key}={value!r} is out of range; it must lie in [0.0, 1.0)")
+
+
+def _flag(where: str, key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {key}={value!r}; choose True or False")
+
+
+def validate_group(group: dict[str, Any], index: int) -> None:
+    """Check every option of a full group (its algorithm's defaults filled in)."""
+    where = f"param group {index} ({group['algorithm']})"
+    _at_least(where, "lr", group["lr"], 0.0)
+    _at_least(where, "weight_decay", group["weight_decay"], 0.0)
+    if group["algorithm"] == "adamw":
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{where}: betas={betas!r} must be a pair (beta1, beta2)")
+        _in_unit(where, "betas[0]", betas[0])
+        _in_unit(where, "betas[1]", betas[1])
+        _at_least(where, "eps", group["eps"], 0.0)
+    else:
+        _validate_muon(group, where)
+    _validate_params(group, index, where)
+
+
+def _validate_muon(group: dict[str, Any], where: str) -> None:
+    _in_unit(where, "momentum", group["momentum"])
+    _flag(where, "nesterov", group["nesterov"])
+    if group["adjust_lr"] not in ADJUST_LR:
+        raise ValueError(
+            f"{where}: adjust_lr={group['adjust_lr']!r} is not supported; choose one of {ADJUST_LR}"
+        )
+    if group["muon_mode"] not in MUON_MODES:
+        raise ValueError(
+            f"{where}: muon_mode={group['muon_mode']!r} is not supported; "
+            f"choose one of {MUON_MODES}"
+        )
+    try:
+        schedule = resolve_coefficients(group["coefficients"], group["ns_steps"])
+        for k, triple in enumerate(schedule.steps):
+            for value in triple:
+                _number(where, f"coefficients[{k}]", value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+    for key in ("magma", "cautious_wd"):
+        _flag(where, key, group[key])
+    _in_unit(where, "magma_beta", group["magma_beta"])
+
+
+def _validate_params(group: dict[str, Any], index: int, where: str) -> None:
+    """Each parameter once, real floating point, no empty dim on a matrix."""
+    seen: dict[int, str] = {}
+    names = group_param_names(group, index)
+    for name, p in zip(names, group["params"], strict=True):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{where}: parameter {name!r} is a {type(p).__name__}, not a tensor")
+        if id(p) in seen:
+            raise ValueError(
+                f"{where}: parameter {name!r} is listed twice (also as {seen[id(p)]!r}); "
+                "list each parameter once, or it would be updated twice per step"
+            )
+        seen[id(p)] = name
+        if p.is_complex() or not p.is_floating_point():
+            raise TypeError(
+                f"{where}: parameter {name!r} has dtype {p.dtype}; Muon and AdamW here update "
+                "real floating-point tensors (view a complex one with torch.view_as_real)"
+            )
+        if p.is_sparse:
+            raise TypeError(f"{where}: parameter {name!r} is sparse; pass a dense tensor")
+        if group["algorithm"] != "muon":
+            continue
+        if 0 in p.shape:
+            raise ValueError(
+                f"{where}: parameter {name!r} has shape {tuple(p.shape)} with an empty dim; "
+                "Muon orthogonalizes matrices with rows and columns: route it to AdamW "
+                "(algorithm='adamw') or drop it"
+            )
+        matrix_views(p.shape, group, name=f"{where}: parameter {name!r}")
