@@ -510,9 +510,27 @@ class _StepRunner:
     def _adamw(
         self, group: dict[str, Any], index: int, grads: Sequence[torch.Tensor | None]
     ) -> None:
-        members = [i for i in self._adamw_members[index] if grads[i] is not None]
-        if not members:
-            return
+        """AdamW for one group. A parameter without a local gradient takes a zero one where
+        another rank has a gradient, as a Muon parameter does, so replicas and step counts
+        stay equal: one launch each, skipped on the device where no rank has a gradient."""
+        members = self._adamw_members[index]
+        present = [i for i in members if grads[i] is not None]
+        if present:
+            self._adamw_launch(group, index, present, grads, self.agreement.found_inf)
+        for i in members:
+            if grads[i] is None:
+                skip = torch.maximum(self.agreement.found_inf, 1.0 - self.agreement.flags[i])
+                zero = torch.zeros_like(self._adamw_tensors[i][0])
+                self._adamw_launch(group, index, [i], {i: zero}, skip)
+
+    def _adamw_launch(
+        self,
+        group: dict[str, Any],
+        index: int,
+        members: Sequence[int],
+        grads: Sequence[torch.Tensor | None] | dict[int, torch.Tensor],
+        found_inf: torch.Tensor,
+    ) -> None:
         tensors = self._adamw_tensors
         beta1, beta2 = group["betas"]
         cuda = self.device.type == "cuda"
@@ -531,7 +549,7 @@ class _StepRunner:
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=False,
-            found_inf=self.agreement.found_inf,
+            found_inf=found_inf,
         )
 
 

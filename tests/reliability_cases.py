@@ -13,7 +13,7 @@ from parity_cases import Case, P, run_case
 from reference_muon import reference_muon_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import muon_dist
 
@@ -95,6 +95,87 @@ def nonfinite_result_on_one_rank_skips_everywhere() -> None:
     assert opt.param_groups[0]["skipped_steps"] == 1
 
 
+def _steps_everywhere(opt: muon_dist.Muon) -> list[int]:
+    """Every rank's step counters, gathered."""
+    mine = [g["steps"] for g in opt.param_groups] + [g["skipped_steps"] for g in opt.param_groups]
+    gathered: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    assert all(g == mine for g in gathered), f"step counters differ across ranks: {gathered}"
+    return mine
+
+
+def overflow_in_newton_schulz_raises_on_every_rank() -> None:
+    """A finite gradient whose norm would overflow Newton–Schulz: refused everywhere."""
+    full, p = _sharded((10, 6), 6)
+    bias_full, bias = _sharded((6,), 7)
+    opt = muon_dist.Muon(
+        [
+            {"params": [p], "param_names": ["mlp.w"], "algorithm": "muon"},
+            {"params": [bias], "param_names": ["norm.b"], "algorithm": "adamw"},
+        ]
+    )
+    grad = torch.randn(10, 6)
+    if dist.get_rank() == 1:
+        grad[-1, 0] = 1.5e19  # rank 1's shard only
+    p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)], src_data_rank=None)
+    bias.grad = distribute_tensor(torch.ones(6), bias.device_mesh, [Shard(0)])
+    with pytest.raises(FloatingPointError, match=r"step 1: gradient norm too large in mlp\.w"):
+        opt.step()
+    assert torch.equal(p.full_tensor(), full) and torch.equal(bias.full_tensor(), bias_full)
+    assert torch.count_nonzero(opt.state[p]["momentum_buffer"].full_tensor()) == 0
+    assert float(opt.state[bias]["step"]) == 0.0
+    _steps_everywhere(opt)
+
+
+def gradient_placements_are_checked_on_every_rank() -> None:
+    """A gradient laid out unlike its parameter is refused; the others learn of it."""
+    full, p = _sharded((8, 6), 8)
+    opt = muon_dist.Muon([{"params": [p], "param_names": ["attn.wo"], "algorithm": "muon"}])
+    grad = torch.randn(8, 6)
+    # Replicate() on every rank: refused on every rank, naming both placements.
+    p.grad = distribute_tensor(grad, p.device_mesh, [Replicate()])
+    with pytest.raises(ValueError, match=r"attn\.wo: gradient placements \(Replicate\(\),\)"):
+        opt.step()
+    # Shard(1) on rank 0 only: rank 0 names it, rank 1 learns that rank 0 failed; no hang.
+    if dist.get_rank() == 0:
+        p.grad = DTensor.from_local(grad[:, :3], p.device_mesh, [Shard(1)], run_check=False)
+        error, pattern = ValueError, r"attn\.wo: gradient placements \(Shard\(dim=1\),\)"
+    else:
+        p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)], src_data_rank=None)
+        error, pattern = RuntimeError, r"step 2 failed on rank 0, which refused its inputs"
+    with pytest.raises(error, match=pattern):
+        opt.step()
+    assert torch.equal(p.full_tensor(), full)
+    assert torch.count_nonzero(opt.state[p]["momentum_buffer"].full_tensor()) == 0
+    _steps_everywhere(opt)
+    # Fixed inputs: the next step runs on every rank.
+    p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)])
+    opt.step()
+    assert not torch.equal(p.full_tensor(), full)
+
+
+def adamw_gradient_on_some_ranks_only_counts_as_zero() -> None:
+    """As for Muon: a shard without a gradient takes a zero one when another rank has one."""
+    full, bias = _sharded((6,), 9)
+    opt = muon_dist.Muon([{"params": [bias], "algorithm": "adamw", "lr": 0.1}])
+    grad = torch.randn(6, generator=torch.Generator().manual_seed(10))
+    bias.grad = distribute_tensor(grad, bias.device_mesh, [Shard(0)], src_data_rank=None)
+    rows = grad.chunk(2)[0].shape[0]
+    if dist.get_rank() == 1:
+        bias.grad = None
+    opt.step()
+    expected_grad = grad.clone()
+    expected_grad[rows:] = 0
+    ref = nn.Parameter(full.clone())
+    ref.grad = expected_grad
+    reference = torch.optim.AdamW([ref], lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    reference.step()
+    torch.testing.assert_close(bias.full_tensor(), ref.detach(), rtol=0, atol=1e-6)
+    steps: list[float | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, float(opt.state[bias]["step"]))
+    assert steps == [1.0] * dist.get_world_size(), steps
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     check.__name__: check
     for check in (
@@ -102,6 +183,9 @@ CHECKS: dict[str, Callable[[], None]] = {
         gradient_on_some_ranks_only_counts_as_zero,
         no_gradient_anywhere_is_left_alone,
         nonfinite_result_on_one_rank_skips_everywhere,
+        overflow_in_newton_schulz_raises_on_every_rank,
+        gradient_placements_are_checked_on_every_rank,
+        adamw_gradient_on_some_ranks_only_counts_as_zero,
     )
 }
 

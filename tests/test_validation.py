@@ -142,3 +142,37 @@ def test_loading_a_torch_adamw_state_names_the_problem() -> None:
     opt = muon_dist.Muon(model.named_parameters())
     with pytest.raises(ValueError, match=r"not saved by muon_dist\.Muon"):
         opt.load_state_dict(adamw.state_dict())
+
+
+def test_fp16_gradient_with_a_large_norm_is_finite() -> None:
+    """Finiteness is judged in fp64: an fp16 norm above 65504 is no overflow of the step."""
+    w = nn.Parameter(torch.randn(64, 64, dtype=torch.float16))
+    opt = muon_dist.Muon([w], nonfinite="raise")
+    w.grad = torch.full((64, 64), 30000.0, dtype=torch.float16)  # norm 1.9e6 > 65504
+    before = w.detach().clone()
+    opt.step()
+    assert torch.isfinite(w.detach()).all() and not torch.equal(w.detach(), before)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_overflowing_norm_is_reported_as_such_and_changes_nothing(policy: str) -> None:
+    w, b = _params()
+    opt = muon_dist.Muon(
+        [
+            {"params": [w], "param_names": ["mlp.w"], "algorithm": "muon"},
+            {"params": [b], "param_names": ["norm.b"], "algorithm": "adamw"},
+        ],
+        nonfinite=policy,
+    )
+    w.grad, b.grad = torch.randn(8, 6), torch.randn(6)
+    w.grad[0, 0] = 1e30
+    before = (w.detach().clone(), b.detach().clone())
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match=r"gradient norm too large in mlp\.w"):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.param_groups[0]["skipped_steps"] == 1
+    assert torch.equal(w.detach(), before[0]) and torch.equal(b.detach(), before[1])
+    assert torch.count_nonzero(opt.state[w]["momentum_buffer"]) == 0
+    assert float(opt.state[b]["step"]) == 0.0
