@@ -67,8 +67,9 @@ class Muon(torch.optim.Optimizer):
     and key heads whose logits exceed tau after each step (see :mod:`muon_dist.qk_clip`).
 
     The step never waits for the device. All ranks agree on the device which gradients
-    exist and are finite; a parameter without a gradient on any rank is left alone, and a
-    non-finite gradient anywhere leaves every parameter and all state as they were. The
+    exist and are finite; a parameter without a gradient on any rank is left alone, one
+    without a gradient on some ranks takes a zero gradient there (Muon and AdamW alike), and
+    a non-finite gradient anywhere leaves every parameter and all state as they were. The
     host learns of it later, where it reads the step's flags: with CUDA tensors at the next
     ``step()``, ``state_dict()`` or :meth:`check_finite`; with CPU tensors at the end of the
     step itself. There ``nonfinite="raise"`` raises ``FloatingPointError`` naming the
@@ -272,8 +273,24 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One step for every group (see the class docstring for gradients that are missing
-        or non-finite, and for when the host learns of them)."""
+        """One step for every group.
+
+        The principle: every rank reaches the same outcome (the same exception, or the same
+        successful update), and a step that fails leaves parameters and optimizer state as
+        they were. Options were checked at construction and load; here each rank checks its
+        gradients against their parameters, then all ranks agree on the device, in the
+        step's one all-reduce, which gradients exist, which are non-finite or too large to
+        normalise, and whether some rank refused its inputs. Any of these makes every rank
+        keep everything as it was, without a host branch and so also in a captured step. A
+        rank that refused its inputs raises its error here; the others raise
+        ``RuntimeError`` naming it, and a bad gradient raises ``FloatingPointError`` (or is
+        skipped), where the host reads the outcome (see the class docstring). What is not
+        agreed: an exception inside the device work of one rank, or a rank that dies; the
+        others then wait in the next collective until the process group's timeout raises
+        there (see the README's Reliability section). Under ``nonfinite="raise"`` a
+        non-finite Newton–Schulz result of finite inputs is raised on every rank after the
+        update; ``"skip_step"`` keeps the parameters instead.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
