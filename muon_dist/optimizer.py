@@ -21,6 +21,7 @@ from muon_dist.kernels.elementwise import (
     momentum_input_,
     nesterov_input_,
 )
+from muon_dist.kernels.gram import METHODS as NS_METHODS
 from muon_dist.plan import (
     REPLICA_MODES,
     Plan,
@@ -59,11 +60,12 @@ _AGREE_KEYS = (
     "split_sizes",
     "ns_steps",
     "coefficients",
+    "ns_method",
     "magma",
     "cautious_wd",
 )
 # Muon-only group keys: an AdamW group that sets one is a configuration mistake.
-MUON_ONLY_KEYS = ("num_heads", "split_sizes", "magma", "magma_beta", "cautious_wd")
+MUON_ONLY_KEYS = ("num_heads", "split_sizes", "magma", "magma_beta", "cautious_wd", "ns_method")
 _MAX_CACHED_PLANS = 8
 NONFINITE_POLICIES = ("raise", "skip_step")
 # Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
@@ -148,8 +150,10 @@ class Muon(torch.optim.Optimizer):
     Per group, ``num_heads`` orthogonalizes each head's rows separately, ``split_sizes`` each
     block of a fused weight (QKV, gate+up), ``magma=True`` damps each matrix's update by how
     well its gradient agrees with its momentum, and ``cautious_wd=True`` decays only weights
-    whose sign the update shares. ``qk_clip`` (with ``max_logits``) rescales attention query
-    and key heads whose logits exceed tau after each step (see :mod:`muon_dist.qk_clip`).
+    whose sign the update shares. ``ns_method`` ("auto", "gram", "standard") picks the
+    Newton–Schulz iteration (see :func:`muon_dist.kernels.newton_schulz`). ``qk_clip`` (with
+    ``max_logits``) rescales attention query and key heads whose logits exceed tau after
+    each step (see :mod:`muon_dist.qk_clip`).
     """
 
     def __init__(
@@ -163,6 +167,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         coefficients: str | Sequence[Sequence[float]] = "quintic",
         backend: str = "auto",
+        ns_method: str = "auto",
         comm_dtype: torch.dtype = torch.bfloat16,
         *,
         muon_mode: str = "2d",
@@ -202,6 +207,7 @@ class Muon(torch.optim.Optimizer):
                 "adjust_lr": adjust_lr,
                 "ns_steps": ns_steps,
                 "coefficients": coefficients,
+                "ns_method": ns_method,
                 "muon_mode": muon_mode,
                 "experts": False,
                 "num_experts": None,
@@ -712,17 +718,23 @@ class _StepContext:
         )
 
     def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
-        steps, coefficients = cast(tuple[int, Coefficients], ns_key)
+        steps, coefficients, method = cast(tuple[int, Coefficients, str], ns_key)
         return newton_schulz(
-            stack, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
+            stack,
+            steps=steps,
+            coefficients=coefficients,
+            dtype=self.ns_dtype,
+            backend=self.backend,
+            method=method,
         )
 
 
-def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable]:
+def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable, str]:
     coefficients = group["coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
-    return (group["ns_steps"], coefficients)
+    # Groups loaded from a checkpoint saved before ns_method existed lack the key.
+    return (group["ns_steps"], coefficients, group.get("ns_method", "auto"))
 
 
 def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -848,6 +860,11 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
         resolve_coefficients(group["coefficients"], group["ns_steps"])
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(
+            f"{where}: ns_method={group['ns_method']!r} is not supported; choose one of "
+            f"{list(NS_METHODS)}"
+        )
     for key in ("magma", "cautious_wd"):
         if not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key}={group[key]!r}; choose True or False")
