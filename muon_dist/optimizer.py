@@ -757,8 +757,8 @@ def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
             groups.append(group)
             continue
         names = group.get("param_names")
-        for algorithm, keep in (("muon", lambda p: p.ndim >= 2), ("adamw", lambda p: p.ndim < 2)):
-            chosen = [i for i, p in enumerate(raw) if keep(p)]
+        for algorithm, matrices in (("muon", True), ("adamw", False)):
+            chosen = [i for i, p in enumerate(raw) if (p.ndim >= 2) == matrices]
             if not chosen:
                 continue
             part = {**group, "algorithm": algorithm, "params": [raw[i] for i in chosen]}

@@ -451,6 +451,9 @@ def _rank_bucket(
             index = len(plan.owned)
             view = layouts[block.param].view
             own = intersect(mine, block.box) if mine is not None else None
+            own_slices = None
+            if own and mine is not None:
+                own_slices = (relative_slices(own, mine), relative_slices(own, block.box))
             plan.owned.append(
                 OwnedBlock(
                     block.param,
@@ -460,7 +463,7 @@ def _rank_bucket(
                     view.rows,
                     view.cols,
                     layouts[block.param].ns_key,
-                    (relative_slices(own, mine), relative_slices(own, block.box)) if own else None,
+                    own_slices,
                 )
             )
             for src, piece in block.sources:
@@ -472,6 +475,8 @@ def _rank_bucket(
                 plan.scatter_sends.append(
                     BlockPiece(dst, index, relative_slices(piece, block.box), box_shape(piece))
                 )
+            continue
+        if mine is None:  # this rank holds nothing of the parameter: no pieces to move
             continue
         for src, piece in block.sources:
             if src == rank:

@@ -353,8 +353,8 @@ def param_groups(
         elif is_expert and p.ndim == 2 and num_experts is not None:
             key = "muon_fused_experts"
         else:
-            pattern = _fused_pattern(name, fused)
-            key = "muon" if pattern is None else f"fused:{pattern}"
+            hit = _fused_pattern(name, fused)
+            key = "muon" if hit is None else f"fused:{hit}"
         buckets[key][0].append(p)
         buckets[key][1].append(name)
     unmatched = [p for p in fused if not buckets[f"fused:{p}"][0]]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Install into .venv (if needed) and run lint plus the whole test suite on CPU.
+# Install into .venv (if needed) and run lint, the type checker and the whole test suite on CPU.
+# Extra arguments go to pytest, e.g. `bash scripts/run_tests.sh -m "not slow"` for the quick tier.
 source "$(dirname "$0")/env.sh"
 ruff check .
 ruff format --check .
+mypy
 status=0
 python -m pytest tests "$@" || status=$?
 # pytest exits 5 when nothing was collected: that is a failure for us, not a pass.

@@ -9,6 +9,7 @@ what every rank recorded.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,17 +251,32 @@ def magma_checkpoint_round_trip(world_size: int, path: str) -> float:
     )
 
 
-def feature_worker(rank: int, world_size: int, checkpoint: str | None = None) -> dict[str, float]:
-    results = {
-        "views_fsdp": run_feature_case(view_params(), "fsdp", world_size),
-        "qk_clip_fsdp": run_feature_case(clip_params(), "fsdp", world_size, clip=True),
-    }
+# name -> (parameters, layout, QK-clip on); "magma_dcp" is the checkpoint round trip.
+LAYOUT_CASES: dict[str, tuple[Callable[[], list[F]], str, bool]] = {
+    "views_fsdp": (view_params, "fsdp", False),
+    "qk_clip_fsdp": (clip_params, "fsdp", True),
+    "views_replicated": (view_params, "replicated", False),
+    "views_hsdp": (view_params, "hsdp", False),
+    "qk_clip_hsdp": (clip_params, "hsdp", True),
+}
+
+
+def feature_cases(world_size: int) -> list[str]:
+    """The feature cases that run on ``world_size`` ranks."""
+    names = ["views_fsdp", "qk_clip_fsdp"]
     if world_size == 2:
-        results["views_replicated"] = run_feature_case(view_params(), "replicated", world_size)
-    if checkpoint is not None:
-        results["magma_dcp"] = magma_checkpoint_round_trip(world_size, checkpoint)
+        names += ["views_replicated", "magma_dcp"]
     if world_size == 4:
-        results["views_hsdp"] = run_feature_case(view_params(), "hsdp", world_size)
-        results["qk_clip_hsdp"] = run_feature_case(clip_params(), "hsdp", world_size, clip=True)
-    assert math.isfinite(max(results.values()))
-    return results
+        names += ["views_hsdp", "qk_clip_hsdp"]
+    return names
+
+
+def feature_worker(rank: int, world_size: int, name: str, checkpoint: str = "") -> float:
+    """Run feature case ``name``; ``magma_dcp`` saves and resumes through ``checkpoint``."""
+    if name == "magma_dcp":
+        error = magma_checkpoint_round_trip(world_size, checkpoint)
+    else:
+        params, layout, clip = LAYOUT_CASES[name]
+        error = run_feature_case(params(), layout, world_size, clip=clip)
+    assert math.isfinite(error), f"{name}: {error}"
+    return error

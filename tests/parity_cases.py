@@ -7,7 +7,6 @@ under test, takes three optimizer steps, and compares the gathered result with
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +21,6 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 import muon_dist
 
 STEPS = 3
-# scripts/gpu_parity.py runs these cases on CUDA with NCCL; CPU with gloo otherwise.
-DEVICE = os.environ.get("MUON_DIST_TEST_DEVICE", "cpu")
 
 
 @dataclass
@@ -118,11 +115,11 @@ def _reference(
 
 
 def _shard(
-    case: Case, fulls: list[torch.Tensor], world_size: int
+    case: Case, fulls: list[torch.Tensor], world_size: int, device: str
 ) -> tuple[list[torch.Tensor], Any]:
     if case.mesh_shape is None:
         return [nn.Parameter(f.clone()) for f in fulls], None
-    mesh = init_device_mesh(DEVICE, case.mesh_shape)
+    mesh = init_device_mesh(device, case.mesh_shape)
     if case.fsdp:
         module = nn.Module()
         for i, f in enumerate(fulls):
@@ -137,15 +134,19 @@ def _shard(
 
 
 def run_case(
-    case: Case, comm_dtype: torch.dtype, ns_dtype: torch.dtype, world_size: int
+    case: Case,
+    comm_dtype: torch.dtype,
+    ns_dtype: torch.dtype,
+    world_size: int,
+    device: str = "cpu",
 ) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
-    fulls = [torch.randn(s.shape, generator=gen).to(DEVICE, s.dtype) for s in case.params]
+    fulls = [torch.randn(s.shape, generator=gen).to(device, s.dtype) for s in case.params]
     grads = [
-        [torch.randn(s.shape, generator=gen).to(DEVICE, s.dtype) for s in case.params]
+        [torch.randn(s.shape, generator=gen).to(device, s.dtype) for s in case.params]
         for _ in range(STEPS)
     ]
-    params, _ = _shard(case, fulls, world_size)
+    params, _ = _shard(case, fulls, world_size, device)
     opt = muon_dist.Muon(
         _groups(case, params),
         comm_dtype=comm_dtype,
@@ -257,8 +258,19 @@ def cases_for(world_size: int) -> list[Case]:
     return cases
 
 
+def case_names(world_size: int) -> list[str]:
+    return [case.name for case in cases_for(world_size)]
+
+
 def parity_worker(
-    rank: int, world_size: int, comm_dtype: str, ns_dtype: str = "bfloat16"
-) -> dict[str, dict[str, float]]:
+    rank: int,
+    world_size: int,
+    name: str,
+    comm_dtype: str,
+    ns_dtype: str = "bfloat16",
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Run the layout case ``name`` on this rank (gloo on CPU, or NCCL on ``"cuda"``)."""
+    (case,) = [c for c in cases_for(world_size) if c.name == name]
     comm, ns = getattr(torch, comm_dtype), getattr(torch, ns_dtype)
-    return {case.name: run_case(case, comm, ns, world_size) for case in cases_for(world_size)}
+    return run_case(case, comm, ns, world_size, device)

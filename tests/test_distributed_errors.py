@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from dist_error_cases import CASES, error_worker
 from dist_harness import run_distributed
 
 
-def test_bad_layouts_raise_on_every_rank() -> None:
-    results = run_distributed(2, error_worker, timeout=180)
-    assert results == [list(CASES)] * 2
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_layout_raises_on_every_rank(name: str) -> None:
+    assert run_distributed(2, error_worker, name, timeout=180) == [name] * 2

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from dist_harness import run_distributed
-from reliability_cases import edge_worker, long_run_worker, reliability_worker
+from reliability_cases import CHECKS, edge_worker, long_run_worker, reliability_worker
 from torch import nn
 
 import muon_dist
@@ -111,18 +111,20 @@ def test_load_state_dict_rejects_changed_routing() -> None:
         moved.load_state_dict(saved)
 
 
-def test_distributed_failure_modes() -> None:
-    results = run_distributed(2, reliability_worker, timeout=180)
-    assert results[0] == results[1] and len(results[0]) == 4
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_distributed_failure_mode(name: str) -> None:
+    assert run_distributed(2, reliability_worker, name, timeout=180) == [name] * 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("comm", "tolerance"), [("float32", 1e-5), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_edge_shapes_match_single_device(world_size: int) -> None:
-    for comm, tolerance in (("float32", 1e-5), ("bfloat16", 2e-2)):
-        for err in run_distributed(world_size, edge_worker, comm):
-            assert err["update"] <= tolerance and err["bf16_param"] <= 3e-2, err
+def test_edge_shapes_match_single_device(world_size: int, comm: str, tolerance: float) -> None:
+    for err in run_distributed(world_size, edge_worker, comm):
+        assert err["update"] <= tolerance and err["bf16_param"] <= 3e-2, err
 
 
+@pytest.mark.slow
 def test_two_hundred_steps_on_four_ranks() -> None:
     for result in run_distributed(4, long_run_worker, 200, timeout=600):
         assert result["sharded"] <= 1e-5 and result["replicated"] <= 1e-5, result

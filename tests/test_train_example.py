@@ -27,6 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Each case launches torchrun (seconds per launch on 2 cores): the slow tier.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train.py"
 TINY = [

@@ -1,13 +1,9 @@
 """The fused momentum and update passes on CPU through Triton's interpreter, against torch.
 
-TRITON_INTERPRET must be set before Triton is imported. The state is fp32 here: the
-interpreter's rounding of intermediates to bf16 differs from the GPU's, so bf16 state is
-checked on a GPU (scripts/check_kernels_gpu.py).
+conftest.py turns the interpreter on (TRITON_INTERPRET=1) before Triton is imported, on
+machines without CUDA. The state is fp32 here: the interpreter's rounding of intermediates
+to bf16 differs from the GPU's, so bf16 state is checked on a GPU (tests/test_gpu_kernels.py).
 """
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -37,7 +37,7 @@ def validate_backend(backend: str) -> None:
 
 
 # Standard Newton–Schulz FLOPs per iteration, batch·(4m²n + 2m³), above which the Triton
-# kernels won on an H200 (torch 2.11, Triton 3.6, bf16, scripts/bench_kernels.py and a
+# kernels won on an H200 (torch 2.11, Triton 3.6, bf16, benchmarks/bench_kernels.py and a
 # sweep of 24 shapes): about 0.2 ms of matrix work per iteration. Below it Triton loses,
 # up to 2x, to its per-launch CPU overhead and to too few 128-row tiles to fill the GPU.
 TRITON_MIN_FLOP_PER_STEP = 1.6e11
@@ -49,7 +49,7 @@ def prefer_triton(m: int, n: int, batch: int) -> bool:
     The symmetric kernels halve the FLOPs of the two Gram products, which pays only once
     there is enough work per call: e.g. one 3072² or 4096² matrix, 32×768×2048 experts, but
     not one 2048×8192 or 1024×4096 matrix, nor 8×256×1024. The threshold is a first
-    measurement on one H200; retune it from scripts/bench_kernels.py on other GPUs. The
+    measurement on one H200; retune it from benchmarks/bench_kernels.py on other GPUs. The
     same rule holds for the Gram iteration: on an H200 its Triton form won on 4096×14336,
     128×768×2048 and 32×1536×4096 and lost on one 1024×4096 matrix.
     """

@@ -12,7 +12,7 @@ from muon_dist.kernels.triton_ns import triton_available
 
 # Below this many elements the fused pass loses: a Triton launch costs about 20 us of CPU
 # against 12-18 us for torch's two kernels, and a small piece moves few bytes either way. On
-# an H200 (scripts/bench_elementwise.py, 2026-11-22) the two tie near 1M elements and the
+# an H200 (benchmarks/bench_elementwise.py, 2026-11-22) the two tie near 1M elements and the
 # fused pass is 1.5x faster from 4M, up to 1.6x (momentum) and 2.3x (update) at 16M+.
 FUSED_MIN_NUMEL = 1 << 21
 

@@ -69,7 +69,7 @@ def run_graphed(
 def _capture(X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Graphed:
     with torch.cuda.device(X.device):
         static_input = X.clone(memory_format=torch.contiguous_format)
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn(static_input)

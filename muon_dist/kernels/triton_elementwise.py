@@ -18,7 +18,7 @@ _WARPS = 8
 
 
 @triton.jit
-def _momentum_input_kernel(
+def _momentum_input_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     grad_ptr,
     momentum_ptr,
     out_ptr,
@@ -46,7 +46,7 @@ def _momentum_input_kernel(
 
 
 @triton.jit
-def _decay_and_update_kernel(
+def _decay_and_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     param_ptr,
     update_ptr,
     numel,

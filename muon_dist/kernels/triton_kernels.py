@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -51,7 +52,8 @@ def _interpreter_configs() -> list[triton.Config]:
 
 def _bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> list[float]:
     """Time autotune candidates briefly: a few ms each keeps first-call tuning short."""
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+    times: list[float] = triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+    return times
 
 
 @triton.autotune(
@@ -61,7 +63,7 @@ def _bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> lis
 )
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit(do_not_specialize=["batch_class"])
-def _sym_product_kernel(
+def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     p_ptr,
     q_ptr,
     y_ptr,
@@ -206,7 +208,7 @@ def sym_product(
         )
     y_strides = Y.stride() if Y is not None else (0, 0, 0)
 
-    def grid(meta: dict) -> tuple[int]:
+    def grid(meta: dict[str, Any]) -> tuple[int]:
         side = triton.cdiv(m, meta["BLOCK_M"])
         return (batch * side * (side + 1) // 2,)
 

@@ -163,6 +163,6 @@ def newton_schulz_gram_triton(
     return Y.reshape(*X.shape[:-2], Y.size(-2), Y.size(-1))
 
 
-def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """Triton launches on the current CUDA device, which need not be the tensor's."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

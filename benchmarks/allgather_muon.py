@@ -1,4 +1,4 @@
-"""All-gather Muon: the plain distributed baseline that scripts/bench_step.py measures against.
+"""All-gather Muon: the plain distributed baseline that benchmarks/bench_step.py measures against.
 
 This is the obvious way to run Muon under FSDP2: every rank all-gathers every whole matrix,
 runs Newton–Schulz on all of them, and keeps its own shard of each result. Each rank thus

@@ -7,9 +7,9 @@ yardstick: a perfectly balanced, perfectly overlapped Muon step cannot beat it. 
 the first step of muon_dist and of the all-gather baseline are compared on identical inputs;
 the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON).
 
-    torchrun --standalone --nproc-per-node 4 scripts/bench_step.py --preset llama8b \
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_step.py --preset llama8b \
         --sweep-inflight 1,2,3,4 --json $OUT/bench_step_llama8b.json
-    torchrun --standalone --nproc-per-node 2 scripts/bench_step.py --preset tiny --device cpu
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset tiny --device cpu
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import tables
 import torch
 import torch.distributed as dist
 from allgather_muon import AllGatherMuon
@@ -347,6 +348,32 @@ def print_table(report: dict[str, Any]) -> None:
     print("\n".join(lines), flush=True)
 
 
+def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
+    """The step table's rows: each Newton–Schulz method's first muon_dist timing against the
+    baseline and AdamW."""
+    allgather, adamw = report["methods"][-2], report["methods"][-1]
+    state = max(report["state_gib_per_rank"])
+    rows = []
+    for ns_method in report["options"]["ns_methods"]:
+        muon = next(m for m in report["methods"] if m.get("ns_method") == ns_method)
+        peaks = [p for p in muon["peak_gib_per_rank"] if p is not None]
+        rows.append(
+            {
+                "preset (layers)": f"{report['preset']} ({report['layers']})",
+                "GPUs": str(report["world_size"]),
+                "backend": report["options"]["backend"],
+                "Newton–Schulz": ns_method,
+                "muon_dist ms": f"{muon['median_ms']:.1f}",
+                "× floor": f"{muon['floor_multiple']:.2f}",
+                "floor ms": f"{report['floor_ms']:.1f}",
+                "all-gather Muon": f"{allgather['median_ms'] / muon['median_ms']:.2f}× slower",
+                "fused AdamW ms": f"{adamw['median_ms']:.1f}",
+                "peak GiB (state)": f"{max(peaks):.2f} ({state:.2f})" if peaks else "—",
+            }
+        )
+    return rows
+
+
 def default_json(preset: str) -> str:
     name = f"bench_step_{preset}.json"
     return os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else name
@@ -380,6 +407,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 2)")
     parser.add_argument("--matmul-size", type=int, help="default 8192 on CUDA, 1024 on CPU")
     parser.add_argument("--json", metavar="PATH", help="default $OUT/bench_step_<preset>.json")
+    parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     args = parser.parse_args()
     if args.steps < 5 or args.warmup < 2:
         parser.error("use --steps >= 5 and --warmup >= 2: a median needs steps past compilation")
@@ -483,7 +511,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             log(f"timing muon_dist ns_method={ns_method} max_inflight={k}")
             name = f"muon_dist {ns_method} inflight={k}"
             make = functools.partial(make_muon, k, ns_method)
-            methods.append(time_method(name, make, args, device))
+            methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
     log("timing the all-gather baseline")
     methods.append(time_method("allgather_muon", make_baseline, args, device))
     log("timing AdamW")
@@ -535,6 +563,8 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             json.dump(report, f, indent=2)
         print(f"\nwrote {args.json} ({report['wall_s']:.0f} s)")
         print_table(report)
+        if args.write_table:
+            tables.record("step", table_rows(report), tables.run_info(gpus=world))
     return 0 if parity["ok"] else 1
 
 

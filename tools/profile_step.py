@@ -1,8 +1,8 @@
 """Where one muon_dist optimizer step spends its GPU time (torch.profiler), per kernel.
 
-    torchrun --standalone --nproc-per-node 2 scripts/profile_step.py --preset llama8b --layers 8
+    torchrun --standalone --nproc-per-node 2 tools/profile_step.py --preset llama8b --layers 8
 
-Builds the same FSDP2 model as scripts/bench_step.py, takes warm-up steps, profiles two
+Builds the same FSDP2 model as benchmarks/bench_step.py, takes warm-up steps, profiles two
 steps and prints rank 0's kernels by total device time, with the step's wall time. With
 ``--host`` it profiles rank 0's Python instead (cProfile, by own time), to tell whether the
 step is bound by the host launching its kernels.
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_step import PRESETS, build_model, init_distributed, set_random_grads
 
 import muon_dist

@@ -1,6 +1,6 @@
 """Time the two symmetric products of a Newton–Schulz step: Triton against cuBLAS, per stack.
 
-    python scripts/bench_products.py [--sweep]
+    python benchmarks/bench_products.py [--sweep] [--write-table]
 
 For each stack: the Gram product ``X·Xᵀ`` (cuBLAS ``bmm``) and ``b·A + c·A·A`` (cuBLAS
 ``baddbmm``, which copies ``A`` into its output first) against ``sym_product`` with its
@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import tables
 import torch
 import triton.testing
 
@@ -57,8 +58,11 @@ def time_us(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
 
-def report(label: str, flop: float, runs: dict[str, Callable[[], object]], sweep: bool) -> None:
-    """Print one product's times, fastest first; ``runs`` holds "cublas" and "triton"."""
+def report(
+    label: str, flop: float, runs: dict[str, Callable[[], object]], sweep: bool
+) -> dict[str, float]:
+    """Print one product's times, fastest first, and return them (µs by name); ``runs`` holds
+    "cublas" and "triton"."""
     times = {name: time_us(fn) for name, fn in runs.items()}
     if sweep:
         for candidate in CANDIDATES:
@@ -67,13 +71,15 @@ def report(label: str, flop: float, runs: dict[str, Callable[[], object]], sweep
     ranked = sorted(times.items(), key=lambda item: item[1])
     cells = ", ".join(f"{name} {us:.0f} µs ({flop / us / 1e6:.0f} TF)" for name, us in ranked)
     print(f"{label}: {cells}", flush=True)
+    return times
 
 
-def bench_stack(batch: int, m: int, k: int, sweep: bool) -> None:
+def bench_stack(batch: int, m: int, k: int, sweep: bool) -> dict[str, str]:
+    """Time both products of one stack; return its row of the products table."""
     P = torch.randn(batch, m, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     A = torch.bmm(P, P.mT)
     out = torch.empty_like(A)
-    report(
+    gram = report(
         f"{batch}x{m}x{k} gram",
         2.0 * batch * m * m * k,
         {
@@ -82,7 +88,7 @@ def bench_stack(batch: int, m: int, k: int, sweep: bool) -> None:
         },
         sweep,
     )
-    report(
+    poly = report(
         f"{batch}x{m}x{k} poly",
         2.0 * batch * m**3,
         {
@@ -93,16 +99,25 @@ def bench_stack(batch: int, m: int, k: int, sweep: bool) -> None:
         },
         sweep,
     )
+    return {
+        "stack": "×".join(map(str, (batch, m, k) if batch > 1 else (m, k))),
+        "X·Xᵀ: cuBLAS µs": f"{gram['cublas']:.0f}",
+        "X·Xᵀ: Triton µs": f"{gram['triton']:.0f}",
+        "b·A + c·A·A: cuBLAS µs": f"{poly['cublas']:.0f}",
+        "b·A + c·A·A: Triton µs": f"{poly['triton']:.0f}",
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time each candidate config")
+    parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise RuntimeError("bench_products.py times CUDA kernels; run it on a GPU machine")
-    for batch, m, k in STACKS:
-        bench_stack(batch, m, k, args.sweep)
+    rows = [bench_stack(batch, m, k, args.sweep) for batch, m, k in STACKS]
+    if args.write_table:
+        tables.record("products", rows, tables.run_info())
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ against a float64 standard iteration on a few matrices of the batch. Exits 1 if 
 or Gram variant's error is over 1.5x the torch bf16 standard's or any output is NaN, so it
 doubles as the GPU bf16 correctness gate.
 
-    python scripts/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
-        [--cold-cache] [--shapes 1024x4096,32x1536x4096] [--gram-restarts 2]
+    python benchmarks/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
+        [--cold-cache] [--write-table] [--shapes 1024x4096,32x1536x4096] [--gram-restarts 3]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import tables
 import torch
 import triton.testing
 
@@ -147,6 +148,21 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def table_row(row: dict) -> dict[str, str]:
+    return {
+        "shape": "×".join(map(str, row["shape"])),
+        "torch ms": f"{row['torch_ms']:.3f}",
+        "Triton ms": f"{row['triton_ms']:.3f}",
+        "Gram torch ms": f"{row['gram_torch_ms']:.3f}",
+        "Gram Triton ms": f"{row['gram_triton_ms']:.3f}",
+        "auto ms": f"{row['auto_ms']:.3f}",
+        "auto runs": row["auto_picks"],
+        "Triton/torch": f"{row['speedup']:.2f}×",
+        "error ratio": f"{row['err_ratio']:.2f}",
+        "1st call s": f"{row['first_call_s']:.1f}",
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -157,6 +173,7 @@ def main() -> int:
         action="store_true",
         help="compile into a fresh Triton cache, so first calls include compilation",
     )
+    parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     parser.add_argument(
         "--shapes", help="comma-separated shapes such as 1024x4096,32x1536x4096 (default: all)"
     )
@@ -196,6 +213,8 @@ def main() -> int:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     print(", ".join(f"{k}={v}" for k, v in meta.items()))
     print_table(rows)
+    if args.write_table:
+        tables.record("kernels", [table_row(r) for r in rows], tables.run_info())
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -4,7 +4,7 @@ Two numbers per size: the GPU time of one call (triton.testing.do_bench, median)
 wall time per call of a back-to-back loop, which is the CPU's launch cost once that is the
 larger. ``FUSED_MIN_NUMEL`` in muon_dist/kernels/elementwise.py comes from this table.
 
-    python scripts/bench_elementwise.py [--json out.json]
+    python benchmarks/bench_elementwise.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import tables
 import torch
 import triton.testing
 
@@ -76,6 +77,7 @@ def bench_size(numel: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     args = parser.parse_args()
     rows = [bench_size(numel) for numel in SIZES]
     print(f"FUSED_MIN_NUMEL = {FUSED_MIN_NUMEL}; times in us (GPU median / back-to-back loop)")
@@ -94,6 +96,21 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.write_table:
+        tables.record("elementwise", [table_row(r) for r in rows], tables.run_info())
+
+
+def table_row(row: dict) -> dict[str, str]:
+    def cell(name: str) -> str:
+        return f"{row[f'{name}_gpu_us']:.1f} / {row[f'{name}_loop_us']:.1f}"
+
+    return {
+        "elements": f"{row['numel']:,}",
+        "momentum: torch µs": cell("read_torch"),
+        "momentum: fused µs": cell("read_fused"),
+        "update + decay: torch µs": cell("apply_torch"),
+        "update + decay: fused µs": cell("apply_fused"),
+    }
 
 
 if __name__ == "__main__":

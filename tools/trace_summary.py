@@ -1,6 +1,6 @@
-"""Summarise Chrome traces from scripts/profile_step.py: busy time, overlap, idle gaps.
+"""Summarise Chrome traces from tools/profile_step.py: busy time, overlap, idle gaps.
 
-    python scripts/trace_summary.py out/trace/trace_rank1.json [more traces ...]
+    python tools/trace_summary.py out/trace/trace_rank1.json [more traces ...]
 
 Per trace: GEMM, NCCL and other kernel time; how much NCCL time overlapped compute; the
 gaps in which no compute kernel ran (split at 20 µs: many short gaps mean launch-bound);

@@ -1,0 +1,224 @@
+"""The Triton kernels on a CUDA GPU, where bf16 can be tested (`pytest -m gpu`).
+
+The CPU tests run Triton's interpreter in fp32 only; these cover what they cannot: bf16 and
+fp16 tensor-core products, compiled masking on shapes off the tile sizes, a batch past
+2**31 elements (64-bit offsets), and the full iteration in bf16, whose error against
+float64 must be at most 1.5x the torch bf16 reference's on the same input, never NaN. They
+also check the fused momentum and update passes against torch's adds with bf16 state and
+outputs, and past 2**31 elements.
+
+The Triton modules are imported inside the tests, so that collecting them works where
+Triton is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from muon_dist.kernels import newton_schulz, newton_schulz_torch
+from muon_dist.kernels.coefficients import COEFFICIENT_SETS
+from muon_dist.kernels.elementwise import advance_momentum
+
+pytestmark = pytest.mark.gpu
+
+# Product tolerances against float64: fp32 is exact-product ("ieee"), bf16/fp16 round once.
+PRODUCT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+PRODUCT_SHAPES = [(1, 300, 700), (3, 129, 1000), (2, 1, 64), (5, 257, 513), (1, 2048, 2048)]
+NS_SHAPES = [(300, 700), (1000, 129), (3, 257, 513), (2, 1536, 1024), (7, 96, 96), (4096, 4096)]
+# Triton's bf16 Newton–Schulz error against float64, at most this multiple of torch's.
+MAX_ERROR_RATIO = 1.5
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> Iterator[None]:
+    torch.manual_seed(0)
+    yield
+    torch.cuda.empty_cache()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tuple[bool, str]:
+    """Equal up to two roundings to ``dtype`` at the tensor's scale: the fused pass rounds
+    once where torch's adds may round an intermediate to the state dtype first."""
+    diff = (out.float() - expected.float()).abs().max().item()
+    bound = 2 * torch.finfo(dtype).eps * expected.float().abs().max().item()
+    return diff <= bound, f"max diff {diff:.2e} (bound {bound:.2e})"
+
+
+@pytest.mark.parametrize("shape", PRODUCT_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", list(PRODUCT_TOL), ids=str)
+def test_symmetric_products_match_float64(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """Every output element is written (NaN poison) and both products match float64."""
+    from muon_dist.kernels.triton_kernels import sym_product
+
+    tol = PRODUCT_TOL[dtype]
+    batch, m, _ = shape
+    # Unit-scale entries keep A·A inside fp16's range.
+    P = (torch.randn(shape, device="cuda") / shape[-1] ** 0.5).to(dtype)
+    A = torch.full((batch, m, m), float("nan"), device="cuda", dtype=dtype)
+    sym_product(P, out=A)
+    err = rel_err(A, P.double() @ P.double().mT)
+    assert err < tol and not A.isnan().any(), f"gram: {err:.2e}"
+
+    poly = torch.full_like(A, float("nan"))
+    sym_product(A, out=poly, alpha=2.03, Y=A, beta=-4.78)
+    ref = 2.03 * A.double() @ A.double() - 4.78 * A.double()
+    err = rel_err(poly, ref)
+    assert err < tol and not poly.isnan().any(), f"b·A + c·A·A: {err:.2e}"
+
+    # The first Newton–Schulz step's epilogue: a scale per matrix and a diagonal.
+    scale = torch.rand(batch, device="cuda") + 0.5
+    sym_product(A, out=poly, alpha=2.03, Y=A, beta=-4.78, diag=3.44, scale=scale)
+    eye = torch.eye(m, device="cuda", dtype=torch.float64)
+    ref = (ref + 3.44 * eye) * scale.double().view(-1, 1, 1)
+    err = rel_err(poly, ref)
+    assert err < tol and not poly.isnan().any(), f"scaled, with diagonal: {err:.2e}"
+
+
+def test_gram_of_a_batch_past_2_31_elements() -> None:
+    """Only 64-bit batch offsets reach the last matrices."""
+    from muon_dist.kernels.triton_kernels import sym_product
+
+    batch, m, k = 33, 8192, 8192
+    P = torch.randn(batch, m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(batch, m, m, device="cuda", dtype=torch.bfloat16)
+    sym_product(P, out=out)
+    for index in (0, batch - 1):
+        ref = P[index].float() @ P[index].float().mT
+        err = rel_err(out[index], ref.double())
+        assert err < 1e-2, f"matrix {index}: {err:.2e}"
+
+
+@pytest.mark.parametrize("shape", NS_SHAPES, ids=str)
+@pytest.mark.parametrize("coefficients", sorted(COEFFICIENT_SETS))
+def test_triton_newton_schulz_error_within_torch_bf16(
+    coefficients: str, shape: tuple[int, ...]
+) -> None:
+    X = torch.randn(shape, device="cuda")
+    ref = newton_schulz_torch(X, steps=5, coefficients=coefficients, dtype=torch.float64)
+    torch_err = rel_err(newton_schulz(X, 5, coefficients, backend="torch"), ref)
+    out = newton_schulz(X, 5, coefficients, backend="triton")
+    assert out.dtype == torch.bfloat16 and out.shape == X.shape
+    assert not out.isnan().any()
+    triton_err = rel_err(out, ref)
+    detail = f"triton {triton_err:.2e} torch {torch_err:.2e}"
+    assert triton_err <= MAX_ERROR_RATIO * torch_err, detail
+
+
+def test_triton_newton_schulz_of_zeros_is_zero() -> None:
+    out = newton_schulz(torch.zeros(3, 200, 100, device="cuda"), backend="triton")
+    assert bool((out == 0).all())
+
+
+def conditioned(shape: tuple[int, ...], smallest: float, rank: int | None = None) -> torch.Tensor:
+    """A CUDA stack with singular values log-spaced from 1 to ``smallest``, zero past ``rank``."""
+    *batch, m, n = shape
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(*batch, m, k, device="cuda"))
+    v, _ = torch.linalg.qr(torch.randn(*batch, n, k, device="cuda"))
+    s = torch.logspace(0, torch.log10(torch.tensor(smallest)).item(), k, device="cuda")
+    if rank is not None:
+        s[rank:] = 0
+    return (u * s) @ v.mT
+
+
+def singular_values(out: torch.Tensor, rank: int) -> torch.Tensor:
+    """The ``rank`` largest singular values of each matrix, from its short side's Gram matrix."""
+    o = out.double()
+    gram = o @ o.mT if o.size(-2) <= o.size(-1) else o.mT @ o
+    return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1)[..., :rank]
+
+
+GRAM_SHAPES = [(1024, 4096), (4096, 1024), (4, 768, 2048), (2, 1536, 4096)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("rank_fraction", [None, 0.25], ids=["full_rank", "rank_deficient"])
+@pytest.mark.parametrize("coefficients", sorted(COEFFICIENT_SETS))
+@pytest.mark.parametrize("shape", GRAM_SHAPES, ids=str)
+def test_gram_bf16_singular_values_in_the_standard_band(
+    shape: tuple[int, ...], coefficients: str, rank_fraction: float | None, backend: str
+) -> None:
+    """bf16 Gram Newton–Schulz on singular values 1e-4..1: no NaN, the output's singular
+    values within 0.02 of the standard bf16 path's range, and its error against a float64
+    iteration at most 1.5x the standard path's."""
+    k = min(shape[-2:])
+    rank = None if rank_fraction is None else int(k * rank_fraction)
+    X = conditioned(shape, 1e-4, rank)
+    gram = newton_schulz(X, coefficients=coefficients, backend=backend, method="gram")
+    standard = newton_schulz(X, coefficients=coefficients, backend="torch", method="standard")
+    assert not gram.isnan().any()
+    top = singular_values(gram, rank or k)
+    band = singular_values(standard, rank or k)
+    assert band.min() - 0.02 <= top.min() and top.max() <= band.max() + 0.02, (
+        f"Gram {top.min():.3f}..{top.max():.3f}, standard {band.min():.3f}..{band.max():.3f}"
+    )
+    ref = newton_schulz_torch(X.double(), coefficients=coefficients, dtype=torch.float64)
+    assert rel_err(gram, ref) <= MAX_ERROR_RATIO * rel_err(standard, ref)
+
+
+def test_small_stacks_replay_from_a_graph() -> None:
+    """``backend="auto"`` replays small stacks from a cached CUDA graph: the same result as
+    the eager call, a fresh tensor each time, and new input values are read."""
+    from muon_dist.kernels.graphs import graph_eligible
+
+    X = torch.randn(2, 1024, 4096, device="cuda", dtype=torch.bfloat16)
+    assert graph_eligible(X)
+    first = newton_schulz(X)
+    again = newton_schulz(X)
+    assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
+    assert torch.equal(first, newton_schulz(X, backend="torch", method="gram"))
+    Y = torch.randn_like(X)
+    assert torch.equal(newton_schulz(Y), newton_schulz(Y, backend="torch", method="gram"))
+
+
+@pytest.mark.parametrize("mix", [0.95, None])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_momentum_pass_matches_torch(
+    state_dtype: torch.dtype, out_dtype: torch.dtype, mix: float | None
+) -> None:
+    from muon_dist.kernels.triton_elementwise import momentum_input_triton
+
+    grad = torch.randn(3, 1000, 1001, device="cuda", dtype=state_dtype)
+    momentum = torch.randn_like(grad)
+    advanced = advance_momentum(grad, momentum, 0.9)
+    expected = advanced if mix is None else torch.add(grad, advanced, alpha=mix)
+    out = torch.empty_like(grad, dtype=out_dtype)
+    momentum_input_triton(grad, momentum, out, 0.9, mix, store=True)
+    coarse = torch.bfloat16 if torch.bfloat16 in (state_dtype, out_dtype) else out_dtype
+    ok, detail = close(out, expected.to(out_dtype), coarse)
+    assert ok, f"Newton–Schulz input: {detail}"
+    stored, detail = close(momentum, advanced, state_dtype)
+    assert stored, f"stored momentum: {detail}"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_update_pass_matches_torch(state_dtype: torch.dtype) -> None:
+    from muon_dist.kernels.triton_elementwise import decay_and_update_triton
+
+    param = torch.randn(5, 777, 513, device="cuda", dtype=state_dtype)
+    update = torch.randn_like(param, dtype=torch.bfloat16)
+    expected = param.mul(0.998).add_(update, alpha=-0.02)
+    decay_and_update_triton(param, update, 0.998, -0.02)
+    ok, detail = close(param, expected, state_dtype)
+    assert ok, detail
+
+
+def test_fused_momentum_pass_past_2_31_elements() -> None:
+    """64-bit offsets: the last elements of a tensor past 2**31 elements are written."""
+    from muon_dist.kernels.triton_elementwise import momentum_input_triton
+
+    numel = 2**31 + 4100
+    grad = torch.ones(numel, device="cuda")
+    momentum = torch.full_like(grad, 2.0)
+    out = torch.zeros(numel, device="cuda", dtype=torch.bfloat16)
+    momentum_input_triton(grad, momentum, out, 0.5, 1.0, store=True)
+    assert bool((out[-5000:] == 3.0).all()), "Newton–Schulz input tail not written"
+    assert bool((momentum[-5000:] == 2.0).all()), "momentum tail changed"
