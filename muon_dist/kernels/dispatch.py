@@ -107,7 +107,9 @@ def newton_schulz(
     ``prefer_triton`` says it is faster, torch otherwise. ``method``: "standard" iterates on
     the matrix, "gram" on its short side's Gram matrix (:mod:`muon_dist.kernels.gram`),
     restarting before the steps in ``gram_restarts``; "auto" takes Gram for CUDA tensors
-    where ``prefer_gram`` says it is faster (rectangular ones), standard otherwise.
+    where ``prefer_gram`` says it is faster (rectangular ones), standard otherwise. Under
+    ``backend="auto"``, CUDA stacks of at most ``graphs.GRAPH_MAX_BYTES`` replay from a CUDA graph
+    captured on their first call (:mod:`muon_dist.kernels.graphs`): their time is launches.
     """
     validate_backend(backend)
     validate_method(method)
