@@ -58,6 +58,18 @@ OPTIMIZERS = ("muon", "adamw")
 # mid-run (the curves meet near the floor), and by 0.03-0.04 on the short MoE test config.
 DEFAULT_MUON_LR = 0.05
 DEFAULT_ADAMW_LR = 8e-3
+# The lrs above were swept at this width. Wider models (--dim) keep Muon's lr: its update is
+# orthogonalized and scaled by the matrix shape (adjust_lr="spectral_norm"), so its spectral
+# norm per unit lr does not grow with width. AdamW's update does (every entry moves by about
+# lr), so its lr falls as 1/width, as muP prescribes for hidden matrices: 8e-3 at dim 96,
+# 3.75e-4 at dim 2048 (~1B). Both optimizers of --compare, and Muon's own AdamW part, use
+# the same AdamW lr, so the comparison stays fair at any size.
+SWEPT_DIM = 96
+
+
+def adamw_lr_for(dim: int) -> float:
+    """Default AdamW lr at model width ``dim``: the swept lr, scaled down as 1/width."""
+    return DEFAULT_ADAMW_LR * min(1.0, SWEPT_DIM / dim)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,13 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, in sequences")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="ignored with --compare")
-    p.add_argument("--lr", type=float, default=DEFAULT_MUON_LR, help="Muon lr (hidden matrices)")
+    p.add_argument(
+        "--lr", type=float, default=DEFAULT_MUON_LR, help="Muon lr (hidden matrices), any width"
+    )
     p.add_argument(
         "--adamw-lr",
         type=float,
-        default=DEFAULT_ADAMW_LR,
+        default=None,
         help="AdamW lr: embeddings, head and norms under Muon; every parameter with --optimizer"
-        " adamw",
+        f" adamw (default: {DEFAULT_ADAMW_LR:g} x min(1, {SWEPT_DIM} / --dim))",
     )
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=10, help="linear lr warmup steps")
@@ -622,6 +636,8 @@ def summarize(name: str, losses: list[float], stats: ChainStats, env: Env) -> No
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.adamw_lr is None:
+        args.adamw_lr = adamw_lr_for(args.dim)
     env = init_distributed()
     try:
         mesh = build_mesh(env, args.replicate)
@@ -634,6 +650,7 @@ def main(argv: list[str] | None = None) -> None:
             f"over {args.vocab} tokens: entropy rate {stats.entropy_rate:.4f} nats/token, "
             f"unigram entropy {stats.unigram_entropy:.4f}, uniform {math.log(args.vocab):.4f}",
         )
+        log(env, f"lr: Muon {args.lr:g}, AdamW {args.adamw_lr:g} (at --dim {args.dim})")
         if env.is_main:
             args.out.mkdir(parents=True, exist_ok=True)
             if not args.resume:

@@ -13,6 +13,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from muon_dist.groups import Peers
 from muon_dist.plan import BlockPiece, LocalPiece, split_sizes
 
 PieceT = TypeVar("PieceT", LocalPiece, BlockPiece)
@@ -49,14 +50,31 @@ def start_exchange(
     sends: Sequence[PieceT],
     recvs: Sequence[LocalPiece] | Sequence[BlockPiece],
     world_size: int,
+    peers: Peers,
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Issue the asynchronous all-to-all; the caller waits on the returned work."""
-    send_splits = split_sizes(sends, world_size)
-    recv_splits = split_sizes(recvs, world_size)
+    """Issue the asynchronous all-to-all among ``peers``; the caller waits on the work."""
+    send_splits = _on_peers(split_sizes(sends, world_size), peers)
+    recv_splits = _on_peers(split_sizes(recvs, world_size), peers)
     recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(
-        recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, async_op=True
+        recv,
+        send,
+        output_split_sizes=recv_splits,
+        input_split_sizes=send_splits,
+        group=peers.group,
+        async_op=True,
     )
     if work is None:
         raise RuntimeError("all_to_all_single(async_op=True) returned no work handle")
     return recv, work
+
+
+def _on_peers(sizes: list[int], peers: Peers) -> list[int]:
+    """Per-global-rank sizes as the group's all-to-all takes them, in group rank order."""
+    outside = [r for r, n in enumerate(sizes) if n and r not in peers.ranks]
+    if outside:
+        raise RuntimeError(
+            f"muon_dist: a bucket exchanges with ranks {outside} outside its group "
+            f"{list(peers.ranks)}; this is a bug in the plan or the group derivation"
+        )
+    return [sizes[r] for r in peers.ranks]

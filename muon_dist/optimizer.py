@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_update
 
+from muon_dist.groups import CommGroups, Peers, comm_groups
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
 from muon_dist.kernels.dispatch import newton_schulz, validate_backend
 from muon_dist.kernels.elementwise import (
@@ -38,6 +39,7 @@ from muon_dist.routing import (
     ALGORITHMS,
     MUON_MODES,
     MatrixView,
+    PartSplit,
     format_routing_table,
     group_param_names,
     matrix_views,
@@ -58,6 +60,8 @@ _AGREE_KEYS = (
     "num_experts",
     "num_heads",
     "split_sizes",
+    "split_groups",
+    "transposed",
     "ns_steps",
     "coefficients",
     "ns_method",
@@ -65,19 +69,22 @@ _AGREE_KEYS = (
     "cautious_wd",
 )
 # Muon-only group keys: an AdamW group that sets one is a configuration mistake.
-MUON_ONLY_KEYS = ("num_heads", "split_sizes", "magma", "magma_beta", "cautious_wd", "ns_method")
+MUON_ONLY_KEYS = (
+    "num_heads",
+    "split_sizes",
+    "split_groups",
+    "transposed",
+    "magma",
+    "magma_beta",
+    "cautious_wd",
+    "ns_method",
+)
 _MAX_CACHED_PLANS = 8
 NONFINITE_POLICIES = ("raise", "skip_step")
 # Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
 # an EMA of (1 + cos(momentum, gradient)) / 2 over steps, started at 1 (no damping).
 MAGMA_MIN_SCALE = 0.1
 _MAGMA_EPS = 1e-12
-
-
-def _distributed() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, closed_high: bool) -> None:
@@ -185,6 +192,7 @@ class Muon(torch.optim.Optimizer):
         cautious_wd: bool = False,
         qk_clip: Sequence[QKClip] = (),
         max_logits: MaxLogitTracker | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         validate_backend(backend)
         if nonfinite not in NONFINITE_POLICIES:
@@ -213,6 +221,8 @@ class Muon(torch.optim.Optimizer):
                 "num_experts": None,
                 "num_heads": None,
                 "split_sizes": None,
+                "split_groups": 1,
+                "transposed": False,
                 "magma": magma,
                 "magma_beta": magma_beta,
                 "cautious_wd": cautious_wd,
@@ -235,7 +245,13 @@ class Muon(torch.optim.Optimizer):
         # gradient anywhere, and those sets tend to recur, so each is planned once.
         self._plans: dict[Hashable, _StepPlan] = {}
         self._row_maps: dict[Hashable, torch.Tensor] = {}
-        super().__init__(_split_by_algorithm(params), defaults={})
+        # What torch reads: its schedulers scale "lr" and cycle "momentum" (OneCycleLR,
+        # CyclicLR), which is Muon's; AdamW groups keep their betas and drop the key.
+        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+        super().__init__(_split_by_algorithm(params), defaults=defaults)
+        self._comm = comm_groups(
+            [p for g in self.param_groups for p in g["params"]], replica_mode, process_group
+        )
         self._check_ranks_agree(qk_clip)
         entries = self._muon_params()
         if entries:
@@ -243,7 +259,9 @@ class Muon(torch.optim.Optimizer):
         if max_logits is not None and not qk_clip:
             raise ValueError("max_logits is only read by qk_clip; pass qk_clip=[QKClip(...)]")
         self._qk_clip = (
-            QKClipper(qk_clip, max_logits, self._named_params(), *_distributed())
+            QKClipper(
+                qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
+            )
             if qk_clip
             else None
         )
@@ -262,6 +280,8 @@ class Muon(torch.optim.Optimizer):
         group.setdefault("steps", 0)
         group.setdefault("skipped_steps", 0)
         super().add_param_group(group)
+        if algorithm == "adamw" and "momentum" not in param_group:
+            del group["momentum"]  # torch's defaults put Muon's momentum in every group
         names = group_param_names(group, len(self.param_groups) - 1)
         for p, name in zip(group["params"], names, strict=True):
             state = self.state[p]
@@ -300,9 +320,10 @@ class Muon(torch.optim.Optimizer):
 
     def _check_ranks_agree(self, qk_clip: Sequence[QKClip]) -> None:
         """Fail fast, instead of hanging in a collective, when ranks hold different params."""
-        rank, world_size = _distributed()
-        if world_size == 1:
+        holders = self._comm.holders
+        if holders.size == 1:
             return
+        rank, first = self._comm.rank, holders.ranks[0]
         lines = [repr(spec) for spec in qk_clip]
         for name, group, p in named_params(self.param_groups):
             options = {k: group.get(k) for k in _AGREE_KEYS}
@@ -310,14 +331,14 @@ class Muon(torch.optim.Optimizer):
             mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
             lines.append(f"{name} {tuple(p.shape)} {p.dtype} {placements} {mesh} {options}")
         digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-        digests: list[str | None] = [None] * world_size
-        dist.all_gather_object(digests, digest)
+        digests: list[str | None] = [None] * holders.size
+        dist.all_gather_object(digests, digest, group=holders.group)
         if len(set(digests)) == 1:
             return
-        all_lines: list[list[str] | None] = [None] * world_size
-        dist.all_gather_object(all_lines, lines)
+        all_lines: list[list[str] | None] = [None] * holders.size
+        dist.all_gather_object(all_lines, lines, group=holders.group)
         reference = all_lines[0] or []
-        for other, other_lines in enumerate(all_lines):
+        for other, other_lines in zip(holders.ranks, all_lines, strict=True):
             other_lines = other_lines or []
             if other_lines == reference:
                 continue
@@ -330,11 +351,11 @@ class Muon(torch.optim.Optimizer):
                 (min(len(reference), len(other_lines)), "<end>", "<end>"),
             )
             raise RuntimeError(
-                f"muon_dist.Muon: rank {other} built a different parameter list than rank 0 "
-                f"(this is rank {rank}); rank 0 has {len(reference)} params, rank {other} has "
-                f"{len(other_lines)}; first difference at entry {diff[0]}: rank 0 {diff[1]!r} vs "
-                f"rank {other} {diff[2]!r}. Build the model and param groups identically on "
-                "every rank."
+                f"muon_dist.Muon: rank {other} built a different parameter list than rank "
+                f"{first} (this is rank {rank}); rank {first} has {len(reference)} params, rank "
+                f"{other} has {len(other_lines)}; first difference at entry {diff[0]}: rank "
+                f"{first} {diff[1]!r} vs rank {other} {diff[2]!r}. Build the model and param "
+                "groups identically on every rank that holds them."
             )
 
     # -- step ---------------------------------------------------------------------------
@@ -361,7 +382,11 @@ class Muon(torch.optim.Optimizer):
         transactional = self.nonfinite == "skip_step"
         context = self._muon_phase([e for e in muon if present[id(e.param)]], transactional)
         broken = context.nonfinite_results() if context is not None else []
-        if transactional and context is not None and _any_rank(bool(broken), context.device):
+        if (
+            transactional
+            and context is not None
+            and _any_rank(bool(broken), context.device, self._comm.holders)
+        ):
             names = ", ".join(broken) or "parameters owned by another rank"
             return self._skip_or_raise(step, f"non-finite Newton–Schulz result for {names}", loss)
         if broken:
@@ -421,9 +446,8 @@ class Muon(torch.optim.Optimizer):
             norms = torch._foreach_norm([local(named[i][1].grad) for i in with_grad])
             flags[index] = 1.0
             flags[index + count] = (~torch.isfinite(torch.stack(norms).float())).float()
-        _, world_size = _distributed()
-        if world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if self._comm.holders.size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comm.holders.group)
         values = flags.tolist()
         present = {id(p): values[i] > 0 for i, (_, p) in enumerate(named)}
         nonfinite = [name for i, (name, _) in enumerate(named) if values[count + i] > 0]
@@ -473,9 +497,9 @@ class Muon(torch.optim.Optimizer):
         key = (id(entries[0].param), tuple(e.view for e in entries))
         cached = self._row_maps.get(key)
         if cached is None:
-            rank, world_size = _distributed()
             first = entries[0]
-            lo, hi = local_rows(layout_of(first.param, first.name, first.view, world_size), rank)
+            layout = layout_of(first.param, first.name, first.view, self._comm.holders.ranks)
+            lo, hi = local_rows(layout, self._comm.rank)
             rows = torch.arange(lo, hi)
             cached = torch.zeros_like(rows)
             for e in entries:
@@ -487,19 +511,22 @@ class Muon(torch.optim.Optimizer):
         return cached
 
     def _get_plan(self, entries: Sequence[_MuonParam]) -> _StepPlan:
-        rank, world_size = _distributed()
+        rank, world_size = self._comm.rank, self._comm.world_size
         key = (
             rank,
             world_size,
             self.bucket_bytes,
             self.replica_mode,
             self.comm_dtype,
-            tuple((id(e.param), e.view, _ns_key(e.group)) for e in entries),
+            tuple((id(e.param), e.view, _ns_key(e.group, e.view)) for e in entries),
         )
         cached = self._plans.get(key)
         if cached is None:
             layouts = [
-                layout_of(e.param, e.name, e.view, world_size, _ns_key(e.group)) for e in entries
+                layout_of(
+                    e.param, e.name, e.view, self._comm.holders.ranks, _ns_key(e.group, e.view)
+                )
+                for e in entries
             ]
             plan = build_plan(
                 layouts,
@@ -520,20 +547,18 @@ class Muon(torch.optim.Optimizer):
         """Gather, orthogonalize and scatter every bucket; apply now, or keep for ``commit``."""
         if not entries:
             return None
-        _, world_size = _distributed()
         step_plan = self._get_plan(entries)
-        context = _StepContext(self, entries, step_plan, world_size, transactional)
+        context = _StepContext(self, entries, step_plan, self._comm, transactional)
         run_tasks((bucket_task(b, context) for b in step_plan.plan.buckets), self.max_inflight)
         return context
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if ``flag`` is true on any (one tiny all-reduce)."""
-    _, world_size = _distributed()
-    if world_size == 1:
+def _any_rank(flag: bool, device: torch.device, peers: Peers) -> bool:
+    """True on every rank of ``peers`` if ``flag`` is true on any (one tiny all-reduce)."""
+    if peers.size == 1:
         return flag
     value = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=peers.group)
     return bool(value.item())
 
 
@@ -549,7 +574,7 @@ class _StepContext:
         optimizer: Muon,
         entries: Sequence[_MuonParam],
         step_plan: _StepPlan,
-        world_size: int,
+        comm: CommGroups,
         transactional: bool,
     ) -> None:
         self.optimizer = optimizer
@@ -557,7 +582,9 @@ class _StepContext:
         # A transactional step cannot advance the momentum as it reads: it may be skipped.
         self.fused_reads = frozenset() if transactional else step_plan.fused_reads
         self.fused_writes = step_plan.fused_writes
-        self.world_size = world_size
+        self.world_size = comm.world_size
+        self.peers = comm.exchange
+        self.holders = comm.holders
         self.comm_dtype = optimizer.comm_dtype
         self.backend = optimizer.backend
         self.ns_dtype = optimizer.ns_dtype
@@ -647,8 +674,8 @@ class _StepContext:
             row_maps.append(row_map)
             sums.append(total)
         totals = torch.cat(sums, dim=1)
-        if self.world_size > 1:
-            dist.all_reduce(totals)
+        if self.holders.size > 1:
+            dist.all_reduce(totals, group=self.holders.group)
         offset = 0
         for indices, row_map in zip(by_param.values(), row_maps, strict=True):
             e = entries[indices[0]]
@@ -718,23 +745,32 @@ class _StepContext:
         )
 
     def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
-        steps, coefficients, method = cast(tuple[int, Coefficients, str], ns_key)
-        return newton_schulz(
-            stack,
-            steps=steps,
-            coefficients=coefficients,
-            dtype=self.ns_dtype,
-            backend=self.backend,
-            method=method,
+        steps, coefficients, parts, method = cast(
+            tuple[int, Coefficients, PartSplit | None, str], ns_key
         )
 
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(
+                x,
+                steps=steps,
+                coefficients=coefficients,
+                dtype=self.ns_dtype,
+                backend=self.backend,
+                method=method,
+            )
 
-def _ns_key(group: dict[str, Any]) -> tuple[int, Hashable, str]:
+        return run(stack) if parts is None else parts.orthogonalize(stack, run)
+
+
+def _ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None, str]:
+    """What Newton–Schulz runs on a view's matrices: steps, coefficients, the parts the
+    owner cuts each matrix into (with their lr scales), and the method. Groups loaded from a
+    checkpoint saved before ``ns_method`` existed lack the key: "auto", its default."""
     coefficients = group["coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
-    # Groups loaded from a checkpoint saved before ns_method existed lack the key.
-    return (group["ns_steps"], coefficients, group.get("ns_method", "auto"))
+    parts = view.part_split(group["adjust_lr"])
+    return (group["ns_steps"], coefficients, parts, group.get("ns_method", "auto"))
 
 
 def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -785,11 +821,24 @@ def _state_shapes(group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str
     return shapes
 
 
+def _with_names(saved: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
+    """A saved group, named after the current group at its index when it lost its names
+    (torchtitan's flat, name-keyed checkpoints come back without them) and sizes agree."""
+    names = (current or {}).get("param_names")
+    if "param_names" in saved or names is None or len(names) != len(saved["params"]):
+        return saved
+    return {**saved, "param_names": names}
+
+
 def _check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
     """Name every parameter whose saved algorithm, state keys or state shapes differ from now."""
+    saved_groups = [
+        _with_names(saved, groups[i] if i < len(groups) else None)
+        for i, saved in enumerate(state_dict.get("param_groups", []))
+    ]
     saved = {
         name: (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
-        for name, group, key in named_params(state_dict.get("param_groups", []))
+        for name, group, key in named_params(saved_groups)
     }
     current = {name: (group, p) for name, group, p in named_params(groups)}
     problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]

@@ -54,11 +54,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def layout_of(
-    param: torch.Tensor, name: str, view: MatrixView, world_size: int, ns_key: Hashable = None
+    param: torch.Tensor,
+    name: str,
+    view: MatrixView,
+    ranks: Sequence[int],
+    ns_key: Hashable = None,
 ) -> ParamLayout:
-    """Read a parameter's mesh and placements; plain tensors count as replicated on all ranks."""
+    """Read a parameter's mesh and placements; plain tensors count as replicated on ``ranks``."""
     if not isinstance(param, DTensor):
-        return ParamLayout(name, view, (world_size,), tuple(range(world_size)), (None,), ns_key)
+        return ParamLayout(name, view, (len(ranks),), tuple(ranks), (None,), ns_key)
     shard_dims: list[int | None] = []
     for placement in param.placements:
         if type(placement) is Shard:

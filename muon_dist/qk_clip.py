@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from muon_dist.groups import Peers
 from muon_dist.plan import layout_of, local, local_rows
 from muon_dist.routing import is_positive_int, matrix_view
 
@@ -110,7 +111,7 @@ class QKClipper:
         tracker: MaxLogitTracker | None,
         named: Mapping[str, torch.Tensor],
         rank: int,
-        world_size: int,
+        holders: Peers,
     ) -> None:
         if not isinstance(tracker, MaxLogitTracker):
             raise TypeError(
@@ -118,7 +119,7 @@ class QKClipper:
             )
         self.layers = list(layers)
         self.tracker = tracker
-        self.world_size = world_size
+        self.holders = holders  # the ranks whose logits are maxed together
         self.tensors: list[torch.Tensor] = []
         self.rows: list[tuple[int, int]] = []  # global rows of each tensor's local shard
         self.blocks: list[tuple[_Block, _Block]] = []
@@ -184,15 +185,15 @@ class QKClipper:
         if index is None:
             index = len(self.tensors)
             self.tensors.append(tensor)
-            layout = layout_of(tensor, name, matrix_view(tensor.shape), self.world_size)
+            layout = layout_of(tensor, name, matrix_view(tensor.shape), self.holders.ranks)
             self.rows.append(local_rows(layout, rank))
         return _Block(index, start, stop, heads)
 
     def __call__(self) -> None:
         """Scale query/key rows of every layer whose recorded max logit exceeds its tau.
 
-        The recorded maxima are maxed over all ranks in one all-reduce; a layer with nothing
-        recorded on any rank is left alone.
+        The recorded maxima are maxed over the parameters' ranks in one all-reduce; a layer
+        with nothing recorded on any rank is left alone.
         """
         maxima = self.tracker.pop()
         unknown = sorted(set(maxima) - {spec.layer for spec in self.layers})
@@ -215,8 +216,8 @@ class QKClipper:
             logits.append(recorded.to(device, torch.float32))
             taus.append(torch.full((spec.num_heads,), float(spec.tau), device=device))
         peak = torch.cat(logits)
-        if self.world_size > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if self.holders.size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.holders.group)
         tau = torch.cat(taus)
         gamma = torch.where(peak > tau, tau / peak, torch.ones_like(peak))
         factors = [torch.ones(hi - lo, device=device) for lo, hi in self.rows]

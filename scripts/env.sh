@@ -11,4 +11,4 @@ fi
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e ".[dev,examples]"
+python -m pip install -q -e ".[dev,examples,models]"

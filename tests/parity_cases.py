@@ -43,6 +43,8 @@ class Case:
     fsdp: bool = False  # shard with fully_shard instead of distribute_tensor
     replica_mode: str = "split"
     extra: dict[str, Any] = field(default_factory=dict)
+    mesh_names: tuple[str, ...] | None = None
+    submesh: str | None = None  # shard over this named dim of the mesh only
 
 
 MUON_SETS: dict[str, dict[str, Any]] = {
@@ -119,7 +121,9 @@ def _shard(
 ) -> tuple[list[torch.Tensor], Any]:
     if case.mesh_shape is None:
         return [nn.Parameter(f.clone()) for f in fulls], None
-    mesh = init_device_mesh(device, case.mesh_shape)
+    mesh = init_device_mesh(device, case.mesh_shape, mesh_dim_names=case.mesh_names)
+    if case.submesh is not None:
+        mesh = mesh[case.submesh]
     if case.fsdp:
         module = nn.Module()
         for i, f in enumerate(fulls):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ class Tiny(nn.Module):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_param_groups_route_by_role(tie: bool) -> None:
-    groups = muon_dist.param_groups(Tiny(tie), num_experts=4)
+    groups = muon_dist.param_groups(Tiny(tie), num_experts=4, weight_decay=0.1)
     where = {
         n: (g["algorithm"], g.get("experts"), g.get("num_experts"))
         for g in groups
@@ -95,7 +96,7 @@ def test_overrides_move_parameters_between_muon_and_adamw() -> None:
     for overrides in (route, {r"^proj\.": "adamw"}):
         where = _where(muon_dist.param_groups(Block(), overrides=overrides))
         assert where["proj.weight"]["algorithm"] == "adamw"
-        assert where["proj.weight"]["weight_decay"] == 0.1  # a matrix: decayed
+        assert "weight_decay" not in where["proj.weight"]  # Muon's adamw_weight_decay
         assert where["w13.weight"]["algorithm"] == "muon"
     where = _where(muon_dist.param_groups(Tiny(False), overrides={"tok_embeddings": "muon"}))
     assert where["tok_embeddings.weight"]["algorithm"] == "muon"
@@ -152,3 +153,200 @@ def test_routing_table_counts_parameters_in_millions() -> None:
     table = muon_dist.Muon(muon_dist.param_groups(model)).routing_table()
     assert "1.50" in table.splitlines()[2]  # 0.weight: 1.5M parameters, two decimals
     assert table.splitlines()[-1] == "total adamw: 0.00M, muon: 1.51M"
+
+
+# ---------------------------------------------------------------------------------------
+# torchtitan's parameter names (torchtitan 0.3.0; built by hand, torchtitan is not a test
+# dependency) and this project's example model.
+
+
+class TitanFusedQKV(nn.Module):
+    """The attributes and child of torchtitan's FusedQKVLinear: per key-value head, the
+    rows of ``heads_per_kv`` query heads, then a key head, then a value head."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.heads_per_kv = heads // kv_heads
+        self.wqkv = nn.Linear(dim, kv_heads * (self.heads_per_kv + 2) * head_dim, bias=False)
+
+
+class TitanExperts(nn.Module):
+    def __init__(self, experts: int, dim: int, hidden: int, gpt_oss: bool) -> None:
+        super().__init__()
+        if gpt_oss:  # gate and up alternate along G = 2F
+            self.mlp1_weight_EGD = nn.Parameter(torch.randn(experts, 2 * hidden, dim))
+            self.mlp1_bias_EG = nn.Parameter(torch.zeros(experts, 2 * hidden))
+            self.mlp2_weight_EDF = nn.Parameter(torch.randn(experts, dim, hidden))
+            self.mlp2_bias_ED = nn.Parameter(torch.zeros(experts, dim))
+        else:
+            self.w1_EFD = nn.Parameter(torch.randn(experts, hidden, dim))
+            self.w2_EDF = nn.Parameter(torch.randn(experts, dim, hidden))
+            self.w3_EFD = nn.Parameter(torch.randn(experts, hidden, dim))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, gpt_oss: bool) -> None:
+        super().__init__()
+        self.attention = nn.Module()
+        self.attention.qkv_linear = TitanFusedQKV(16, heads=4, kv_heads=2, head_dim=4)
+        self.attention.wo = nn.Linear(16, 16, bias=False)
+        self.attention_norm = nn.RMSNorm(16)
+        self.ffn_norm = nn.RMSNorm(16)
+        self.moe = nn.Module()
+        self.moe.router = nn.Module()
+        self.moe.router.gate = nn.Linear(16, 4, bias=gpt_oss)
+        self.moe.routed_experts = nn.Module()
+        self.moe.routed_experts.inner_experts = TitanExperts(4, 16, 24, gpt_oss)
+        if not gpt_oss:
+            self.moe.shared_experts = nn.Module()
+            for name, shape in (("w1", (24, 16)), ("w2", (16, 24)), ("w3", (24, 16))):
+                setattr(self.moe.shared_experts, name, nn.Linear(shape[1], shape[0], bias=False))
+
+
+class TitanModel(nn.Module):
+    def __init__(self, gpt_oss: bool) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(32, 16)
+        self.layers = nn.ModuleDict({"0": TitanBlock(gpt_oss)})
+        self.norm = nn.RMSNorm(16)
+        self.lm_head = nn.Linear(16, 32, bias=False)
+
+
+TITAN_EXPECTED = {
+    "layers.0.attention.qkv_linear.wqkv.weight": "matrix 32x16 parts 8+4+4 x2 interleaved",
+    "layers.0.attention.wo.weight": "matrix 16x16",
+    "layers.0.moe.router.gate.weight": "matrix 4x16",
+    "tok_embeddings.weight": "adamw",
+    "lm_head.weight": "adamw",
+    "norm.weight": "adamw",
+    "layers.0.attention_norm.weight": "adamw",
+    "layers.0.ffn_norm.weight": "adamw",
+}
+TITAN_MOE = {
+    "layers.0.moe.routed_experts.inner_experts.w1_EFD": "expert_stack 4x[24x16]",
+    "layers.0.moe.routed_experts.inner_experts.w2_EDF": "expert_stack 4x[16x24]",
+    "layers.0.moe.routed_experts.inner_experts.w3_EFD": "expert_stack 4x[24x16]",
+    "layers.0.moe.shared_experts.w1.weight": "matrix 24x16",
+    "layers.0.moe.shared_experts.w2.weight": "matrix 16x24",
+    "layers.0.moe.shared_experts.w3.weight": "matrix 24x16",
+}
+TITAN_GPT_OSS = {
+    "layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD": (
+        "expert_stack 4x[48x16] parts 1+1 x24 interleaved"
+    ),
+    "layers.0.moe.routed_experts.inner_experts.mlp1_bias_EG": "adamw",
+    "layers.0.moe.routed_experts.inner_experts.mlp2_weight_EDF": "expert_stack 4x[16x24]",
+    "layers.0.moe.routed_experts.inner_experts.mlp2_bias_ED": "adamw",
+    "layers.0.moe.router.gate.bias": "adamw",
+}
+# How torchtitan's forward reads them (FusedQKVLinear.forward, gpt_oss/moe.py).
+TITAN_TRUE_LAYOUT = {
+    "wqkv.weight": {"split_sizes": [8, 4, 4], "split_groups": 2},
+    "mlp1_weight_EGD": {"split_sizes": [1, 1], "split_groups": 24},
+}
+
+
+def _views(groups: list[dict[str, object]]) -> dict[str, str]:
+    return {
+        e.name: e.view if e.algorithm == "muon" else "adamw"
+        for e in muon_dist.routing.routing_entries(groups)
+    }
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_torchtitan_names_route_and_orthogonalize_per_part(
+    gpt_oss: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from model_families import check_first_update
+
+    torch.manual_seed(0)
+    model = TitanModel(gpt_oss)
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        groups = muon_dist.param_groups(model, num_experts=4)
+    assert caplog.text == ""
+    assert _views(groups) == {**TITAN_EXPECTED, **(TITAN_GPT_OSS if gpt_oss else TITAN_MOE)}
+    fp32 = torch.float32
+    opt = muon_dist.Muon(groups, lr=0.02, comm_dtype=fp32, ns_dtype=fp32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    problems = []
+    for name, group, p in muon_dist.routing.named_params(opt.param_groups):
+        if group["algorithm"] == "muon":
+            layout = next((v for k, v in TITAN_TRUE_LAYOUT.items() if name.endswith(k)), {})
+            problems += check_first_update(name, before[name], p, grads[name], layout, 0.02)
+    assert problems == []
+
+
+def test_example_model_routes_without_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    import importlib.util
+
+    from repo_paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("example_model", ROOT / "examples/model.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    sys.modules["example_model"] = example  # its dataclasses look their module up there
+    spec.loader.exec_module(example)
+    args = example.ModelArgs(dim=32, n_layers=1, moe=True, tie_embeddings=False)
+    model = example.Transformer(args)
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        views = _views(muon_dist.param_groups(model))
+    assert caplog.text == ""
+    assert views["layers.0.feed_forward.experts.w1"].startswith("expert_stack 4x[")
+    assert views["layers.0.feed_forward.router.weight"] == "matrix 4x32"
+    assert views["layers.0.attention.wq.weight"] == "matrix 32x32"
+    assert views["tok_embeddings.weight"] == views["output.weight"] == "adamw"
+
+
+class MoE(nn.Module):
+    """transformers-style experts: fused gate+up [E, 2I, H] with biases [E, 2I], a down
+    projection stored [E, in, out], and a dense shared expert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.randn(4, 2 * 6, 8))
+        self.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(4, 2 * 6))
+        self.experts.down_proj = nn.Parameter(torch.randn(4, 6, 12))  # [E, in=6, out=12]
+        self.shared_experts = nn.Module()
+        self.shared_experts.up_proj = nn.Linear(8, 8, bias=False)
+
+
+def test_declared_layouts_split_expert_stacks_and_read_storage_orientation() -> None:
+    groups = muon_dist.param_groups(
+        MoE(),
+        num_experts=4,
+        fused={
+            r"experts\.gate_up_proj$": {"split_sizes": [6, 6]},
+            r"experts\.down_proj$": {"transposed": True},
+        },
+    )
+    rows = {e.name: e for e in muon_dist.routing.routing_entries(groups)}
+    assert rows["experts.gate_up_proj"].view == "expert_stack 4x[12x8] parts 6+6"
+    assert rows["experts.gate_up_proj_bias"].algorithm == "adamw"
+    # [E, in, out] = [4, 6, 12]: 12 outputs from 6 inputs, the same scale as [4, 12, 6]
+    assert rows["experts.down_proj"].lr_scales == (pytest.approx(2**0.5),)
+    assert rows["shared_experts.up_proj.weight"].view == "matrix 8x8"  # not cut into experts
+
+
+def test_param_groups_writes_only_what_it_is_given() -> None:
+    opt = muon_dist.Muon(
+        muon_dist.param_groups(Tiny(False)), lr=0.05, adamw_lr=1e-3, weight_decay=0.0
+    )
+    for group in opt.param_groups:
+        expected = 0.05 if group["algorithm"] == "muon" else 1e-3
+        assert group["lr"] == expected and group["weight_decay"] == 0.0, group["param_names"]
+    opt = muon_dist.Muon(muon_dist.param_groups(Tiny(False), lr=0.01, weight_decay=0.2), lr=0.05)
+    decay = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
+    assert decay["proj.weight"] == decay["tok_embeddings.weight"] == 0.2
+    assert decay["norm.weight"] == 0.0
+    assert {g["lr"] for g in opt.param_groups if g["algorithm"] == "muon"} == {0.01}
+
+
+def test_overrides_pattern_matching_nothing_raises() -> None:
+    with pytest.raises(ValueError, match=r"overrides patterns \['\^router\\\\.'\] match no"):
+        muon_dist.param_groups(Block(), overrides={r"^router\.": "adamw"})

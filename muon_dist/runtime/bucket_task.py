@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.comm import PieceT, pack, start_exchange, unpack
+from muon_dist.groups import Peers
 from muon_dist.plan import BlockPiece, BucketPlan, LocalPiece, OwnedBlock
 from muon_dist.runtime.scheduler import Task, TaskBody
 
@@ -19,6 +20,7 @@ class StepContext(Protocol):
     """What a bucket task needs from the optimizer for one step."""
 
     world_size: int
+    peers: Peers  # the ranks this rank's all-to-alls run among
     comm_dtype: torch.dtype
     device: torch.device
 
@@ -128,7 +130,7 @@ def _start(
 ) -> tuple[torch.Tensor, dist.Work]:
     """Pack the pieces this rank sends and start the all-to-all; returns the receive buffer."""
     send = pack(sends, write, ctx.comm_dtype, ctx.device)
-    return start_exchange(send, sends, recvs, ctx.world_size)
+    return start_exchange(send, sends, recvs, ctx.world_size, ctx.peers)
 
 
 def _assemble(bucket: BucketPlan, ctx: StepContext, received: torch.Tensor | None) -> list[_Stack]:

@@ -1,0 +1,29 @@
+"""Each collective runs on the smallest group holding the parameters' shards (4 gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+from dist_harness import run_distributed
+from group_cases import hsdp_worker, pipeline_worker
+
+pytestmark = pytest.mark.slow
+
+
+def test_pipeline_stages_each_with_own_muon_match_reference() -> None:
+    results = run_distributed(4, pipeline_worker, "float32")
+    for rank, result in enumerate(results):
+        assert result["errors"]["update"] <= 1e-5, (rank, result["errors"])
+        kinds = {name for name, _ in result["calls"]}
+        assert {"all_to_all_single", "all_reduce", "all_gather_object"} <= kinds, kinds
+        wrong = {c for c in result["calls"] if c[1] != result["stage_ranks"]}
+        assert not wrong, f"rank {rank}: collectives outside its stage: {wrong}"
+
+
+def test_hsdp_redundant_exchanges_within_the_shard_group() -> None:
+    results = run_distributed(4, hsdp_worker, "redundant")
+    for rank, result in enumerate(results):
+        assert result["errors"]["update"] <= 1e-5, (rank, result["errors"])
+        exchanges = {ranks for name, ranks in result["calls"] if name == "all_to_all_single"}
+        assert exchanges == {result["shard_group"]}, (rank, exchanges)
+        others = {ranks for name, ranks in result["calls"] if name != "all_to_all_single"}
+        assert others == {(0, 1, 2, 3)}, (rank, others)
