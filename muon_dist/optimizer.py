@@ -21,6 +21,7 @@ from muon_dist.checks import check_ranks_agree, check_saved_routing, matrix_coun
 from muon_dist.cuda_graph import StepGraph
 from muon_dist.groups import CommGroups, comm_groups
 from muon_dist.kernels.coefficients import resolve_coefficients
+from muon_dist.kernels.gram import METHODS as NS_METHODS
 from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
 from muon_dist.plan import build_plan, layout_of, local
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
@@ -47,6 +48,7 @@ MUON_ONLY_KEYS = (
     "magma",
     "magma_beta",
     "cautious_wd",
+    "ns_method",
 )
 # Group entries that a captured step does not read from the group: the lr is staged into
 # device memory every step, the rest is bookkeeping. Any other change is captured anew.
@@ -65,8 +67,10 @@ class Muon(torch.optim.Optimizer):
     Per group, ``num_heads`` orthogonalizes each head's rows separately, ``split_sizes`` each
     block of a fused weight (QKV, gate+up), ``magma=True`` damps each matrix's update by how
     well its gradient agrees with its momentum, and ``cautious_wd=True`` decays only weights
-    whose sign the update shares. ``qk_clip`` (with ``max_logits``) rescales attention query
-    and key heads whose logits exceed tau after each step (see :mod:`muon_dist.qk_clip`).
+    whose sign the update shares. ``ns_method`` ("auto", "gram", "standard") picks the
+    Newton–Schulz iteration (see :func:`muon_dist.kernels.newton_schulz`). ``qk_clip`` (with
+    ``max_logits``) rescales attention query and key heads whose logits exceed tau after
+    each step (see :mod:`muon_dist.qk_clip`).
 
     The step never waits for the device. All ranks agree on the device which gradients
     exist and are finite; a parameter without a gradient on any rank is left alone, and a
@@ -90,6 +94,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         coefficients: str | Sequence[Sequence[float]] = "quintic",
         backend: str = "auto",
+        ns_method: str = "auto",
         comm_dtype: torch.dtype = torch.bfloat16,
         *,
         muon_mode: str = "2d",
@@ -131,6 +136,7 @@ class Muon(torch.optim.Optimizer):
             "adjust_lr": adjust_lr,
             "ns_steps": ns_steps,
             "coefficients": coefficients,
+            "ns_method": ns_method,
             "muon_mode": muon_mode,
             "experts": False,
             "num_experts": None,
@@ -572,6 +578,11 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
         resolve_coefficients(group["coefficients"], group["ns_steps"])
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(
+            f"{where}: ns_method={group['ns_method']!r} is not supported; choose one of "
+            f"{list(NS_METHODS)}"
+        )
     for key in ("magma", "cautious_wd"):
         if not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key}={group[key]!r}; choose True or False")
