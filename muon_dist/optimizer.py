@@ -22,6 +22,7 @@ from muon_dist.kernels.elementwise import (
     momentum_input_,
     nesterov_input_,
 )
+from muon_dist.kernels.gram import METHODS as NS_METHODS
 from muon_dist.plan import (
     REPLICA_MODES,
     Plan,
@@ -63,6 +64,7 @@ _AGREE_KEYS = (
     "transposed",
     "ns_steps",
     "coefficients",
+    "ns_method",
     "magma",
     "cautious_wd",
 )
@@ -75,6 +77,7 @@ MUON_ONLY_KEYS = (
     "magma",
     "magma_beta",
     "cautious_wd",
+    "ns_method",
 )
 _MAX_CACHED_PLANS = 8
 NONFINITE_POLICIES = ("raise", "skip_step")
@@ -154,8 +157,10 @@ class Muon(torch.optim.Optimizer):
     Per group, ``num_heads`` orthogonalizes each head's rows separately, ``split_sizes`` each
     block of a fused weight (QKV, gate+up), ``magma=True`` damps each matrix's update by how
     well its gradient agrees with its momentum, and ``cautious_wd=True`` decays only weights
-    whose sign the update shares. ``qk_clip`` (with ``max_logits``) rescales attention query
-    and key heads whose logits exceed tau after each step (see :mod:`muon_dist.qk_clip`).
+    whose sign the update shares. ``ns_method`` ("auto", "gram", "standard") picks the
+    Newton–Schulz iteration (see :func:`muon_dist.kernels.newton_schulz`). ``qk_clip`` (with
+    ``max_logits``) rescales attention query and key heads whose logits exceed tau after
+    each step (see :mod:`muon_dist.qk_clip`).
     """
 
     def __init__(
@@ -169,6 +174,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         coefficients: str | Sequence[Sequence[float]] = "quintic",
         backend: str = "auto",
+        ns_method: str = "auto",
         comm_dtype: torch.dtype = torch.bfloat16,
         *,
         muon_mode: str = "2d",
@@ -209,6 +215,7 @@ class Muon(torch.optim.Optimizer):
                 "adjust_lr": adjust_lr,
                 "ns_steps": ns_steps,
                 "coefficients": coefficients,
+                "ns_method": ns_method,
                 "muon_mode": muon_mode,
                 "experts": False,
                 "num_experts": None,
@@ -738,23 +745,32 @@ class _StepContext:
         )
 
     def orthogonalize(self, stack: torch.Tensor, ns_key: Hashable) -> torch.Tensor:
-        steps, coefficients, parts = cast(tuple[int, Coefficients, PartSplit | None], ns_key)
+        steps, coefficients, parts, method = cast(
+            tuple[int, Coefficients, PartSplit | None, str], ns_key
+        )
 
         def run(x: torch.Tensor) -> torch.Tensor:
             return newton_schulz(
-                x, steps=steps, coefficients=coefficients, dtype=self.ns_dtype, backend=self.backend
+                x,
+                steps=steps,
+                coefficients=coefficients,
+                dtype=self.ns_dtype,
+                backend=self.backend,
+                method=method,
             )
 
         return run(stack) if parts is None else parts.orthogonalize(stack, run)
 
 
-def _ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None]:
-    """What Newton–Schulz runs on a view's matrices: steps, coefficients, and the parts the
-    owner cuts each matrix into (with their lr scales)."""
+def _ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None, str]:
+    """What Newton–Schulz runs on a view's matrices: steps, coefficients, the parts the
+    owner cuts each matrix into (with their lr scales), and the method. Groups loaded from a
+    checkpoint saved before ``ns_method`` existed lack the key: "auto", its default."""
     coefficients = group["coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
-    return (group["ns_steps"], coefficients, view.part_split(group["adjust_lr"]))
+    parts = view.part_split(group["adjust_lr"])
+    return (group["ns_steps"], coefficients, parts, group.get("ns_method", "auto"))
 
 
 def _split_by_algorithm(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -893,6 +909,11 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
         resolve_coefficients(group["coefficients"], group["ns_steps"])
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(
+            f"{where}: ns_method={group['ns_method']!r} is not supported; choose one of "
+            f"{list(NS_METHODS)}"
+        )
     for key in ("magma", "cautious_wd"):
         if not isinstance(group[key], bool):
             raise ValueError(f"{where}: {key}={group[key]!r}; choose True or False")
