@@ -17,6 +17,7 @@ muon_dist is also timed with its step captured in a CUDA graph (``cuda_graph=Tru
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 import muon_dist
 from muon_dist.kernels import BACKENDS, COEFFICIENT_SETS
+from muon_dist.kernels.gram import METHODS as NS_METHODS
 from muon_dist.plan import REPLICA_MODES, ns_cost
 from muon_dist.routing import matrix_view
 
@@ -345,34 +347,42 @@ def print_table(report: dict[str, Any]) -> None:
         f"shard rel {parity['shard_rel']:.2e} (tolerance {parity['tolerance']:.0e}) -> "
         f"{'OK' if parity['ok'] else 'FAIL'}",
         "",
-        f"{'method':<26} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}",
+        f"{'method':<34} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}",
     ]
     for row in report["methods"]:
         peaks = [p for p in row["peak_gib_per_rank"] if p is not None]
         peak = f"{max(peaks):9.2f}" if peaks else f"{'-':>9}"
         lines.append(
-            f"{row['name']:<26} {row['median_ms']:10.2f} {row['floor_multiple']:8.2f} "
+            f"{row['name']:<34} {row['median_ms']:10.2f} {row['floor_multiple']:8.2f} "
             f"{row['speedup_vs_allgather']:13.2f}x {peak}"
         )
     print("\n".join(lines), flush=True)
 
 
-def table_row(report: dict[str, Any]) -> dict[str, str]:
-    """The step table's row: the first muon_dist timing against the baseline and AdamW."""
-    muon, allgather, adamw = report["methods"][0], report["methods"][-2], report["methods"][-1]
-    peaks = [p for p in muon["peak_gib_per_rank"] if p is not None]
+def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
+    """The step table's rows: each Newton–Schulz method's first muon_dist timing against the
+    baseline and AdamW."""
+    allgather, adamw = report["methods"][-2], report["methods"][-1]
     state = max(report["state_gib_per_rank"])
-    return {
-        "preset (layers)": f"{report['preset']} ({report['layers']})",
-        "GPUs": str(report["world_size"]),
-        "backend": report["options"]["backend"],
-        "muon_dist ms": f"{muon['median_ms']:.1f}",
-        "× floor": f"{muon['floor_multiple']:.2f}",
-        "floor ms": f"{report['floor_ms']:.1f}",
-        "all-gather Muon": f"{allgather['median_ms'] / muon['median_ms']:.2f}× slower",
-        "fused AdamW ms": f"{adamw['median_ms']:.1f}",
-        "peak GiB (state)": f"{max(peaks):.2f} ({state:.2f})" if peaks else "—",
-    }
+    rows = []
+    for ns_method in report["options"]["ns_methods"]:
+        muon = next(m for m in report["methods"] if m.get("ns_method") == ns_method)
+        peaks = [p for p in muon["peak_gib_per_rank"] if p is not None]
+        rows.append(
+            {
+                "preset (layers)": f"{report['preset']} ({report['layers']})",
+                "GPUs": str(report["world_size"]),
+                "backend": report["options"]["backend"],
+                "Newton–Schulz": ns_method,
+                "muon_dist ms": f"{muon['median_ms']:.1f}",
+                "× floor": f"{muon['floor_multiple']:.2f}",
+                "floor ms": f"{report['floor_ms']:.1f}",
+                "all-gather Muon": f"{allgather['median_ms'] / muon['median_ms']:.2f}× slower",
+                "fused AdamW ms": f"{adamw['median_ms']:.1f}",
+                "peak GiB (state)": f"{max(peaks):.2f} ({state:.2f})" if peaks else "—",
+            }
+        )
+    return rows
 
 
 def host_row(report: dict[str, Any], captured: dict[str, Any]) -> dict[str, str]:
@@ -408,6 +418,12 @@ def parse_args() -> argparse.Namespace:
         "--sweep-inflight", metavar="K,K,...", help="time muon_dist at each max_inflight listed"
     )
     parser.add_argument(
+        "--ns-methods",
+        default="auto,standard",
+        help="comma-separated Newton–Schulz methods to time muon_dist with (auto, gram, "
+        "standard); the first one is also checked against the all-gather baseline",
+    )
+    parser.add_argument(
         "--no-cuda-graph", action="store_true", help="skip the captured muon_dist row on CUDA"
     )
     parser.add_argument("--ns-steps", type=int, default=5)
@@ -426,6 +442,10 @@ def parse_args() -> argparse.Namespace:
         if args.sweep_inflight
         else [args.max_inflight]
     )
+    args.ns_methods = args.ns_methods.split(",")
+    for method in args.ns_methods:
+        if method not in NS_METHODS:
+            parser.error(f"--ns-methods: {method!r} is not one of {list(NS_METHODS)}")
     args.matmul_size = args.matmul_size or (8192 if args.device == "cuda" else 1024)
     args.json = args.json or default_json(args.preset)
     return args
@@ -464,7 +484,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     if any(g["algorithm"] != "muon" for g in groups):
         raise RuntimeError("every preset parameter is a hidden matrix and must route to Muon")
 
-    def make_muon(max_inflight: int, cuda_graph: bool = False) -> muon_dist.Muon:
+    def make_muon(max_inflight: int, ns_method: str, cuda_graph: bool = False) -> muon_dist.Muon:
         return muon_dist.Muon(
             groups,
             lr=LR,
@@ -475,6 +495,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             ns_steps=args.ns_steps,
             coefficients=args.coefficients,
             backend=args.backend,
+            ns_method=ns_method,
             comm_dtype=comm_dtype,
             bucket_bytes=int(args.bucket_mb * MIB),
             max_inflight=max_inflight,
@@ -505,25 +526,25 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     flops, matrices = ns_flops(groups, args.ns_steps)
     floor_ms = flops / world / (tflops * 1e12) * 1e3
     log("checking first-step parity of muon_dist and the all-gather baseline")
-    parity = check_parity(params, lambda: make_muon(args.max_inflight), make_baseline, device)
+    first_method = args.ns_methods[0]
+    parity = check_parity(
+        params, lambda: make_muon(args.max_inflight, first_method), make_baseline, device
+    )
     parity["ok"] = parity["update_rel"] <= PARITY_TOL
 
     methods = []
-    for k in args.inflight:
-        log(f"timing muon_dist max_inflight={k}")
-        name = f"muon_dist inflight={k}"
-        methods.append(time_method(name, lambda k=k: make_muon(k), args, device))
+    for ns_method in args.ns_methods:
+        for k in args.inflight:
+            log(f"timing muon_dist ns_method={ns_method} max_inflight={k}")
+            name = f"muon_dist {ns_method} inflight={k}"
+            make = functools.partial(make_muon, k, ns_method)
+            methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
     if device.type == "cuda" and not args.no_cuda_graph:
-        k = args.inflight[0]
-        log(f"timing muon_dist captured in a CUDA graph, max_inflight={k}")
-        methods.append(
-            time_method(
-                f"muon_dist graph inflight={k}",
-                lambda k=k: make_muon(k, cuda_graph=True),
-                args,
-                device,
-            )
-        )
+        k, ns_method = args.inflight[0], args.ns_methods[0]
+        log(f"timing muon_dist {ns_method} captured in a CUDA graph, max_inflight={k}")
+        make = functools.partial(make_muon, k, ns_method, cuda_graph=True)
+        name = f"muon_dist graph {ns_method} inflight={k}"
+        methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
     log("timing the all-gather baseline")
     methods.append(time_method("allgather_muon", make_baseline, args, device))
     log("timing AdamW")
@@ -549,6 +570,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             key: getattr(args, key)
             for key in (
                 "backend",
+                "ns_methods",
                 "comm_dtype",
                 "bucket_mb",
                 "inflight",
@@ -576,7 +598,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
         print_table(report)
         if args.write_table:
             info = tables.run_info(gpus=world)
-            tables.record("step", [table_row(report)], info)
+            tables.record("step", table_rows(report), info)
             captured = [m for m in methods if m["name"].startswith("muon_dist graph")]
             if captured:
                 tables.record("host", [host_row(report, captured[0])], info)

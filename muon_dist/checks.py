@@ -27,6 +27,7 @@ AGREE_KEYS = (
     "transposed",
     "ns_steps",
     "coefficients",
+    "ns_method",
     "magma",
     "cautious_wd",
 )

@@ -67,13 +67,16 @@ class MuonEntry:
     group_index: int
 
 
-def ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None]:
+def ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None, str]:
     """What Newton–Schulz runs on a view's matrices besides the shape: steps, coefficients,
-    and the parts the owner cuts each matrix into (with their lr scales)."""
+    the parts the owner cuts each matrix into (with their lr scales), and the method. Groups
+    loaded from a checkpoint saved before ``ns_method`` existed lack the key: "auto", its
+    default."""
     coefficients = group["coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
-    return (group["ns_steps"], coefficients, view.part_split(group["adjust_lr"]))
+    parts = view.part_split(group["adjust_lr"])
+    return (group["ns_steps"], coefficients, parts, group.get("ns_method", "auto"))
 
 
 def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tensor:
@@ -418,7 +421,9 @@ class MuonStep:
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
         params = self._stack_params[layout.index]
         mask_stack_(stack, self.keep.index_select(0, params))
-        steps, coefficients, parts = cast(tuple[int, Coefficients, PartSplit | None], layout.ns_key)
+        steps, coefficients, parts, method = cast(
+            tuple[int, Coefficients, PartSplit | None, str], layout.ns_key
+        )
 
         def run(x: torch.Tensor) -> torch.Tensor:
             return newton_schulz(
@@ -427,6 +432,7 @@ class MuonStep:
                 coefficients=coefficients,
                 dtype=self.settings.ns_dtype,
                 backend=self.settings.backend,
+                method=method,
             )
 
         result = run(stack) if parts is None else parts.orthogonalize(stack, run)

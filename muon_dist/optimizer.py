@@ -63,8 +63,10 @@ class Muon(torch.optim.Optimizer):
     Per group, ``num_heads`` orthogonalizes each head's rows separately, ``split_sizes`` each
     block of a fused weight (QKV, gate+up), ``magma=True`` damps each matrix's update by how
     well its gradient agrees with its momentum, and ``cautious_wd=True`` decays only weights
-    whose sign the update shares. ``qk_clip`` (with ``max_logits``) rescales attention query
-    and key heads whose logits exceed tau after each step (see :mod:`muon_dist.qk_clip`).
+    whose sign the update shares. ``ns_method`` ("auto", "gram", "standard") picks the
+    Newton–Schulz iteration (see :func:`muon_dist.kernels.newton_schulz`). ``qk_clip`` (with
+    ``max_logits``) rescales attention query and key heads whose logits exceed tau after
+    each step (see :mod:`muon_dist.qk_clip`).
 
     The step never waits for the device. All ranks agree on the device which gradients
     exist and are finite; a parameter without a gradient on any rank is left alone, one
@@ -89,6 +91,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         coefficients: str | Sequence[Sequence[float]] = "quintic",
         backend: str = "auto",
+        ns_method: str = "auto",
         comm_dtype: torch.dtype = torch.bfloat16,
         *,
         muon_mode: str = "2d",
@@ -130,6 +133,7 @@ class Muon(torch.optim.Optimizer):
             "adjust_lr": adjust_lr,
             "ns_steps": ns_steps,
             "coefficients": coefficients,
+            "ns_method": ns_method,
             "muon_mode": muon_mode,
             "experts": False,
             "num_experts": None,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from muon_dist.kernels.coefficients import resolve_coefficients
+from muon_dist.kernels.gram import METHODS as NS_METHODS
 from muon_dist.routing import ADJUST_LR, MUON_MODES, group_param_names, matrix_views
 
 # Keys a group may hold besides its algorithm's options: bookkeeping of this optimizer and
@@ -131,6 +132,11 @@ def _validate_muon(group: dict[str, Any], where: str) -> None:
                 _number(where, f"coefficients[{k}]", value)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}") from exc
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(
+            f"{where}: ns_method={group['ns_method']!r} is not supported; choose one of "
+            f"{list(NS_METHODS)}"
+        )
     for key in ("magma", "cautious_wd"):
         _flag(where, key, group[key])
     _in_unit(where, "magma_beta", group["magma_beta"])

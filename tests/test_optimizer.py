@@ -180,6 +180,8 @@ def test_state_is_created_eagerly_and_schedulers_closures_work() -> None:
     [
         ({"algorithm": "muon", "coefficients": "cubic"}, "coefficients='cubic'"),
         ({"algorithm": "muon", "muon_mode": "3d"}, "muon_mode='3d'"),
+        ({"algorithm": "muon", "ns_method": "fast"}, "ns_method=.fast."),
+        ({"algorithm": "adamw", "ns_method": "gram"}, "ns_method=.gram. is a Muon option"),
         ({"algorithm": "muon", "adjust_lr": "max"}, "adjust_lr='max'"),
         ({"algorithm": "sgd"}, "algorithm='sgd'"),
         ({"algorithm": "muon", "lr": -1.0}, "lr=-1.0"),
