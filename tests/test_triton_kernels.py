@@ -9,13 +9,10 @@ import pytest
 import torch
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
+from muon_dist.kernels.availability import interpret_mode, triton_available
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS, Coefficients
 from muon_dist.kernels.dispatch import prefer_triton
-from muon_dist.kernels.triton_ns import (
-    interpret_mode,
-    newton_schulz_triton,
-    triton_available,
-)
+from muon_dist.kernels.triton_ns import newton_schulz_triton
 
 if not interpret_mode():
     pytest.skip("these CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
