@@ -1,14 +1,15 @@
-"""Time Newton–Schulz on one CUDA GPU: torch vs Triton vs auto, side by side, in bf16.
+"""Time Newton–Schulz on one CUDA GPU: standard and Gram iterations on torch and Triton, in bf16.
 
-For each shape: first-call time (Triton compile + autotune), median time per backend over
-rounds in which the backends take turns, TFLOP/s by the standard count steps·(4m²n + 2m³)
-per matrix (m = min dim, n = max dim), the Triton/torch speedup, and the error against a
-float64 iteration on a few matrices of the batch for torch-bf16 and Triton-bf16. Exits 1
-if Triton's error is over 1.5x torch's or any output is NaN, so it doubles as the GPU bf16
-correctness gate.
+For each shape: first-call time (Triton compile + autotune), median time of each variant
+(torch, triton: the standard iteration; gram_torch, gram_triton: the Gram iteration; auto:
+what ``newton_schulz`` picks) over rounds in which the variants take turns, TFLOP/s by the
+standard count steps·(4m²n + 2m³) per matrix (m = min dim, n = max dim), and the error
+against a float64 standard iteration on a few matrices of the batch. Exits 1 if a Triton
+or Gram variant's error is over 1.5x the torch bf16 standard's or any output is NaN, so it
+doubles as the GPU bf16 correctness gate.
 
     python benchmarks/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
-        [--cold-cache] [--write-table]
+        [--cold-cache] [--write-table] [--shapes 1024x4096,32x1536x4096] [--gram-restarts 3]
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import triton.testing
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import Coefficients
-from muon_dist.kernels.dispatch import prefer_triton
+from muon_dist.kernels.dispatch import prefer_gram, prefer_triton
+from muon_dist.kernels.gram import DEFAULT_RESTARTS
+from muon_dist.kernels.graphs import graph_eligible
 
 SHAPES: list[tuple[int, ...]] = [
     (1024, 4096),
@@ -68,14 +71,32 @@ def first_call_seconds(fn: Callable[[], torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def bench_shape(shape: tuple[int, ...], steps: int, coefficients: str) -> dict:
+# Variant name -> (backend, method) of newton_schulz.
+VARIANTS = {
+    "torch": ("torch", "standard"),
+    "triton": ("triton", "standard"),
+    "gram_torch": ("torch", "gram"),
+    "gram_triton": ("triton", "gram"),
+    "auto": ("auto", "auto"),
+}
+CHECKED = ("torch", "triton", "gram_torch", "gram_triton")
+
+
+def bench_shape(
+    shape: tuple[int, ...], steps: int, coefficients: str, restarts: tuple[int, ...]
+) -> dict:
     X = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    runs = {
-        backend: (lambda b=backend: newton_schulz(X, steps, coefficients, backend=b))
-        for backend in ("torch", "triton", "auto")
-    }
+
+    def variant(backend: str, method: str) -> Callable[[], torch.Tensor]:
+        return lambda: newton_schulz(
+            X, steps, coefficients, backend=backend, method=method, gram_restarts=restarts
+        )
+
+    runs = {name: variant(*spec) for name, spec in VARIANTS.items()}
     row: dict = {"shape": list(shape), "flop": ns_flops(shape, steps)}
-    row["first_call_s"] = first_call_seconds(runs["triton"])
+    row["first_call_s"] = first_call_seconds(runs["triton"]) + first_call_seconds(
+        runs["gram_triton"]
+    )
     # Backends take turns, in a rotating order, so clock or thermal drift favours none.
     samples: dict[str, list[float]] = {backend: [] for backend in runs}
     order = list(runs)
@@ -89,33 +110,41 @@ def bench_shape(shape: tuple[int, ...], steps: int, coefficients: str) -> dict:
         row[f"{backend}_tflops"] = row["flop"] / row[f"{backend}_ms"] / 1e9
     row["speedup"] = row["torch_ms"] / row["triton_ms"]
     batch = math.prod(shape[:-2])
-    row["auto_picks"] = "triton" if prefer_triton(shape[-2], shape[-1], batch) else "torch"
+    gram = prefer_gram(shape[-2], shape[-1])
+    backend = "triton" if prefer_triton(shape[-2], shape[-1], batch) else "torch"
+    graphed = "+graph" if graph_eligible(X) else ""
+    row["auto_picks"] = f"{'gram' if gram else 'std'}/{backend}{graphed}"
 
     subset = X.reshape(-1, *shape[-2:])[:ERROR_SUBSET]
     ref = newton_schulz_float64(subset, steps, coefficients)
-    for backend in ("torch", "triton"):
-        out = newton_schulz(subset, steps, coefficients, backend=backend)
-        row[f"{backend}_nan"] = bool(out.isnan().any())
-        row[f"{backend}_err"] = rel_err(out, ref)
-    row["err_ratio"] = row["triton_err"] / row["torch_err"]
-    row["ok"] = not row["triton_nan"] and row["err_ratio"] <= MAX_ERROR_RATIO
+    for name in CHECKED:
+        backend, method = VARIANTS[name]
+        out = newton_schulz(
+            subset, steps, coefficients, backend=backend, method=method, gram_restarts=restarts
+        )
+        row[f"{name}_nan"] = bool(out.isnan().any())
+        row[f"{name}_err"] = rel_err(out, ref)
+    row["err_ratio"] = max(row[f"{name}_err"] for name in CHECKED) / row["torch_err"]
+    row["ok"] = not any(row[f"{name}_nan"] for name in CHECKED) and (
+        row["err_ratio"] <= MAX_ERROR_RATIO
+    )
     return row
 
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'shape':>16} {'1st s':>6} {'torch ms':>9} {'triton ms':>9} {'auto ms':>8} "
-        f"{'torch TF':>8} {'triton TF':>9} {'speedup':>7} {'auto':>6} "
-        f"{'torch err':>9} {'triton err':>10} {'ratio':>5} {'ok':>3}"
+        f"{'shape':>16} {'1st s':>6} {'torch ms':>9} {'triton ms':>9} {'gram-t ms':>9} "
+        f"{'gram-tr ms':>10} {'auto ms':>8} {'auto':>17} {'torch err':>9} {'triton err':>10} "
+        f"{'gram-t err':>10} {'gram-tr err':>11} {'ratio':>5} {'ok':>3}"
     )
     print(header)
     for r in rows:
         print(
             f"{'x'.join(map(str, r['shape'])):>16} {r['first_call_s']:6.1f} "
-            f"{r['torch_ms']:9.3f} {r['triton_ms']:9.3f} {r['auto_ms']:8.3f} "
-            f"{r['torch_tflops']:8.0f} {r['triton_tflops']:9.0f} {r['speedup']:7.2f} "
-            f"{r['auto_picks']:>6} {r['torch_err']:9.2e} {r['triton_err']:10.2e} "
-            f"{r['err_ratio']:5.2f} {'yes' if r['ok'] else 'NO':>3}"
+            f"{r['torch_ms']:9.3f} {r['triton_ms']:9.3f} {r['gram_torch_ms']:9.3f} "
+            f"{r['gram_triton_ms']:10.3f} {r['auto_ms']:8.3f} {r['auto_picks']:>17} "
+            f"{r['torch_err']:9.2e} {r['triton_err']:10.2e} {r['gram_torch_err']:10.2e} "
+            f"{r['gram_triton_err']:11.2e} {r['err_ratio']:5.2f} {'yes' if r['ok'] else 'NO':>3}"
         )
 
 
@@ -124,7 +153,10 @@ def table_row(row: dict) -> dict[str, str]:
         "shape": "×".join(map(str, row["shape"])),
         "torch ms": f"{row['torch_ms']:.3f}",
         "Triton ms": f"{row['triton_ms']:.3f}",
+        "Gram torch ms": f"{row['gram_torch_ms']:.3f}",
+        "Gram Triton ms": f"{row['gram_triton_ms']:.3f}",
         "auto ms": f"{row['auto_ms']:.3f}",
+        "auto runs": row["auto_picks"],
         "Triton/torch": f"{row['speedup']:.2f}×",
         "error ratio": f"{row['err_ratio']:.2f}",
         "1st call s": f"{row['first_call_s']:.1f}",
@@ -142,7 +174,19 @@ def main() -> int:
         help="compile into a fresh Triton cache, so first calls include compilation",
     )
     parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
+    parser.add_argument(
+        "--shapes", help="comma-separated shapes such as 1024x4096,32x1536x4096 (default: all)"
+    )
+    parser.add_argument(
+        "--gram-restarts",
+        default=",".join(map(str, DEFAULT_RESTARTS)),
+        help="steps before which the Gram iteration restarts, comma-separated ('' for none)",
+    )
     args = parser.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    restarts = tuple(int(k) for k in args.gram_restarts.split(",") if k)
     if args.cold_cache:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="muon_dist_triton_cache_")
     if not torch.cuda.is_available():
@@ -150,8 +194,8 @@ def main() -> int:
 
     torch.manual_seed(0)
     rows = []
-    for shape in SHAPES:
-        rows.append(bench_shape(shape, args.steps, args.coefficients))
+    for shape in shapes:
+        rows.append(bench_shape(shape, args.steps, args.coefficients, restarts))
         print(
             f"done {shape}: {rows[-1]['torch_ms']:.3f} / {rows[-1]['triton_ms']:.3f} ms", flush=True
         )
@@ -162,6 +206,7 @@ def main() -> int:
         "triton": triton.__version__,
         "steps": args.steps,
         "coefficients": args.coefficients,
+        "gram_restarts": restarts,
     }
     if args.json:
         with open(args.json, "w") as f:

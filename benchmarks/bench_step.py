@@ -5,16 +5,19 @@ its own fresh state, so their times and peak memory compare directly. The Newton
 floor (standard FLOPs over all Muon matrices / W GPUs / measured bf16 matmul rate) is the
 yardstick: a perfectly balanced, perfectly overlapped Muon step cannot beat it. Before timing,
 the first step of muon_dist and of the all-gather baseline are compared on identical inputs;
-the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON).
+the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON). On CUDA,
+muon_dist is also timed with its step captured in a CUDA graph (``cuda_graph=True``).
 
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_step.py --preset llama8b \
         --sweep-inflight 1,2,3,4 --json $OUT/bench_step_llama8b.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset small224
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset tiny --device cpu
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -37,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 import muon_dist
 from muon_dist.kernels import BACKENDS, COEFFICIENT_SETS
+from muon_dist.kernels.gram import METHODS as NS_METHODS
 from muon_dist.plan import REPLICA_MODES, ns_cost
 from muon_dist.routing import matrix_view
 
@@ -82,6 +86,15 @@ PRESETS = {
             "experts": {"w1": (128, 768, 2048), "w3": (128, 768, 2048), "w2": (128, 2048, 768)},
         },
         layers=8,
+    ),
+    # llama8b's seven shapes at 1/16 of their dimensions: 224 tiny matrices, so the GPU work
+    # is negligible and the step time is the host's fixed cost (launches, collectives).
+    "small224": Preset(
+        {
+            "attn": {"wq": (256, 256), "wk": (64, 256), "wv": (64, 256), "wo": (256, 256)},
+            "mlp": {"w1": (896, 256), "w3": (896, 256), "w2": (256, 896)},
+        },
+        layers=32,
     ),
     # Odd sizes on purpose: 65 and 689 rows shard unevenly over 2 or 4 ranks, and 5 experts
     # over 4 ranks leave one rank an empty shard, so the CPU smoke test covers those layouts.
@@ -334,33 +347,52 @@ def print_table(report: dict[str, Any]) -> None:
         f"shard rel {parity['shard_rel']:.2e} (tolerance {parity['tolerance']:.0e}) -> "
         f"{'OK' if parity['ok'] else 'FAIL'}",
         "",
-        f"{'method':<26} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}",
+        f"{'method':<34} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}",
     ]
     for row in report["methods"]:
         peaks = [p for p in row["peak_gib_per_rank"] if p is not None]
         peak = f"{max(peaks):9.2f}" if peaks else f"{'-':>9}"
         lines.append(
-            f"{row['name']:<26} {row['median_ms']:10.2f} {row['floor_multiple']:8.2f} "
+            f"{row['name']:<34} {row['median_ms']:10.2f} {row['floor_multiple']:8.2f} "
             f"{row['speedup_vs_allgather']:13.2f}x {peak}"
         )
     print("\n".join(lines), flush=True)
 
 
-def table_row(report: dict[str, Any]) -> dict[str, str]:
-    """The step table's row: the first muon_dist timing against the baseline and AdamW."""
-    muon, allgather, adamw = report["methods"][0], report["methods"][-2], report["methods"][-1]
-    peaks = [p for p in muon["peak_gib_per_rank"] if p is not None]
+def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
+    """The step table's rows: each Newton–Schulz method's first muon_dist timing against the
+    baseline and AdamW."""
+    allgather, adamw = report["methods"][-2], report["methods"][-1]
     state = max(report["state_gib_per_rank"])
+    rows = []
+    for ns_method in report["options"]["ns_methods"]:
+        muon = next(m for m in report["methods"] if m.get("ns_method") == ns_method)
+        peaks = [p for p in muon["peak_gib_per_rank"] if p is not None]
+        rows.append(
+            {
+                "preset (layers)": f"{report['preset']} ({report['layers']})",
+                "GPUs": str(report["world_size"]),
+                "backend": report["options"]["backend"],
+                "Newton–Schulz": ns_method,
+                "muon_dist ms": f"{muon['median_ms']:.1f}",
+                "× floor": f"{muon['floor_multiple']:.2f}",
+                "floor ms": f"{report['floor_ms']:.1f}",
+                "all-gather Muon": f"{allgather['median_ms'] / muon['median_ms']:.2f}× slower",
+                "fused AdamW ms": f"{adamw['median_ms']:.1f}",
+                "peak GiB (state)": f"{max(peaks):.2f} ({state:.2f})" if peaks else "—",
+            }
+        )
+    return rows
+
+
+def host_row(report: dict[str, Any], captured: dict[str, Any]) -> dict[str, str]:
+    """The host-overhead table's row: the eager step against the captured one."""
     return {
         "preset (layers)": f"{report['preset']} ({report['layers']})",
         "GPUs": str(report["world_size"]),
         "backend": report["options"]["backend"],
-        "muon_dist ms": f"{muon['median_ms']:.1f}",
-        "× floor": f"{muon['floor_multiple']:.2f}",
-        "floor ms": f"{report['floor_ms']:.1f}",
-        "all-gather Muon": f"{allgather['median_ms'] / muon['median_ms']:.2f}× slower",
-        "fused AdamW ms": f"{adamw['median_ms']:.1f}",
-        "peak GiB (state)": f"{max(peaks):.2f} ({state:.2f})" if peaks else "—",
+        "eager ms": f"{report['methods'][0]['median_ms']:.2f}",
+        "captured ms": f"{captured['median_ms']:.2f}",
     }
 
 
@@ -385,6 +417,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sweep-inflight", metavar="K,K,...", help="time muon_dist at each max_inflight listed"
     )
+    parser.add_argument(
+        "--ns-methods",
+        default="auto,standard",
+        help="comma-separated Newton–Schulz methods to time muon_dist with (auto, gram, "
+        "standard); the first one is also checked against the all-gather baseline",
+    )
+    parser.add_argument(
+        "--no-cuda-graph", action="store_true", help="skip the captured muon_dist row on CUDA"
+    )
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument("--coefficients", choices=sorted(COEFFICIENT_SETS), default="quintic")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per method (>= 5)")
@@ -401,6 +442,10 @@ def parse_args() -> argparse.Namespace:
         if args.sweep_inflight
         else [args.max_inflight]
     )
+    args.ns_methods = args.ns_methods.split(",")
+    for method in args.ns_methods:
+        if method not in NS_METHODS:
+            parser.error(f"--ns-methods: {method!r} is not one of {list(NS_METHODS)}")
     args.matmul_size = args.matmul_size or (8192 if args.device == "cuda" else 1024)
     args.json = args.json or default_json(args.preset)
     return args
@@ -439,7 +484,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     if any(g["algorithm"] != "muon" for g in groups):
         raise RuntimeError("every preset parameter is a hidden matrix and must route to Muon")
 
-    def make_muon(max_inflight: int) -> muon_dist.Muon:
+    def make_muon(max_inflight: int, ns_method: str, cuda_graph: bool = False) -> muon_dist.Muon:
         return muon_dist.Muon(
             groups,
             lr=LR,
@@ -450,10 +495,13 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             ns_steps=args.ns_steps,
             coefficients=args.coefficients,
             backend=args.backend,
+            ns_method=ns_method,
             comm_dtype=comm_dtype,
             bucket_bytes=int(args.bucket_mb * MIB),
             max_inflight=max_inflight,
             replica_mode=args.replica_mode,
+            cuda_graph=cuda_graph,
+            graph_warmup=1,
         )
 
     def make_baseline() -> AllGatherMuon:
@@ -478,20 +526,31 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     flops, matrices = ns_flops(groups, args.ns_steps)
     floor_ms = flops / world / (tflops * 1e12) * 1e3
     log("checking first-step parity of muon_dist and the all-gather baseline")
-    parity = check_parity(params, lambda: make_muon(args.max_inflight), make_baseline, device)
+    first_method = args.ns_methods[0]
+    parity = check_parity(
+        params, lambda: make_muon(args.max_inflight, first_method), make_baseline, device
+    )
     parity["ok"] = parity["update_rel"] <= PARITY_TOL
 
     methods = []
-    for k in args.inflight:
-        log(f"timing muon_dist max_inflight={k}")
-        name = f"muon_dist inflight={k}"
-        methods.append(time_method(name, lambda k=k: make_muon(k), args, device))
+    for ns_method in args.ns_methods:
+        for k in args.inflight:
+            log(f"timing muon_dist ns_method={ns_method} max_inflight={k}")
+            name = f"muon_dist {ns_method} inflight={k}"
+            make = functools.partial(make_muon, k, ns_method)
+            methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
+    if device.type == "cuda" and not args.no_cuda_graph:
+        k, ns_method = args.inflight[0], args.ns_methods[0]
+        log(f"timing muon_dist {ns_method} captured in a CUDA graph, max_inflight={k}")
+        make = functools.partial(make_muon, k, ns_method, cuda_graph=True)
+        name = f"muon_dist graph {ns_method} inflight={k}"
+        methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
     log("timing the all-gather baseline")
     methods.append(time_method("allgather_muon", make_baseline, args, device))
     log("timing AdamW")
     adamw_name = "adamw fused" if device.type == "cuda" else "adamw foreach"
     methods.append(time_method(adamw_name, make_adamw, args, device))
-    baseline_ms = methods[-2]["median_ms"]
+    baseline_ms = next(m["median_ms"] for m in methods if m["name"] == "allgather_muon")
     for row in methods:
         row["floor_multiple"] = row["median_ms"] / floor_ms
         row["speedup_vs_allgather"] = baseline_ms / row["median_ms"]
@@ -511,6 +570,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             key: getattr(args, key)
             for key in (
                 "backend",
+                "ns_methods",
                 "comm_dtype",
                 "bucket_mb",
                 "inflight",
@@ -537,7 +597,11 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
         print(f"\nwrote {args.json} ({report['wall_s']:.0f} s)")
         print_table(report)
         if args.write_table:
-            tables.record("step", [table_row(report)], tables.run_info(gpus=world))
+            info = tables.run_info(gpus=world)
+            tables.record("step", table_rows(report), info)
+            captured = [m for m in methods if m["name"].startswith("muon_dist graph")]
+            if captured:
+                tables.record("host", [host_row(report, captured[0])], info)
     return 0 if parity["ok"] else 1
 
 

@@ -38,7 +38,18 @@ class Table:
 
 TABLES: dict[str, Table] = {
     "kernels": Table(
-        ("shape", "torch ms", "Triton ms", "auto ms", "Triton/torch", "error ratio", "1st call s"),
+        (
+            "shape",
+            "torch ms",
+            "Triton ms",
+            "Gram torch ms",
+            "Gram Triton ms",
+            "auto ms",
+            "auto runs",
+            "Triton/torch",
+            "error ratio",
+            "1st call s",
+        ),
         key=("shape",),
     ),
     "products": Table(
@@ -66,6 +77,7 @@ TABLES: dict[str, Table] = {
             "preset (layers)",
             "GPUs",
             "backend",
+            "Newton–Schulz",
             "muon_dist ms",
             "× floor",
             "floor ms",
@@ -73,7 +85,7 @@ TABLES: dict[str, Table] = {
             "fused AdamW ms",
             "peak GiB (state)",
         ),
-        key=("preset (layers)", "GPUs", "backend"),
+        key=("preset (layers)", "GPUs", "backend", "Newton–Schulz"),
     ),
     "host": Table(
         ("preset (layers)", "GPUs", "backend", "eager ms", "captured ms"),

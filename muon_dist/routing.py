@@ -6,6 +6,7 @@ the same routing comes out on every rank.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
@@ -426,6 +427,13 @@ def _is_expert(name: str, expert_keys: Sequence[str]) -> bool:
     return any(part in expert_keys for part in name.split(".")[:-1])
 
 
+def _one_expert(name: str, expert_keys: Sequence[str]) -> bool:
+    """Whether the parameter belongs to one numbered expert module (``experts.3.w1.weight``,
+    transformers 4's Mixtral): a matrix of its own, never a fused stack."""
+    parts = name.split(".")[:-1]
+    return any(a in expert_keys and b.isdigit() for a, b in itertools.pairwise(parts))
+
+
 def _is_vector_like(name: str, p: torch.Tensor, siblings: Sequence[torch.Tensor]) -> bool:
     """Biases of any shape (``gate_up_proj_bias [E, out]``) and per-expert vectors: a 2-D
     parameter whose rows are the experts of a 3-D stack beside it."""
@@ -586,7 +594,8 @@ def _route_one(
     if not to_muon:
         return ("adamw_no_decay",) if vector else ("adamw_decay",)
     experts = is_expert and p.ndim == 3
-    fused_experts = num_experts if is_expert and p.ndim == 2 else None
+    stacked = is_expert and p.ndim == 2 and not _one_expert(name, expert_keys)
+    fused_experts = num_experts if stacked else None
     pattern = _fused_pattern(name, fused)
     if pattern is None:
         return ("muon", experts, fused_experts)

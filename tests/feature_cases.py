@@ -26,7 +26,7 @@ import muon_dist
 
 STEPS = 3
 BASE: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1}
-_REFERENCE_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "magma_beta")
+_REFERENCE_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "magma_beta", "ns_method")
 
 
 @dataclass
@@ -52,6 +52,12 @@ def view_params() -> list[F]:
         F("experts", (4, 10, 6), {"experts": True, "magma": True, "cautious_wd": True}),
         F("fused_experts", (24, 9), {"num_experts": 4, "magma": True}),
         F("cautious", (18, 7), {"cautious_wd": True, "nesterov": False, "momentum": 0.9}),
+        F(
+            "qkv_gram",
+            (25, 12),
+            {"split_sizes": [15, 5, 5], "num_heads": [3, 1, 1], "ns_method": "gram"},
+        ),
+        F("experts_gram", (3, 8, 20), {"experts": True, "ns_method": "gram"}),
     ]
 
 

@@ -77,3 +77,54 @@ def hsdp_worker(rank: int, world_size: int, replica_mode: str) -> dict[str, Any]
         errors = run_case(case, torch.float32, torch.bfloat16, world_size)
     shard_group = tuple(r for r in range(world_size) if r // 2 == rank // 2)
     return {"errors": errors, "calls": calls, "shard_group": shard_group}
+
+
+def two_meshes_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """A pipeline stage whose parameters live on two meshes over the same ranks (dense
+    weights on one, an expert stack on another): the optimizer's group over their ranks is
+    created among the stage's ranks only. Three steps against the single-device reference."""
+    from reference_muon import reference_muon_step
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import muon_dist
+
+    dense = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "dp"))["dp"]
+    experts = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "ep"))["ep"]
+    stage = rank // 2
+    gen = torch.Generator().manual_seed(10 + stage)  # different tensors per stage
+    shapes = [(24 + 8 * stage, 16), (4, 12, 8)]
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
+    params = [
+        nn.Parameter(distribute_tensor(fulls[0].clone(), dense, [Shard(0)])),
+        nn.Parameter(distribute_tensor(fulls[1].clone(), experts, [Shard(0)])),
+    ]
+    hp = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1}
+    opt = muon_dist.Muon(
+        [
+            {"params": [params[0]], "algorithm": "muon"},
+            {"params": [params[1]], "algorithm": "muon", "experts": True},
+        ],
+        comm_dtype=torch.float32,
+        ns_dtype=torch.float32,
+        **hp,
+    )
+    refs = [f.clone() for f in fulls]
+    moms = [torch.zeros_like(f) for f in fulls]
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    with recording(calls):
+        for _ in range(3):
+            grads = [torch.randn(s, generator=gen) for s in shapes]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            opt.step()
+            reference_muon_step(refs[0], grads[0], moms[0], ns_dtype=torch.float32, **hp)
+            reference_muon_step(
+                refs[1], grads[1], moms[1], matrices=(4, 12, 8), ns_dtype=torch.float32, **hp
+            )
+    errors = [
+        float((p.full_tensor() - r).abs().max() / (r - f).abs().max())
+        for p, r, f in zip(params, refs, fulls, strict=True)
+    ]
+    return {"errors": errors, "calls": calls, "stage_ranks": (2 * stage, 2 * stage + 1)}

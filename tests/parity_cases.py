@@ -57,6 +57,7 @@ MUON_SETS: dict[str, dict[str, Any]] = {
         "adjust_lr": "rms_norm",
         "coefficients": "polar_express",
     },
+    "gram": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1, "ns_method": "gram"},
 }
 FUSED_EXPERTS = 4
 
@@ -205,6 +206,16 @@ def dense_params() -> list[P]:
         P((FUSED_EXPERTS * 12, 20), kind="fused"),
         P((64,), kind="adamw"),
         P((50, 16), kind="adamw"),
+        *gram_params(),
+    ]
+
+
+def gram_params() -> list[P]:
+    """Wide, tall and expert matrices in a group with ``ns_method="gram"``."""
+    return [
+        P((24, 72), group="gram"),
+        P((90, 20), group="gram"),
+        P((3, 12, 40), kind="experts", group="gram"),
     ]
 
 
@@ -219,12 +230,16 @@ def cases_for(world_size: int) -> list[Case]:
             fsdp=True,
             extra={"nonfinite": "skip_step"},
         ),
-        Case("shard1", dense_params()[:5], (world_size,), placements=(Shard(1),)),
+        Case("shard1", dense_params()[:5] + gram_params(), (world_size,), placements=(Shard(1),)),
         Case("replicated", dense_params(), None),
     ]
     if world_size % 2 == 0:
         two_d = (2, world_size // 2)
-        stacks = [P((4, 24, 16), kind="experts"), P((6, 10, 12), kind="experts", group="b")]
+        stacks = [
+            P((4, 24, 16), kind="experts"),
+            P((6, 10, 12), kind="experts", group="b"),
+            P((4, 10, 30), kind="experts", group="gram"),
+        ]
         cases += [
             Case("hsdp_split", dense_params(), two_d, placements=(Replicate(), Shard(0))),
             Case(
@@ -234,7 +249,12 @@ def cases_for(world_size: int) -> list[Case]:
                 placements=(Replicate(), Shard(0)),
                 replica_mode="redundant",
             ),
-            Case("tp_fsdp", dense_params()[:5], two_d, placements=(Shard(0), Shard(1))),
+            Case(
+                "tp_fsdp",
+                dense_params()[:5] + gram_params(),
+                two_d,
+                placements=(Shard(0), Shard(1)),
+            ),
             Case("ep_fsdp", stacks, two_d, placements=(Shard(0), Shard(1))),
             Case(
                 "ep_only",

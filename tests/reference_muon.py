@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from muon_dist.kernels import newton_schulz_torch
+from muon_dist.kernels import newton_schulz
 
 
 def step_with_grads(
@@ -41,6 +41,7 @@ def reference_muon_step(
     adjust_lr: str | None = "spectral_norm",
     ns_steps: int = 5,
     coefficients: str = "quintic",
+    ns_method: str = "auto",
     matrices: tuple[int, int, int] | None = None,
     ns_dtype: torch.dtype = torch.bfloat16,
     magma_score: torch.Tensor | None = None,
@@ -60,7 +61,14 @@ def reference_muon_step(
     stack = update.reshape(count, rows, cols)
     # One call for the whole stack, as single-device Muon on a 3-D expert weight makes: on
     # GPUs cuBLAS may round a batched bf16 GEMM differently from single ones.
-    ortho = newton_schulz_torch(stack, steps=ns_steps, coefficients=coefficients, dtype=ns_dtype)
+    ortho = newton_schulz(
+        stack,
+        steps=ns_steps,
+        coefficients=coefficients,
+        dtype=ns_dtype,
+        backend="torch",
+        method=ns_method,
+    )
     if magma_score is not None:
         m = momentum_buffer.float().reshape(count, -1)
         g = grad.float().reshape(count, -1)

@@ -19,7 +19,13 @@ def _readme(tmp_path: Path) -> Path:
 
 
 def _row(preset: str, backend: str, ms: str) -> dict[str, str]:
-    return {"preset (layers)": preset, "GPUs": "2", "backend": backend, "muon_dist ms": ms}
+    return {
+        "preset (layers)": preset,
+        "GPUs": "2",
+        "backend": backend,
+        "Newton–Schulz": "auto",
+        "muon_dist ms": ms,
+    }
 
 
 def test_record_replaces_rows_with_the_same_key_and_keeps_the_rest(tmp_path: Path) -> None:
@@ -43,14 +49,14 @@ def test_record_replaces_rows_with_the_same_key_and_keeps_the_rest(tmp_path: Pat
     assert text.startswith("# B\n\nintro\n\n<!-- table:step -->\n| preset (layers) |")
     assert text.endswith("<!-- /table:step -->\n\nafter\n") and "old" not in text
     # Every row names its run; each run is listed once with device, versions, date, command.
-    assert "| b (1) | 2 | torch | 20.0 | — |" in text and "| [1] |" in text
+    assert "| b (1) | 2 | torch | auto | 20.0 | — |" in text and "| [1] |" in text
     assert "- [1] 1× GPU, torch 2.11, Triton 3.6, 2026-11-23: `x`" in text
     assert "- [2] 1× GPU, torch 2.11, Triton 3.6, 2026-11-24: `y`" in text
 
 
 def test_bad_rows_and_missing_markers_raise(tmp_path: Path) -> None:
     readme = _readme(tmp_path)
-    with pytest.raises(ValueError, match=r"lacks key columns \['backend'\]"):
+    with pytest.raises(ValueError, match=r"lacks key columns \['backend', 'Newton–Schulz'\]"):
         tables.record("step", [{"preset (layers)": "a", "GPUs": "1"}], RUN, tmp_path, readme)
     with pytest.raises(ValueError, match=r"unknown columns \['speed'\]"):
         tables.record("step", [{**_row("a", "torch", "1"), "speed": "2"}], RUN, tmp_path, readme)

@@ -20,7 +20,7 @@ import torch
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS
-from muon_dist.kernels.elementwise import advance_momentum
+from muon_dist.update_rule import advance_momentum
 
 pytestmark = pytest.mark.gpu
 
@@ -116,6 +116,72 @@ def test_triton_newton_schulz_of_zeros_is_zero() -> None:
     assert bool((out == 0).all())
 
 
+def conditioned(shape: tuple[int, ...], smallest: float, rank: int | None = None) -> torch.Tensor:
+    """A CUDA stack with singular values log-spaced from 1 to ``smallest``, zero past ``rank``."""
+    *batch, m, n = shape
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(*batch, m, k, device="cuda"))
+    v, _ = torch.linalg.qr(torch.randn(*batch, n, k, device="cuda"))
+    s = torch.logspace(0, torch.log10(torch.tensor(smallest)).item(), k, device="cuda")
+    if rank is not None:
+        s[rank:] = 0
+    return (u * s) @ v.mT
+
+
+def singular_values(out: torch.Tensor, rank: int) -> torch.Tensor:
+    """The ``rank`` largest singular values of each matrix, from its short side's Gram matrix."""
+    o = out.double()
+    gram = o @ o.mT if o.size(-2) <= o.size(-1) else o.mT @ o
+    return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1)[..., :rank]
+
+
+GRAM_SHAPES = [(1024, 4096), (4096, 1024), (4, 768, 2048), (2, 1536, 4096)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("rank_fraction", [None, 0.25], ids=["full_rank", "rank_deficient"])
+@pytest.mark.parametrize("coefficients", sorted(COEFFICIENT_SETS))
+@pytest.mark.parametrize("shape", GRAM_SHAPES, ids=str)
+def test_gram_bf16_singular_values_in_the_standard_band(
+    shape: tuple[int, ...], coefficients: str, rank_fraction: float | None, backend: str
+) -> None:
+    """bf16 Gram Newton–Schulz on singular values 1e-4..1: no NaN, the output's singular
+    values within 0.02 of the standard bf16 path's range, and its error against a float64
+    iteration at most 1.5x the standard path's."""
+    k = min(shape[-2:])
+    rank = None if rank_fraction is None else int(k * rank_fraction)
+    X = conditioned(shape, 1e-4, rank)
+    gram = newton_schulz(X, coefficients=coefficients, backend=backend, method="gram")
+    standard = newton_schulz(X, coefficients=coefficients, backend="torch", method="standard")
+    assert not gram.isnan().any()
+    top = singular_values(gram, rank or k)
+    band = singular_values(standard, rank or k)
+    assert band.min() - 0.02 <= top.min() and top.max() <= band.max() + 0.02, (
+        f"Gram {top.min():.3f}..{top.max():.3f}, standard {band.min():.3f}..{band.max():.3f}"
+    )
+    ref = newton_schulz_torch(X.double(), coefficients=coefficients, dtype=torch.float64)
+    assert rel_err(gram, ref) <= MAX_ERROR_RATIO * rel_err(standard, ref)
+
+
+def test_small_stacks_replay_from_a_graph() -> None:
+    """``backend="auto"`` replays small stacks from a cached CUDA graph: the same result as
+    the eager call, a fresh tensor each time, and new input values are read."""
+    from muon_dist.kernels.graphs import graph_eligible
+
+    X = torch.randn(2, 1024, 4096, device="cuda", dtype=torch.bfloat16)
+    assert graph_eligible(X)
+    first = newton_schulz(X)
+    again = newton_schulz(X)
+    assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
+    assert torch.equal(first, newton_schulz(X, backend="torch", method="gram"))
+    Y = torch.randn_like(X)
+    assert torch.equal(newton_schulz(Y), newton_schulz(Y, backend="torch", method="gram"))
+
+
+def _keep() -> torch.Tensor:
+    return torch.ones((), dtype=torch.bool, device="cuda")
+
+
 @pytest.mark.parametrize("mix", [0.95, None])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -129,7 +195,7 @@ def test_fused_momentum_pass_matches_torch(
     advanced = advance_momentum(grad, momentum, 0.9)
     expected = advanced if mix is None else torch.add(grad, advanced, alpha=mix)
     out = torch.empty_like(grad, dtype=out_dtype)
-    momentum_input_triton(grad, momentum, out, 0.9, mix, store=True)
+    momentum_input_triton(grad, momentum, out, 0.9, mix, True, _keep())
     coarse = torch.bfloat16 if torch.bfloat16 in (state_dtype, out_dtype) else out_dtype
     ok, detail = close(out, expected.to(out_dtype), coarse)
     assert ok, f"Newton–Schulz input: {detail}"
@@ -144,7 +210,8 @@ def test_fused_update_pass_matches_torch(state_dtype: torch.dtype) -> None:
     param = torch.randn(5, 777, 513, device="cuda", dtype=state_dtype)
     update = torch.randn_like(param, dtype=torch.bfloat16)
     expected = param.mul(0.998).add_(update, alpha=-0.02)
-    decay_and_update_triton(param, update, 0.998, -0.02)
+    decay, step = torch.tensor(0.998, device="cuda"), torch.tensor(-0.02, device="cuda")
+    decay_and_update_triton(param, update, decay, step, _keep())
     ok, detail = close(param, expected, state_dtype)
     assert ok, detail
 
@@ -157,6 +224,6 @@ def test_fused_momentum_pass_past_2_31_elements() -> None:
     grad = torch.ones(numel, device="cuda")
     momentum = torch.full_like(grad, 2.0)
     out = torch.zeros(numel, device="cuda", dtype=torch.bfloat16)
-    momentum_input_triton(grad, momentum, out, 0.5, 1.0, store=True)
+    momentum_input_triton(grad, momentum, out, 0.5, 1.0, True, _keep())
     assert bool((out[-5000:] == 3.0).all()), "Newton–Schulz input tail not written"
     assert bool((momentum[-5000:] == 2.0).all()), "momentum tail changed"

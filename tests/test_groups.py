@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_distributed
-from group_cases import hsdp_worker, pipeline_worker
+from group_cases import hsdp_worker, pipeline_worker, two_meshes_worker
 
 pytestmark = pytest.mark.slow
 
@@ -27,3 +27,10 @@ def test_hsdp_redundant_exchanges_within_the_shard_group() -> None:
         assert exchanges == {result["shard_group"]}, (rank, exchanges)
         others = {ranks for name, ranks in result["calls"] if name != "all_to_all_single"}
         assert others == {(0, 1, 2, 3)}, (rank, others)
+
+
+def test_stage_on_two_meshes_gets_a_group_of_its_own_ranks() -> None:
+    for rank, result in enumerate(run_distributed(4, two_meshes_worker)):
+        assert max(result["errors"]) <= 1e-5, (rank, result["errors"])
+        wrong = {c for c in result["calls"] if c[1] != result["stage_ranks"]}
+        assert result["calls"] and not wrong, f"rank {rank}: collectives outside its stage: {wrong}"

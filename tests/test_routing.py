@@ -350,3 +350,11 @@ def test_param_groups_writes_only_what_it_is_given() -> None:
 def test_overrides_pattern_matching_nothing_raises() -> None:
     with pytest.raises(ValueError, match=r"overrides patterns \['\^router\\\\.'\] match no"):
         muon_dist.param_groups(Block(), overrides={r"^router\.": "adamw"})
+
+
+def test_numbered_expert_modules_are_matrices_of_their_own() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].experts = nn.ModuleList(nn.Linear(8, 6, bias=False) for _ in range(4))
+    views = _views(muon_dist.param_groups(model, num_experts=4))
+    assert views["layers.0.experts.3.weight"] == "matrix 6x8"

@@ -9,13 +9,10 @@ import pytest
 import torch
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
+from muon_dist.kernels.availability import interpret_mode, triton_available
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS, Coefficients
 from muon_dist.kernels.dispatch import prefer_triton
-from muon_dist.kernels.triton_ns import (
-    interpret_mode,
-    newton_schulz_triton,
-    triton_available,
-)
+from muon_dist.kernels.triton_ns import newton_schulz_triton
 
 if not interpret_mode():
     pytest.skip("these CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
@@ -189,3 +186,65 @@ def test_prefer_triton_rule() -> None:
     assert prefer_triton(768, 2048, 32)
     assert not prefer_triton(1024, 4096, 1)
     assert not prefer_triton(256, 1024, 8)
+
+
+def test_two_operand_product_is_exactly_symmetric() -> None:
+    """``P·Qᵀ`` for commuting symmetric P and Q (polynomials of one matrix): every lower tile,
+    diagonal tiles included, is mirrored, so the output is symmetric bit for bit."""
+    torch.manual_seed(8)
+    Z = torch.randn(2, 45, 60)
+    R = Z @ Z.mT / 60
+    P, Q = 2.0 * R - R @ R, torch.eye(45) + 0.5 * R
+    out = torch.full_like(R, float("nan"))
+    sym_product(P, Q=Q, out=out, alpha=1.5, scale=torch.tensor([1.0, 2.0]))
+    assert torch.equal(out, out.mT)
+    ref = 1.5 * P.double() @ Q.double() * torch.tensor([1.0, 2.0]).double().view(-1, 1, 1)
+    assert rel_err(out, ref) < 1e-6
+    with pytest.raises(ValueError, match="Q must have shape"):
+        sym_product(P, Q=Q[:, :40], out=out)
+
+
+GRAM_NS_SHAPES = [(24, 60), (60, 24), (2, 20, 50), (3, 36, 20), (1, 40)]
+
+
+@pytest.mark.parametrize("coefficients", sorted(COEFFICIENT_SETS))
+@pytest.mark.parametrize("shape", GRAM_NS_SHAPES, ids=str)
+def test_gram_newton_schulz_matches_float64(shape: tuple[int, ...], coefficients: str) -> None:
+    """fp32 Gram iteration on ill-conditioned input (singular values 1e-4..1) against a
+    float64 standard iteration."""
+    torch.manual_seed(9)
+    m, n = shape[-2:]
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(*shape[:-2], m, k, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(*shape[:-2], n, k, dtype=torch.float64))
+    X = (u * torch.logspace(0, -4, k, dtype=torch.float64)) @ v.mT
+    out = newton_schulz(
+        X.float(), coefficients=coefficients, dtype=torch.float32, backend="triton", method="gram"
+    )
+    assert out.shape == X.shape and out.dtype == torch.float32
+    ref = newton_schulz_torch(X, coefficients=coefficients, dtype=torch.float64, eps=0.0)
+    assert rel_err(out, ref) < TOL
+
+
+def test_gram_newton_schulz_zero_and_rank_deficient() -> None:
+    torch.manual_seed(10)
+    X = torch.randn(3, 20, 44)
+    X[1] = 0
+    X[2] = torch.randn(20, 5) @ torch.randn(5, 44)
+    out = newton_schulz(X, dtype=torch.float32, backend="triton", method="gram")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    ref = newton_schulz_torch(X.double(), dtype=torch.float64)
+    assert out.isfinite().all() and rel_err(out, ref) < TOL
+
+
+def test_gram_newton_schulz_restarts_and_input() -> None:
+    torch.manual_seed(11)
+    X = torch.randn(2, 24, 40)
+    before = X.clone()
+    ref = newton_schulz_torch(X.double(), steps=4, dtype=torch.float64)
+    for restarts in [(), (1,), (2,), (1, 3)]:
+        out = newton_schulz(
+            X, steps=4, dtype=torch.float32, backend="triton", method="gram", gram_restarts=restarts
+        )
+        assert rel_err(out, ref) < TOL
+    assert torch.equal(X, before)

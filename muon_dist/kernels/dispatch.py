@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from muon_dist.kernels.coefficients import Coefficients
-from muon_dist.kernels.reference import DEFAULT_EPS, newton_schulz_torch
+from muon_dist.kernels.availability import triton_available
+from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
+from muon_dist.kernels.gram import (
+    DEFAULT_RESTARTS,
+    newton_schulz_gram_torch,
+    validate_method,
+    validate_restarts,
+)
+from muon_dist.kernels.graphs import graph_eligible, run_graphed
+from muon_dist.kernels.torch_ns import DEFAULT_EPS, newton_schulz_torch
 from muon_dist.kernels.triton_ns import (
     TRITON_DTYPES,
+    newton_schulz_gram_triton,
     newton_schulz_triton,
-    triton_available,
 )
 
 BACKENDS = ("auto", "torch", "triton")
@@ -39,7 +49,9 @@ def prefer_triton(m: int, n: int, batch: int) -> bool:
     The symmetric kernels halve the FLOPs of the two Gram products, which pays only once
     there is enough work per call: e.g. one 3072² or 4096² matrix, 32×768×2048 experts, but
     not one 2048×8192 or 1024×4096 matrix, nor 8×256×1024. The threshold is a first
-    measurement on one H200; retune it from benchmarks/bench_kernels.py on other GPUs.
+    measurement on one H200; retune it from benchmarks/bench_kernels.py on other GPUs. The
+    same rule holds for the Gram iteration: on an H200 its Triton form won on 4096×14336,
+    128×768×2048 and 32×1536×4096 and lost on one 1024×4096 matrix.
     """
     small, large = min(m, n), max(m, n)
     return batch * (4 * small * small * large + 2 * small**3) >= TRITON_MIN_FLOP_PER_STEP
@@ -54,6 +66,30 @@ def _auto_uses_triton(X: torch.Tensor, dtype: torch.dtype) -> bool:
     return prefer_triton(rows, cols, batch) and triton_available()
 
 
+# Long-to-short side ratio from which "auto" takes the Gram iteration for CUDA matrices. On
+# an H200 (bf16, 2026-11-23, Triton products for both) Gram lost at 1.5 (4096×6144: 3.85
+# against 3.72 ms) and won from 2 on (4096×8192: 4.21 against 4.66 ms; 4096×14336: 4.74
+# against 6.80 ms); square matrices do more work in Gram form than in the standard one.
+GRAM_MIN_ASPECT = 2.0
+
+
+def prefer_gram(m: int, n: int) -> bool:
+    """Whether the Gram iteration should beat the standard one for CUDA m×n matrices.
+
+    Gram trades the standard path's ``m²n`` products per step for ``m³`` ones (m the short
+    side) plus ``m²n`` ones at its start, restart and end, so it pays from an aspect ratio
+    on, whatever the batch.
+    """
+    small, large = min(m, n), max(m, n)
+    return small > 0 and large >= GRAM_MIN_ASPECT * small
+
+
+def _auto_uses_gram(X: torch.Tensor, dtype: torch.dtype) -> bool:
+    if X.ndim < 2 or not X.is_cuda or dtype not in TRITON_DTYPES:
+        return False
+    return prefer_gram(*X.shape[-2:])
+
+
 def newton_schulz(
     X: torch.Tensor,
     steps: int = 5,
@@ -61,14 +97,35 @@ def newton_schulz(
     eps: float = DEFAULT_EPS,
     dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
+    method: str = "auto",
+    gram_restarts: Sequence[int] = DEFAULT_RESTARTS,
 ) -> torch.Tensor:
     """Orthogonalize a matrix or a batch of matrices (any leading dims); returns ``dtype``.
 
-    "torch" runs the reference; "triton" the Triton kernels (CUDA tensors, or CPU tensors
-    under TRITON_INTERPRET=1); "auto" takes Triton for CUDA tensors where
-    ``prefer_triton`` says it is faster, torch otherwise.
+    ``backend``: "torch" runs the torch backend; "triton" the Triton kernels (CUDA tensors, or
+    CPU tensors under TRITON_INTERPRET=1); "auto" takes Triton for CUDA tensors where
+    ``prefer_triton`` says it is faster, torch otherwise. ``method``: "standard" iterates on
+    the matrix, "gram" on its short side's Gram matrix (:mod:`muon_dist.kernels.gram`),
+    restarting before the steps in ``gram_restarts``; "auto" takes Gram for CUDA tensors
+    where ``prefer_gram`` says it is faster (rectangular ones), standard otherwise. Under
+    ``backend="auto"``, CUDA stacks of at most ``graphs.GRAPH_MAX_BYTES`` replay from a CUDA graph
+    captured on their first call (:mod:`muon_dist.kernels.graphs`): their time is launches.
     """
     validate_backend(backend)
-    if backend == "triton" or (backend == "auto" and _auto_uses_triton(X, dtype)):
-        return newton_schulz_triton(X, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)
-    return newton_schulz_torch(X, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)
+    validate_method(method)
+    restarts = validate_restarts(gram_restarts)
+    gram = method == "gram" or (method == "auto" and _auto_uses_gram(X, dtype))
+    triton = backend == "triton" or (backend == "auto" and _auto_uses_triton(X, dtype))
+
+    def run(Z: torch.Tensor) -> torch.Tensor:
+        if gram:
+            run_gram = newton_schulz_gram_triton if triton else newton_schulz_gram_torch
+            return run_gram(Z, steps, coefficients, eps, dtype, restarts)
+        run_standard = newton_schulz_triton if triton else newton_schulz_torch
+        return run_standard(Z, steps, coefficients, eps, dtype)
+
+    if backend == "auto" and graph_eligible(X):
+        schedule = resolve_coefficients(coefficients, steps)
+        key = (tuple(X.shape), X.dtype, X.device, schedule, eps, dtype, gram, triton, restarts)
+        return run_graphed(key, X, run)
+    return run(X)

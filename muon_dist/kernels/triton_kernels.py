@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muon_dist.kernels.triton_ns import interpret_mode
+from muon_dist.kernels.availability import interpret_mode
 
 _INTERPRET = interpret_mode()
 
@@ -65,6 +65,7 @@ def _bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> lis
 @triton.jit(do_not_specialize=["batch_class"])
 def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     p_ptr,
+    q_ptr,
     y_ptr,
     out_ptr,
     scale_ptr,
@@ -74,6 +75,9 @@ def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     stride_pb,
     stride_pm,
     stride_pk,
+    stride_qb,
+    stride_qm,
+    stride_qk,
     stride_yb,
     stride_ym,
     stride_yn,
@@ -90,10 +94,12 @@ def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``out[b] = s[b]·(alpha·P[b]·P[b]ᵀ + beta·Y[b] + diag·I)`` for one lower-triangular tile
-    of one matrix (the Y term only with HAS_Y). The scale and the diagonal are always
-    applied, with 1 and 0 when unused: two flags more would double the variants that a
-    new shape compiles on its first call, for a few epilogue instructions per tile."""
+    """``out[b] = s[b]·(alpha·P[b]·Q[b]ᵀ + beta·Y[b] + diag·I)`` for one lower-triangular tile
+    of one matrix (the Y term only with HAS_Y; Q is P itself unless the caller passes a
+    second operand whose product with P is known to be symmetric). The scale and the
+    diagonal are always applied, with 1 and 0 when unused: two flags more would double the
+    variants that a new shape compiles on its first call, for a few epilogue instructions
+    per tile."""
     pid = tl.program_id(0)
     tiles_per_side = tl.cdiv(M, BLOCK_M)
     tiles_per_matrix = tiles_per_side * (tiles_per_side + 1) // 2
@@ -107,6 +113,7 @@ def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
 
     batch = batch.to(tl.int64)  # batch·m·n can exceed 2**31
     p_base = p_ptr + batch * stride_pb
+    q_base = q_ptr + batch * stride_qb
     offs_r = row * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = col * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -114,7 +121,7 @@ def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     rows_r = (offs_r % M).to(tl.int64)
     rows_c = (offs_c % M).to(tl.int64)
     a_ptrs = p_base + rows_r[:, None] * stride_pm + offs_k[None, :] * stride_pk
-    b_ptrs = p_base + rows_c[:, None] * stride_pm + offs_k[None, :] * stride_pk
+    b_ptrs = q_base + rows_c[:, None] * stride_qm + offs_k[None, :] * stride_qk
 
     acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -127,7 +134,7 @@ def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
             b = tl.load(b_ptrs, mask=k_mask, other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_pk
-        b_ptrs += BLOCK_K * stride_pk
+        b_ptrs += BLOCK_K * stride_qk
 
     result = acc * alpha
     out_r = offs_r.to(tl.int64)
@@ -140,6 +147,11 @@ def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
     result *= tl.load(scale_ptr + batch)
     result = result.to(out_ptr.dtype.element_ty)
 
+    # Diagonal tiles take their upper triangle from their lower one, so the output is exactly
+    # symmetric even where P·Qᵀ is symmetric only up to rounding (the Gram iteration relies
+    # on it). Other tiles store with plain bounds masks, which keep the stores vectorised.
+    if row == col:
+        result = tl.where(offs_r[:, None] >= offs_c[None, :], result, tl.trans(result))
     o_base = out_ptr + batch * stride_ob
     tl.store(o_base + out_r[:, None] * stride_om + out_c[None, :] * stride_on, result, mask=mask)
     if row != col:
@@ -166,19 +178,25 @@ def sym_product(
     beta: float = 0.0,
     diag: float = 0.0,
     scale: torch.Tensor | None = None,
+    Q: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write ``scale·(alpha·P·Pᵀ + beta·Y + diag·I)`` for a batch ``P`` of shape [batch, m, k]
-    into ``out``.
+    """Write ``scale·(alpha·P·Qᵀ + beta·Y + diag·I)`` for a batch ``P`` of shape [batch, m, k]
+    into ``out``; ``Q`` defaults to ``P``.
 
     ``out`` is [batch, m, m] in any floating dtype; ``Y`` (same shape as ``out``) must be
     symmetric, since only its lower-triangular tiles are read; ``scale`` holds one fp32
-    factor per matrix (``batch`` elements, any shape). Accumulates in fp32 and rounds once;
+    factor per matrix (``batch`` elements, any shape). A separate ``Q`` (shape of ``P``) is
+    for products known to be symmetric, such as two commuting symmetric matrices in the Gram
+    iteration: the upper triangle is the mirror of the lower one, so a product that is not
+    symmetric comes out wrong. Accumulates in fp32 and rounds once;
     fp32 operands use exact ("ieee") products rather than TF32 so the CPU tests are
     meaningful.
     """
     batch, m, k = P.shape
     if out.shape != (batch, m, m):
         raise ValueError(f"out must have shape {(batch, m, m)}, got {tuple(out.shape)}")
+    if Q is not None and Q.shape != P.shape:
+        raise ValueError(f"Q must have shape {tuple(P.shape)}, got {tuple(Q.shape)}")
     if Y is not None and Y.shape != out.shape:
         raise ValueError(f"Y must have shape {tuple(out.shape)}, got {tuple(Y.shape)}")
     if batch == 0 or m == 0:
@@ -194,8 +212,10 @@ def sym_product(
         side = triton.cdiv(m, meta["BLOCK_M"])
         return (batch * side * (side + 1) // 2,)
 
+    Q = P if Q is None else Q
     _sym_product_kernel[grid](
         P,
+        Q,
         Y,
         out,
         scale.contiguous() if scale is not None else _unit_scales(batch, P.device),
@@ -203,6 +223,7 @@ def sym_product(
         k,
         _batch_class(batch),
         *P.stride(),
+        *Q.stride(),
         *y_strides,
         *out.stride(),
         float(alpha),
