@@ -39,6 +39,7 @@ class Outcome:
     nonfinite_results: tuple[str, ...]
     overflowing_grads: tuple[str, ...] = ()
     failed_rank: int | None = None
+    crashed_rank: int | None = None  # a rank whose Newton–Schulz raised during the step
 
 
 class Agreement:
@@ -61,10 +62,11 @@ class Agreement:
         self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
         self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
         self.keep_float = torch.zeros(len(muon_positions), device=device)
-        self.ns_bad = torch.zeros(len(muon_positions), device=device)
+        # non-finite results per Muon parameter | a rank whose Newton–Schulz raised (+ 1)
+        self.ns_bad = torch.zeros(len(muon_positions) + 1, device=device)
         self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
-        # verdicts | non-finite results | failed rank + 1 | found_inf
-        self._report = torch.zeros(count + len(muon_positions) + 2, device=device)
+        # verdicts | non-finite results | crashed rank + 1 | failed rank + 1 | found_inf
+        self._report = torch.zeros(count + len(muon_positions) + 3, device=device)
         pinned = device.type == "cuda"
         self._host = torch.zeros_like(self._report, device="cpu", pin_memory=pinned)
         # A numpy view of the host copy: reading it is a plain memory read, made once here.
@@ -129,6 +131,7 @@ class Agreement:
             dist.all_reduce(self.ns_bad, op=dist.ReduceOp.MAX, group=self.holders.group)
         if skip:
             torch.maximum(self.found_inf, self.ns_bad.amax(), out=self.found_inf)
+            self.found_inf.clamp_(max=1.0)
             self._set_keep()
 
     def publish(self) -> None:
@@ -169,10 +172,12 @@ class Agreement:
         if not values[-1] and not np.any(values[count:-2]):
             return None
         verdicts = values[:count]
+        crashed = values[-3]
         return Outcome(
             step,
             tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == NONFINITE),
-            tuple(n for n, v in zip(self.muon_names, values[count:-2], strict=True) if v),
+            tuple(n for n, v in zip(self.muon_names, values[count:-3], strict=True) if v),
             tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == TOO_LARGE),
             int(values[-2]) - 1 if values[-2] else None,
+            int(crashed) - 1 if crashed else None,
         )

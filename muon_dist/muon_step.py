@@ -109,6 +109,10 @@ class MuonStep:
         self.plan = plan
         self.peers = comm.exchange  # this rank's bucket all-to-alls
         self.holders = comm.holders  # Magma's sums
+        self.rank = comm.rank
+        # An exception Newton–Schulz raised on this rank in the last run, agreed with the
+        # other ranks through the result flags instead of leaving them in a collective.
+        self.error: Exception | None = None
         self.entries = list(entries)
         self.settings = settings
         self.world_size = plan.world_size
@@ -247,10 +251,12 @@ class MuonStep:
         """One Muon phase. ``grads`` are the local gradients (None where absent), ``keep`` the
         agreed per-parameter mask and ``found_inf`` the step's flag (a parameter with a local
         gradient has ``keep = not found_inf``, which lets its decay share one launch with its
-        group's), ``ns_bad`` (zeroed) counts non-finite Newton–Schulz results per parameter,
+        group's), ``ns_bad`` (zeroed) counts non-finite Newton–Schulz results per parameter
+        and ends with a slot for this rank's failure (rank + 1) when Newton–Schulz raises,
         ``hyper`` holds the step's lr and weight decay per group.
         ``agree_on_results`` all-reduces the Newton–Schulz flags (and, when transactional,
         updates ``keep``) before the deferred writes."""
+        self.error = None
         self._set_grads(grads)
         self.keep.copy_(keep)
         self.found_inf = found_inf
@@ -435,7 +441,13 @@ class MuonStep:
                 method=method,
             )
 
-        result = run(stack) if parts is None else parts.orthogonalize(stack, run)
+        try:
+            result = run(stack) if parts is None else parts.orthogonalize(stack, run)
+        except Exception as exc:  # raised by step() once the other ranks know (see run)
+            self.error = self.error or exc
+            self.ns_bad[-1:].fill_(float(self.rank + 1))
+            self.ns_bad.index_fill_(0, params, 1.0)
+            return stack.new_zeros(stack.shape, dtype=self.settings.ns_dtype)
         # One sum per matrix instead of an elementwise test: a sum is finite exactly when
         # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
         finite = torch.isfinite(result.sum(dim=(-2, -1), dtype=torch.float32))

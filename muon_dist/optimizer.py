@@ -327,6 +327,17 @@ class Muon(torch.optim.Optimizer):
 
     def _report(self, outcome: Outcome) -> None:
         step = outcome.step
+        if outcome.crashed_rank is not None:
+            kept = (
+                "parameters and state were left as they were on every rank"
+                if self.settings.nonfinite == "skip_step"
+                else "under nonfinite='raise' the rest of the step was applied and the failed "
+                "matrices took only their momentum and weight decay ('skip_step' keeps all)"
+            )
+            raise RuntimeError(
+                f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
+                f"Newton–Schulz raised an exception (raised there, with its traceback); {kept}"
+            )
         if outcome.failed_rank is not None:
             raise RuntimeError(
                 f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
@@ -499,14 +510,18 @@ class _StepRunner:
         self.hyper.copy_(staged, non_blocking=pinned)
         if self.graph is None or failure is not None:
             self._body(groups, grads)
-            return failure
+            return failure or self._crash()
 
         def body() -> None:
             self._body(groups, grads)
 
         key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
         self.graph.run(body, key, grads)
-        return None
+        return self._crash()
+
+    def _crash(self) -> Exception | None:
+        """The exception Newton–Schulz raised on this rank in the step just queued."""
+        return None if self.muon is None else self.muon.error
 
     def _body(self, groups: Sequence[dict[str, Any]], grads: Sequence[torch.Tensor | None]) -> None:
         """The device work of one step: everything a captured step replays."""

@@ -176,6 +176,40 @@ def adamw_gradient_on_some_ranks_only_counts_as_zero() -> None:
     assert steps == [1.0] * dist.get_world_size(), steps
 
 
+def exception_in_newton_schulz_on_one_rank_is_agreed() -> None:
+    """Newton–Schulz raises on rank 1 only: it raises that, the others name it; no hang."""
+    import muon_dist.muon_step as step_module
+
+    pairs = [_sharded((10, 6), 11), _sharded((6, 10), 12)]
+    params = [p for _, p in pairs]
+    original = step_module.newton_schulz
+
+    def broken_on_rank_1(stack: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            raise RuntimeError("kernel exploded")
+        return original(stack, **kwargs)  # type: ignore[arg-type]
+
+    for policy in ("skip_step", "raise"):
+        opt = muon_dist.Muon([{"params": params, "algorithm": "muon"}], nonfinite=policy)
+        for full, p in pairs:
+            p.grad = distribute_tensor(torch.randn(full.shape), p.device_mesh, [Shard(0)])
+        step_module.newton_schulz = broken_on_rank_1  # type: ignore[assignment]
+        try:
+            if dist.get_rank() == 1:
+                error, pattern = RuntimeError, r"kernel exploded"
+            else:
+                error, pattern = RuntimeError, r"step 1 failed on rank 1: its Newton–Schulz raised"
+            with pytest.raises(error, match=pattern):
+                opt.step()
+        finally:
+            step_module.newton_schulz = original
+        if policy == "skip_step":
+            for full, p in pairs:
+                assert torch.equal(p.full_tensor(), full), "a failed step changed a parameter"
+        _steps_everywhere(opt)
+        opt.step()  # the next step runs on every rank
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     check.__name__: check
     for check in (
@@ -186,6 +220,7 @@ CHECKS: dict[str, Callable[[], None]] = {
         overflow_in_newton_schulz_raises_on_every_rank,
         gradient_placements_are_checked_on_every_rank,
         adamw_gradient_on_some_ranks_only_counts_as_zero,
+        exception_in_newton_schulz_on_one_rank_is_agreed,
     )
 }
 
