@@ -505,7 +505,8 @@ class _StepRunner:
             grads = [None] * len(self.params)
         values = [float(g["lr"]) for g in groups] + [float(g["weight_decay"]) for g in groups]
         values += [0.0 if g is None else 1.0 for g in grads]
-        values += [_norm_limit(groups[g]) for g in self._group_of]
+        limits = [_norm_limit(g) for g in groups]
+        values += [limits[g] for g in self._group_of]
         values.append(0.0 if failure is None else float(self.rank + 1))
         pinned = self.device.type == "cuda"
         staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
