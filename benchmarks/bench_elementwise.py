@@ -2,7 +2,7 @@
 
 Two numbers per size: the GPU time of one call (triton.testing.do_bench, median) and the
 wall time per call of a back-to-back loop, which is the CPU's launch cost once that is the
-larger. ``FUSED_MIN_NUMEL`` in muon_dist/kernels/elementwise.py comes from this table.
+larger. ``FUSED_MIN_NUMEL`` in muon_dist/update_rule.py comes from this table.
 
     python benchmarks/bench_elementwise.py [--json out.json]
 """
@@ -19,8 +19,8 @@ import tables
 import torch
 import triton.testing
 
-from muon_dist.kernels.elementwise import FUSED_MIN_NUMEL, advance_momentum
 from muon_dist.kernels.triton_elementwise import decay_and_update_triton, momentum_input_triton
+from muon_dist.update_rule import FUSED_MIN_NUMEL, advance_momentum
 
 SIZES = [2**k for k in range(12, 29, 2)]
 LOOP_CALLS = 200
@@ -46,20 +46,23 @@ def bench_size(numel: int) -> dict:
     out = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
     param = torch.randn(numel, device="cuda")
     update = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    keep = torch.ones((), dtype=torch.bool, device="cuda")
+    decay = torch.full((), 0.9999, device="cuda")
+    step = torch.full((), -1e-6, device="cuda")
 
     def read_torch() -> None:
         advance_momentum(grad, momentum, 0.95, out=momentum)
         torch.add(grad, momentum, alpha=0.95, out=out)
 
     def read_fused() -> None:
-        momentum_input_triton(grad, momentum, out, 0.95, 0.95, store=True)
+        momentum_input_triton(grad, momentum, out, 0.95, 0.95, True, keep)
 
     def apply_torch() -> None:
-        param.mul_(0.9999)
-        param.add_(update, alpha=-1e-6)
+        param.mul_(decay)
+        param.addcmul_(update, step)
 
     def apply_fused() -> None:
-        decay_and_update_triton(param, update, 0.9999, -1e-6)
+        decay_and_update_triton(param, update, decay, step, keep)
 
     row: dict = {"numel": numel}
     for name, fn in (

@@ -5,10 +5,12 @@ its own fresh state, so their times and peak memory compare directly. The Newton
 floor (standard FLOPs over all Muon matrices / W GPUs / measured bf16 matmul rate) is the
 yardstick: a perfectly balanced, perfectly overlapped Muon step cannot beat it. Before timing,
 the first step of muon_dist and of the all-gather baseline are compared on identical inputs;
-the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON).
+the script exits 1 if they disagree beyond bf16 rounding (after writing the JSON). On CUDA,
+muon_dist is also timed with its step captured in a CUDA graph (``cuda_graph=True``).
 
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_step.py --preset llama8b \
         --sweep-inflight 1,2,3,4 --json $OUT/bench_step_llama8b.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset small224
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset tiny --device cpu
 """
 
@@ -84,6 +86,15 @@ PRESETS = {
             "experts": {"w1": (128, 768, 2048), "w3": (128, 768, 2048), "w2": (128, 2048, 768)},
         },
         layers=8,
+    ),
+    # llama8b's seven shapes at 1/16 of their dimensions: 224 tiny matrices, so the GPU work
+    # is negligible and the step time is the host's fixed cost (launches, collectives).
+    "small224": Preset(
+        {
+            "attn": {"wq": (256, 256), "wk": (64, 256), "wv": (64, 256), "wo": (256, 256)},
+            "mlp": {"w1": (896, 256), "w3": (896, 256), "w2": (256, 896)},
+        },
+        layers=32,
     ),
     # Odd sizes on purpose: 65 and 689 rows shard unevenly over 2 or 4 ranks, and 5 experts
     # over 4 ranks leave one rank an empty shard, so the CPU smoke test covers those layouts.
@@ -374,6 +385,17 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
+def host_row(report: dict[str, Any], captured: dict[str, Any]) -> dict[str, str]:
+    """The host-overhead table's row: the eager step against the captured one."""
+    return {
+        "preset (layers)": f"{report['preset']} ({report['layers']})",
+        "GPUs": str(report["world_size"]),
+        "backend": report["options"]["backend"],
+        "eager ms": f"{report['methods'][0]['median_ms']:.2f}",
+        "captured ms": f"{captured['median_ms']:.2f}",
+    }
+
+
 def default_json(preset: str) -> str:
     name = f"bench_step_{preset}.json"
     return os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else name
@@ -400,6 +422,9 @@ def parse_args() -> argparse.Namespace:
         default="auto,standard",
         help="comma-separated Newton–Schulz methods to time muon_dist with (auto, gram, "
         "standard); the first one is also checked against the all-gather baseline",
+    )
+    parser.add_argument(
+        "--no-cuda-graph", action="store_true", help="skip the captured muon_dist row on CUDA"
     )
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument("--coefficients", choices=sorted(COEFFICIENT_SETS), default="quintic")
@@ -459,7 +484,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     if any(g["algorithm"] != "muon" for g in groups):
         raise RuntimeError("every preset parameter is a hidden matrix and must route to Muon")
 
-    def make_muon(max_inflight: int, ns_method: str) -> muon_dist.Muon:
+    def make_muon(max_inflight: int, ns_method: str, cuda_graph: bool = False) -> muon_dist.Muon:
         return muon_dist.Muon(
             groups,
             lr=LR,
@@ -475,6 +500,8 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             bucket_bytes=int(args.bucket_mb * MIB),
             max_inflight=max_inflight,
             replica_mode=args.replica_mode,
+            cuda_graph=cuda_graph,
+            graph_warmup=1,
         )
 
     def make_baseline() -> AllGatherMuon:
@@ -512,12 +539,18 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             name = f"muon_dist {ns_method} inflight={k}"
             make = functools.partial(make_muon, k, ns_method)
             methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
+    if device.type == "cuda" and not args.no_cuda_graph:
+        k, ns_method = args.inflight[0], args.ns_methods[0]
+        log(f"timing muon_dist {ns_method} captured in a CUDA graph, max_inflight={k}")
+        make = functools.partial(make_muon, k, ns_method, cuda_graph=True)
+        name = f"muon_dist graph {ns_method} inflight={k}"
+        methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
     log("timing the all-gather baseline")
     methods.append(time_method("allgather_muon", make_baseline, args, device))
     log("timing AdamW")
     adamw_name = "adamw fused" if device.type == "cuda" else "adamw foreach"
     methods.append(time_method(adamw_name, make_adamw, args, device))
-    baseline_ms = methods[-2]["median_ms"]
+    baseline_ms = next(m["median_ms"] for m in methods if m["name"] == "allgather_muon")
     for row in methods:
         row["floor_multiple"] = row["median_ms"] / floor_ms
         row["speedup_vs_allgather"] = baseline_ms / row["median_ms"]
@@ -564,7 +597,11 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
         print(f"\nwrote {args.json} ({report['wall_s']:.0f} s)")
         print_table(report)
         if args.write_table:
-            tables.record("step", table_rows(report), tables.run_info(gpus=world))
+            info = tables.run_info(gpus=world)
+            tables.record("step", table_rows(report), info)
+            captured = [m for m in methods if m["name"].startswith("muon_dist graph")]
+            if captured:
+                tables.record("host", [host_row(report, captured[0])], info)
     return 0 if parity["ok"] else 1
 
 

@@ -150,6 +150,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="TAU",
         help="MuonClip: rescale query/key heads whose max attention logit exceeds TAU",
     )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the Muon optimizer step in a CUDA graph (gradients kept between steps)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.ckpt_dir is None:
@@ -321,6 +326,7 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
             adamw_lr=args.adamw_lr,
             comm_dtype=dtypes[args.comm_dtype],
             ns_dtype=dtypes[args.ns_dtype],
+            cuda_graph=args.cuda_graph,
             **qk_clip_options(model, args.qk_clip),
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -513,6 +519,8 @@ def train(
     model = build_model(args, mesh, env)
     opt = build_optimizer(optimizer_name, model, args)
     base_lrs = [group["lr"] for group in opt.param_groups]
+    # A captured Muon step reads the gradient tensors in place: keep them (zeroed) between steps.
+    keep_grads = args.cuda_graph and optimizer_name == "muon"
     if optimizer_name == "muon":
         log(env, "muon_dist routing table:\n" + opt.routing_table())  # type: ignore[attr-defined]
 
@@ -554,7 +562,7 @@ def train(
             sync(env)
             t1 = time.perf_counter()
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=not keep_grads)
             sync(env)
             t2 = time.perf_counter()
             total = loss_sum.detach().clone()

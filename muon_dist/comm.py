@@ -21,28 +21,24 @@ PieceT = TypeVar("PieceT", LocalPiece, BlockPiece)
 
 def pack(
     pieces: Sequence[PieceT],
-    write: Callable[[PieceT, torch.Tensor], object],
+    fill: Callable[[list[tuple[PieceT, torch.Tensor]]], object],
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """One flat buffer of ``dtype``; ``write(piece, view)`` fills each piece's region."""
-    total = sum(math.prod(p.shape) for p in pieces)
-    buffer = torch.empty(total, dtype=dtype, device=device)
-    offset = 0
-    for piece in pieces:
-        numel = math.prod(piece.shape)
-        write(piece, buffer[offset : offset + numel].view(piece.shape))
-        offset += numel
+    """One flat buffer of ``dtype``; ``fill`` gets every ``(piece, view)`` at once, so it
+    can write them with a few batched launches rather than one per piece."""
+    numels = [math.prod(p.shape) for p in pieces]
+    buffer = torch.empty(sum(numels), dtype=dtype, device=device)
+    chunks = buffer.split_with_sizes(numels)
+    fill([(p, c.view(p.shape)) for p, c in zip(pieces, chunks, strict=True)])
     return buffer
 
 
 def unpack(buffer: torch.Tensor, pieces: Sequence[PieceT]) -> Iterator[tuple[PieceT, torch.Tensor]]:
     """Views of a received buffer, one per piece, shaped like the piece."""
-    offset = 0
-    for piece in pieces:
-        numel = math.prod(piece.shape)
-        yield piece, buffer[offset : offset + numel].view(piece.shape)
-        offset += numel
+    numels = [math.prod(p.shape) for p in pieces]
+    for piece, chunk in zip(pieces, buffer.split_with_sizes(numels), strict=True):
+        yield piece, chunk.view(piece.shape)
 
 
 def start_exchange(

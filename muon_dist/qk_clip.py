@@ -189,11 +189,13 @@ class QKClipper:
             self.rows.append(local_rows(layout, rank))
         return _Block(index, start, stop, heads)
 
-    def __call__(self) -> None:
+    @torch.no_grad()
+    def __call__(self, found_inf: torch.Tensor) -> None:
         """Scale query/key rows of every layer whose recorded max logit exceeds its tau.
 
         The recorded maxima are maxed over the parameters' ranks in one all-reduce; a layer
-        with nothing recorded on any rank is left alone.
+        with nothing recorded on any rank is left alone, and so is every layer when
+        ``found_inf`` (the step's device flag) says the step left the weights alone.
         """
         maxima = self.tracker.pop()
         unknown = sorted(set(maxima) - {spec.layer for spec in self.layers})
@@ -219,7 +221,7 @@ class QKClipper:
         if self.holders.size > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.holders.group)
         tau = torch.cat(taus)
-        gamma = torch.where(peak > tau, tau / peak, torch.ones_like(peak))
+        gamma = torch.where((peak > tau) & (found_inf == 0), tau / peak, torch.ones_like(peak))
         factors = [torch.ones(hi - lo, device=device) for lo, hi in self.rows]
         offset = 0
         for spec, (query, key) in zip(self.layers, self.blocks, strict=True):

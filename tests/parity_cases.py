@@ -235,7 +235,11 @@ def cases_for(world_size: int) -> list[Case]:
     ]
     if world_size % 2 == 0:
         two_d = (2, world_size // 2)
-        stacks = [P((4, 24, 16), kind="experts"), P((6, 10, 12), kind="experts", group="b")]
+        stacks = [
+            P((4, 24, 16), kind="experts"),
+            P((6, 10, 12), kind="experts", group="b"),
+            P((4, 10, 30), kind="experts", group="gram"),
+        ]
         cases += [
             Case("hsdp_split", dense_params(), two_d, placements=(Replicate(), Shard(0))),
             Case(

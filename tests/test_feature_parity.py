@@ -8,8 +8,15 @@ import pytest
 from dist_harness import run_distributed
 from feature_cases import feature_cases, feature_worker
 
+# The quick tier keeps the sharded views and QK-clip on two ranks; the rest is the slow tier.
+QUICK = {(2, "views_fsdp"), (2, "qk_clip_fsdp")}
 CASES = [
-    pytest.param(world_size, name, id=f"w{world_size}-{name}", marks=pytest.mark.slow)
+    pytest.param(
+        world_size,
+        name,
+        id=f"w{world_size}-{name}",
+        marks=() if (world_size, name) in QUICK else pytest.mark.slow,
+    )
     for world_size in (1, 2, 4)
     for name in feature_cases(world_size)
 ]

@@ -13,14 +13,14 @@ Triton is not installed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS
-from muon_dist.kernels.elementwise import advance_momentum
+from muon_dist.update_rule import advance_momentum
 
 pytestmark = pytest.mark.gpu
 
@@ -178,6 +178,32 @@ def test_small_stacks_replay_from_a_graph() -> None:
     assert torch.equal(newton_schulz(Y), newton_schulz(Y, backend="torch", method="gram"))
 
 
+def test_full_graph_cache_runs_new_shapes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the graph cache is full, new small shapes run eagerly instead of evicting and
+    capturing again: a capture synchronises, and a cycling cache would do it every step."""
+    from muon_dist.kernels import graphs
+
+    captures: list[int] = []
+    capture = graphs._capture
+
+    def counted(X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> graphs._Graphed:
+        captures.append(X.shape[-1])
+        return capture(X, fn)
+
+    monkeypatch.setattr(graphs, "_graphs", {})
+    monkeypatch.setattr(graphs, "_MAX_GRAPHS", 2)
+    monkeypatch.setattr(graphs, "_capture", counted)
+    stacks = [torch.randn(1, 256, n, device="cuda", dtype=torch.bfloat16) for n in (512, 640, 768)]
+    for _ in range(3):
+        for X in stacks:
+            assert torch.equal(newton_schulz(X), newton_schulz(X, backend="torch", method="gram"))
+    assert captures == [512, 640]
+
+
+def _keep() -> torch.Tensor:
+    return torch.ones((), dtype=torch.bool, device="cuda")
+
+
 @pytest.mark.parametrize("mix", [0.95, None])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -191,7 +217,7 @@ def test_fused_momentum_pass_matches_torch(
     advanced = advance_momentum(grad, momentum, 0.9)
     expected = advanced if mix is None else torch.add(grad, advanced, alpha=mix)
     out = torch.empty_like(grad, dtype=out_dtype)
-    momentum_input_triton(grad, momentum, out, 0.9, mix, store=True)
+    momentum_input_triton(grad, momentum, out, 0.9, mix, True, _keep())
     coarse = torch.bfloat16 if torch.bfloat16 in (state_dtype, out_dtype) else out_dtype
     ok, detail = close(out, expected.to(out_dtype), coarse)
     assert ok, f"Newton–Schulz input: {detail}"
@@ -206,7 +232,8 @@ def test_fused_update_pass_matches_torch(state_dtype: torch.dtype) -> None:
     param = torch.randn(5, 777, 513, device="cuda", dtype=state_dtype)
     update = torch.randn_like(param, dtype=torch.bfloat16)
     expected = param.mul(0.998).add_(update, alpha=-0.02)
-    decay_and_update_triton(param, update, 0.998, -0.02)
+    decay, step = torch.tensor(0.998, device="cuda"), torch.tensor(-0.02, device="cuda")
+    decay_and_update_triton(param, update, decay, step, _keep())
     ok, detail = close(param, expected, state_dtype)
     assert ok, detail
 
@@ -219,6 +246,6 @@ def test_fused_momentum_pass_past_2_31_elements() -> None:
     grad = torch.ones(numel, device="cuda")
     momentum = torch.full_like(grad, 2.0)
     out = torch.zeros(numel, device="cuda", dtype=torch.bfloat16)
-    momentum_input_triton(grad, momentum, out, 0.5, 1.0, store=True)
+    momentum_input_triton(grad, momentum, out, 0.5, 1.0, True, _keep())
     assert bool((out[-5000:] == 3.0).all()), "Newton–Schulz input tail not written"
     assert bool((momentum[-5000:] == 2.0).all()), "momentum tail changed"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from muon_dist.kernels import newton_schulz, resolve_coefficients
-from muon_dist.kernels.reference import gram_inverse_norms, inverse_norms, scale_matrices_
+from muon_dist.kernels.torch_ns import gram_inverse_norms, inverse_norms, scale_matrices_
 
 # Singular values each set leaves on inputs spanning two decades (condition number 100),
 # after 5 steps in bf16. Keller's quintic overshoots 1 by design, trading accuracy for

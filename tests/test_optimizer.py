@@ -224,6 +224,7 @@ def test_bad_parameters_in_muon_groups_raise(
         ({"bucket_bytes": 0}, "bucket_bytes=0"),
         ({"max_inflight": 0}, "max_inflight=0"),
         ({"replica_mode": "mirror"}, "replica_mode='mirror'"),
+        ({"cuda_graph": True}, "cuda_graph=True captures CUDA work"),
     ],
 )
 def test_bad_optimizer_options_raise(kwargs: dict[str, object], message: str) -> None:
@@ -270,11 +271,12 @@ def test_passes_fuse_only_where_a_shard_is_read_or_written_once() -> None:
         ],
         weight_decay=0.1,
     )
-    entries = opt._muon_params()
-    step_plan = opt._get_plan(entries)
+    muon = opt._step_runner().muon
+    assert muon is not None
+    entries = muon.entries
     labels = [e.name for e in entries]
-    fused_reads = {labels[i] for i in step_plan.fused_reads}
-    fused_writes = {labels[i] for i in step_plan.fused_writes}
+    fused_reads = {labels[i] for i in muon.fusable_reads}
+    fused_writes = {labels[i] for i in muon.fusable_writes}
     split_views = {"group3.param0[0:4]", "group3.param0[4:12]"}
     assert len(entries) == 5 and split_views <= set(labels)
     assert fused_reads == {"group0.param0", "group2.param0", *split_views}

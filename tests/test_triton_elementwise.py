@@ -8,8 +8,13 @@ to bf16 differs from the GPU's, so bf16 state is checked on a GPU (tests/test_gp
 import pytest
 import torch
 
-from muon_dist.kernels.elementwise import advance_momentum, decay_and_update_, momentum_input_
-from muon_dist.kernels.triton_ns import interpret_mode
+from muon_dist.kernels.availability import interpret_mode
+from muon_dist.update_rule import (
+    advance_momentum,
+    fused_form,
+    post_orthogonalize_,
+    pre_orthogonalize_,
+)
 
 if not interpret_mode():
     pytest.skip("these CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
@@ -32,10 +37,12 @@ def test_momentum_input_matches_torch(
     momentum = torch.randn(shape)
     expected_momentum = momentum.clone()
     expected = torch.empty(shape, dtype=out_dtype)
-    momentum_input_(grad, expected_momentum, expected, 0.9, mix, store)  # torch on CPU
+    keep = torch.tensor(True)
+    rule = {"beta": 0.9, "mix": mix, "keep": keep, "store": store}
+    pre_orthogonalize_(grad, expected_momentum, expected, **rule, fused=False)  # torch form
     out = torch.full(shape, float("nan"), dtype=out_dtype)
     before = momentum.clone()
-    triton_elementwise.momentum_input_triton(grad, momentum, out, 0.9, mix, store)
+    pre_orthogonalize_(grad, momentum, out, **rule, fused=True)
     torch.testing.assert_close(out, expected)
     if store:
         torch.testing.assert_close(momentum, advance_momentum(grad, before, 0.9))
@@ -50,17 +57,40 @@ def test_decay_and_update_matches_torch(shape: tuple[int, ...], decay: float) ->
     param = torch.randn(shape)
     update = torch.randn(shape).bfloat16()
     expected = param.clone()
-    decay_and_update_(expected, update, decay, -0.02)  # torch on CPU
-    triton_elementwise.decay_and_update_triton(param, update, decay, -0.02)
+    scalars = {
+        "decay": torch.tensor(decay),
+        "step": torch.tensor(-0.02),
+        "keep": torch.tensor(True),
+    }
+    post_orthogonalize_(expected, update, **scalars, fused=False)  # torch form
+    post_orthogonalize_(param, update, **scalars, fused=True)
     torch.testing.assert_close(param, expected)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_masked_matrices_stay_bitwise_unchanged(fused: bool) -> None:
+    """keep=False leaves momentum and weights bitwise alone, even under a NaN gradient (with
+    the decay 1 and step 0 the optimizer computes for a masked tensor)."""
+    grad = torch.full((4097,), float("nan"))
+    momentum, param = torch.randn(4097), torch.randn(4097)
+    before = (momentum.clone(), param.clone())
+    keep = torch.tensor(False)
+    out = torch.empty(4097, dtype=torch.bfloat16)
+    pre_orthogonalize_(grad, momentum, out, beta=0.9, mix=0.95, keep=keep, store=True, fused=fused)
+    update = torch.zeros(4097, dtype=torch.bfloat16)
+    scalars = {"decay": torch.tensor(1.0), "step": torch.tensor(0.0), "keep": keep}
+    post_orthogonalize_(param, update, **scalars, fused=fused)
+    assert torch.equal(momentum, before[0]) and torch.equal(param, before[1])
+
+
 def test_cpu_dispatch_uses_torch_arithmetic() -> None:
-    """On CPU the dispatcher runs the same two torch adds the optimizer always ran."""
+    """On CPU the rule takes the torch form: the same two torch adds the optimizer always ran."""
     torch.manual_seed(2)
     grad, momentum = torch.randn(2, 300, 300), torch.randn(2, 300, 300)
     out = torch.empty(2, 300, 300, dtype=torch.bfloat16)
     advanced = torch.add(grad, momentum, alpha=0.9)
     expected = torch.add(grad, advanced, alpha=0.95).bfloat16()
-    momentum_input_(grad, momentum, out, 0.9, 0.95)
+    assert not fused_form("auto", grad, momentum, out)
+    keep = torch.tensor(True)
+    pre_orthogonalize_(grad, momentum, out, beta=0.9, mix=0.95, keep=keep, store=True, fused=False)
     assert torch.equal(momentum, advanced) and torch.equal(out, expected)

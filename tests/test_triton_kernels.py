@@ -9,13 +9,10 @@ import pytest
 import torch
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
+from muon_dist.kernels.availability import interpret_mode, triton_available
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS, Coefficients
 from muon_dist.kernels.dispatch import prefer_triton
-from muon_dist.kernels.triton_ns import (
-    interpret_mode,
-    newton_schulz_triton,
-    triton_available,
-)
+from muon_dist.kernels.triton_ns import newton_schulz_triton
 
 if not interpret_mode():
     pytest.skip("these CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
@@ -208,10 +205,15 @@ def test_two_operand_product_is_exactly_symmetric() -> None:
 
 
 GRAM_NS_SHAPES = [(24, 60), (60, 24), (2, 20, 50), (3, 36, 20), (1, 40)]
+# As for NS_CASES: the quick tier keeps one batched shape, the interpreter is slow.
+GRAM_NS_CASES = [
+    pytest.param(shape, coefficients, marks=() if shape == (2, 20, 50) else pytest.mark.slow)
+    for shape in GRAM_NS_SHAPES
+    for coefficients in sorted(COEFFICIENT_SETS)
+]
 
 
-@pytest.mark.parametrize("coefficients", sorted(COEFFICIENT_SETS))
-@pytest.mark.parametrize("shape", GRAM_NS_SHAPES, ids=str)
+@pytest.mark.parametrize(("shape", "coefficients"), GRAM_NS_CASES, ids=str)
 def test_gram_newton_schulz_matches_float64(shape: tuple[int, ...], coefficients: str) -> None:
     """fp32 Gram iteration on ill-conditioned input (singular values 1e-4..1) against a
     float64 standard iteration."""
@@ -240,6 +242,8 @@ def test_gram_newton_schulz_zero_and_rank_deficient() -> None:
     assert out.isfinite().all() and rel_err(out, ref) < TOL
 
 
+# Four interpreted iterations; test_gram_newton_schulz checks restart schedules quickly.
+@pytest.mark.slow
 def test_gram_newton_schulz_restarts_and_input() -> None:
     torch.manual_seed(11)
     X = torch.randn(2, 24, 40)

@@ -1,4 +1,4 @@
-"""Newton–Schulz orthogonalization: coefficient sets, torch reference and Triton kernels."""
+"""Newton–Schulz orthogonalization: coefficient sets, torch and Triton backends."""
 
 from muon_dist.kernels.coefficients import (
     COEFFICIENT_SETS,
@@ -6,7 +6,7 @@ from muon_dist.kernels.coefficients import (
     resolve_coefficients,
 )
 from muon_dist.kernels.dispatch import BACKENDS, newton_schulz
-from muon_dist.kernels.reference import newton_schulz_torch
+from muon_dist.kernels.torch_ns import newton_schulz_torch
 
 __all__ = [
     "BACKENDS",

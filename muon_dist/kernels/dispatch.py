@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from muon_dist.kernels.availability import triton_available
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
 from muon_dist.kernels.gram import (
     DEFAULT_RESTARTS,
@@ -14,12 +15,11 @@ from muon_dist.kernels.gram import (
     validate_restarts,
 )
 from muon_dist.kernels.graphs import graph_eligible, run_graphed
-from muon_dist.kernels.reference import DEFAULT_EPS, newton_schulz_torch
+from muon_dist.kernels.torch_ns import DEFAULT_EPS, newton_schulz_torch
 from muon_dist.kernels.triton_ns import (
     TRITON_DTYPES,
     newton_schulz_gram_triton,
     newton_schulz_triton,
-    triton_available,
 )
 
 BACKENDS = ("auto", "torch", "triton")
@@ -102,7 +102,7 @@ def newton_schulz(
 ) -> torch.Tensor:
     """Orthogonalize a matrix or a batch of matrices (any leading dims); returns ``dtype``.
 
-    ``backend``: "torch" runs torch products; "triton" the Triton kernels (CUDA tensors, or
+    ``backend``: "torch" runs the torch backend; "triton" the Triton kernels (CUDA tensors, or
     CPU tensors under TRITON_INTERPRET=1); "auto" takes Triton for CUDA tensors where
     ``prefer_triton`` says it is faster, torch otherwise. ``method``: "standard" iterates on
     the matrix, "gram" on its short side's Gram matrix (:mod:`muon_dist.kernels.gram`),

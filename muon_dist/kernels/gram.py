@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
-from muon_dist.kernels.reference import (
+from muon_dist.kernels.torch_ns import (
     DEFAULT_EPS,
     as_stack,
     gram_inverse_norms,

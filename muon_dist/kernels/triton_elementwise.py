@@ -2,7 +2,7 @@
 
 Torch needs two kernels for each of these passes, and its mixed-dtype adds (fp32 inputs,
 bf16 output) are not vectorised. Importing this module imports Triton; the optimizer
-reaches it through :mod:`muon_dist.kernels.elementwise` only.
+reaches it through :mod:`muon_dist.update_rule` only.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muon_dist.kernels.triton_ns import on_device
+from muon_dist.kernels.availability import on_device
 
 _BLOCK = 4096
 _WARPS = 8
@@ -22,6 +22,7 @@ def _momentum_input_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     grad_ptr,
     momentum_ptr,
     out_ptr,
+    keep_ptr,
     numel,
     beta,
     mix,
@@ -29,19 +30,22 @@ def _momentum_input_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     STORE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``m' = g + beta·m`` (stored when STORE); ``out = g + mix·m'`` (NESTEROV) or ``m'``."""
+    """``m' = g + beta·m`` (stored when STORE and keep); ``out = g + mix·m'`` (NESTEROV) or
+    ``m'``, and zero where keep is 0, so a masked matrix orthogonalizes to zero."""
+    keep = tl.load(keep_ptr) != 0
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-    momentum = tl.load(momentum_ptr + offsets, mask=mask).to(tl.float32)
+    stored = tl.load(momentum_ptr + offsets, mask=mask)
     # Round the new momentum to its storage dtype before the mix, as two torch adds would.
-    momentum = (grad + beta * momentum).to(momentum_ptr.dtype.element_ty)
+    momentum = (grad + beta * stored.to(tl.float32)).to(momentum_ptr.dtype.element_ty)
     if STORE:
-        tl.store(momentum_ptr + offsets, momentum, mask=mask)
+        tl.store(momentum_ptr + offsets, tl.where(keep, momentum, stored), mask=mask)
     if NESTEROV:
         update = grad + mix * momentum.to(tl.float32)
     else:
         update = momentum.to(tl.float32)
+    update = tl.where(keep, update, 0.0)
     tl.store(out_ptr + offsets, update.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -49,18 +53,23 @@ def _momentum_input_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
 def _decay_and_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     param_ptr,
     update_ptr,
+    decay_ptr,
+    step_ptr,
+    keep_ptr,
     numel,
-    decay,
-    step,
     BLOCK: tl.constexpr,
 ):
-    """``p = decay·p + step·u``, computed in fp32 and stored in the parameter's dtype."""
+    """``p = decay·p + step·u`` where keep, computed in fp32 and stored in the parameter's
+    dtype; the scalars are read from device memory, so a captured graph follows the lr."""
+    keep = tl.load(keep_ptr) != 0
+    decay = tl.load(decay_ptr).to(tl.float32)
+    step = tl.load(step_ptr).to(tl.float32)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+    stored = tl.load(param_ptr + offsets, mask=mask)
     update = tl.load(update_ptr + offsets, mask=mask).to(tl.float32)
-    param = decay * param + step * update
-    tl.store(param_ptr + offsets, param.to(param_ptr.dtype.element_ty), mask=mask)
+    param = (decay * stored.to(tl.float32) + step * update).to(param_ptr.dtype.element_ty)
+    tl.store(param_ptr + offsets, tl.where(keep, param, stored), mask=mask)
 
 
 def _grid(numel: int) -> tuple[int]:
@@ -74,9 +83,10 @@ def momentum_input_triton(
     beta: float,
     mix: float | None,
     store: bool,
+    keep: torch.Tensor,
 ) -> None:
-    """Triton form of :func:`muon_dist.kernels.elementwise.momentum_input_` (contiguous,
-    same-shape tensors on one device)."""
+    """Fused form of :func:`muon_dist.update_rule.pre_orthogonalize_` (contiguous,
+    same-shape tensors on one device; ``keep`` a one-element tensor there)."""
     numel = grad.numel()
     if numel == 0:
         return
@@ -85,6 +95,7 @@ def momentum_input_triton(
             grad,
             momentum,
             out,
+            keep,
             numel,
             float(beta),
             float(mix or 0.0),
@@ -96,13 +107,18 @@ def momentum_input_triton(
 
 
 def decay_and_update_triton(
-    param: torch.Tensor, update: torch.Tensor, decay: float, step: float
+    param: torch.Tensor,
+    update: torch.Tensor,
+    decay: torch.Tensor,
+    step: torch.Tensor,
+    keep: torch.Tensor,
 ) -> None:
-    """Triton form of :func:`muon_dist.kernels.elementwise.decay_and_update_`."""
+    """Fused form of :func:`muon_dist.update_rule.post_orthogonalize_` with the decay
+    (one-element fp32 tensors ``decay``, ``step`` and ``keep`` on the tensors' device)."""
     numel = param.numel()
     if numel == 0:
         return
     with on_device(param.device):
         _decay_and_update_kernel[_grid(numel)](
-            param, update, numel, float(decay), float(step), BLOCK=_BLOCK, num_warps=_WARPS
+            param, update, decay, step, keep, numel, BLOCK=_BLOCK, num_warps=_WARPS
         )

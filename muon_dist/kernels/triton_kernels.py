@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muon_dist.kernels.triton_ns import interpret_mode
+from muon_dist.kernels.availability import interpret_mode
 
 _INTERPRET = interpret_mode()
 

@@ -1,18 +1,15 @@
-"""Newton–Schulz on Triton symmetric kernels, with the reference's exact semantics.
+"""Newton–Schulz on Triton symmetric kernels, with the torch backend's exact semantics.
 
 Triton is imported only when a kernel runs, so ``import muon_dist`` works without it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import os
 from collections.abc import Sequence
 
 import torch
 
+from muon_dist.kernels.availability import interpret_mode, on_device
 from muon_dist.kernels.coefficients import Coefficients, resolve_coefficients
 from muon_dist.kernels.gram import (
     DEFAULT_RESTARTS,
@@ -20,29 +17,10 @@ from muon_dist.kernels.gram import (
     segments,
     validate_restarts,
 )
-from muon_dist.kernels.reference import DEFAULT_EPS, as_stack, inverse_norms
+from muon_dist.kernels.torch_ns import DEFAULT_EPS, as_stack, inverse_norms
 
-# Dtypes tl.dot takes with fp32 accumulation; float64 stays on the torch reference.
+# Dtypes tl.dot takes with fp32 accumulation; float64 stays on the torch backend.
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def interpret_mode() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), as it decides."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return False
-    return True
-
-
-def triton_available() -> bool:
-    """True where the Triton backend can run: Triton imports and CUDA or the interpreter is on."""
-    return _triton_importable() and (torch.cuda.is_available() or interpret_mode())
 
 
 def newton_schulz_triton(
@@ -58,7 +36,7 @@ def newton_schulz_triton(
     and their epilogues also apply the normalisation and add ``a·I``, so a step is three
     launches. ``(a·I + B)·X`` is a general product and stays on ``torch.bmm`` (cuBLAS); a Triton
     variant is worth adding only if it measures faster there. Tall matrices take the Gram
-    matrix ``Xᵀ·X`` from a transposed view, as the torch reference does, without a copy.
+    matrix ``Xᵀ·X`` from a transposed view, as the torch backend does, without a copy.
     """
     _check_runnable(X, dtype)
     schedule = resolve_coefficients(coefficients, steps)
@@ -161,8 +139,3 @@ def newton_schulz_gram_triton(
             # Q is symmetric (its tiles are mirrored), so X_kᵀ = X₀ᵀ·Q for tall stacks.
             Y = torch.bmm(Y, left) if tall else torch.bmm(left, Y)
     return Y.reshape(*X.shape[:-2], Y.size(-2), Y.size(-1))
-
-
-def on_device(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """Triton launches on the current CUDA device, which need not be the tensor's."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -1,4 +1,5 @@
-"""Torch Newton–Schulz: the reference every backend is checked against."""
+"""Newton–Schulz in torch: the production backend off CUDA and for small stacks on CUDA,
+and the semantics the Triton backend matches."""
 
 from __future__ import annotations
 

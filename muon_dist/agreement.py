@@ -1,0 +1,148 @@
+"""Agreement on gradients, decided on the device, and the host's later view of its outcome.
+
+Every rank must take the same decision about each parameter (is there a gradient on any
+rank? is any gradient non-finite?), and the step must not wait for the device to learn
+it. So the decision stays a device tensor: one small all-reduce among the ranks holding
+the parameters (:mod:`muon_dist.groups`) builds per-parameter
+flags, and the step turns them into a ``keep`` mask and a ``found_inf`` flag (as
+``torch.amp.GradScaler`` does) that the update rule and fused AdamW read on the device.
+
+The host reads the outcome later, from a host copy queued at the end of the step: on a
+CUDA device, at the next point that needs it (the next ``step()``, ``state_dict()`` or
+``check_finite()``), after waiting on an event recorded with that copy; with CPU tensors,
+where the copy is already there, at the end of the step itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from muon_dist.groups import Peers
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What went wrong in one step, as every rank saw it."""
+
+    step: int
+    nonfinite_grads: tuple[str, ...]
+    nonfinite_results: tuple[str, ...]
+
+
+class Agreement:
+    """Device flags of one step: presence and finiteness per parameter, ``keep`` per Muon
+    parameter, ``found_inf``, and the non-finite Newton–Schulz results per Muon parameter."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        muon_positions: Sequence[int],
+        device: torch.device,
+        holders: Peers,
+    ) -> None:
+        count = len(names)
+        self.names = list(names)
+        self.muon_names = [self.names[i] for i in muon_positions]
+        self.device = device
+        self.holders = holders
+        self.flags = torch.zeros(2 * count, device=device)  # present | non-finite
+        self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
+        self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
+        self.keep_float = torch.zeros(len(muon_positions), device=device)
+        self.ns_bad = torch.zeros(len(muon_positions), device=device)
+        self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
+        self._report = torch.zeros(count + len(muon_positions) + 1, device=device)
+        pinned = device.type == "cuda"
+        self._host = torch.zeros_like(self._report, device="cpu", pin_memory=pinned)
+        # A numpy view of the host copy: reading it is a plain memory read, made once here.
+        self._host_view = self._host.numpy() if pinned else self._report.numpy()
+        self._event = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
+        self._pending: int | None = None  # step number whose report is queued, unread
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _index(self, positions: tuple[int, ...]) -> torch.Tensor:
+        """Positions of the present gradients as a device tensor, built once per pattern."""
+        cached = self._indices.get(positions)
+        if cached is None:
+            cached = self._indices[positions] = torch.tensor(
+                positions, dtype=torch.long, device=self.device
+            )
+        return cached
+
+    def decide(self, grads: Sequence[torch.Tensor | None], presence: torch.Tensor) -> None:
+        """Fill the flags for this step's local gradients and agree on them over all ranks.
+
+        ``presence`` holds 1.0 per parameter with a local gradient (staged by the caller, who
+        copies it to the device with the step's hyper-parameters). Zeroes the result flags.
+        """
+        count = len(self.names)
+        present, nonfinite = self.flags[:count], self.flags[count:]
+        present.copy_(presence)
+        nonfinite.zero_()
+        positions = tuple(i for i, g in enumerate(grads) if g is not None)
+        if positions:
+            norms = torch._foreach_norm([g for g in grads if g is not None])
+            bad = torch.isfinite(torch.stack(norms).float()).logical_not_().float()
+            nonfinite.index_copy_(0, self._index(positions), bad)
+        if self.holders.size > 1:
+            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
+        torch.amax(nonfinite, dim=0, out=self.found_inf)
+        self.ns_bad.zero_()
+        self._set_keep()
+
+    def _set_keep(self) -> None:
+        present = self.flags.index_select(0, self._muon_index)
+        torch.logical_and(present > 0, self.found_inf == 0, out=self.keep)
+        self.keep_float.copy_(self.keep)
+
+    def agree_on_results(self, skip: bool) -> None:
+        """All-reduce the non-finite Newton–Schulz flags; under ``skip`` they also set
+        ``found_inf`` and clear ``keep``, so the still-pending writes leave everything alone."""
+        if self.holders.size > 1:
+            dist.all_reduce(self.ns_bad, op=dist.ReduceOp.MAX, group=self.holders.group)
+        if skip:
+            torch.maximum(self.found_inf, self.ns_bad.amax(), out=self.found_inf)
+            self._set_keep()
+
+    def publish(self) -> None:
+        """Queue the host copy of this step's outcome (part of a captured step)."""
+        count = len(self.names)
+        report = self._report
+        report[:count].copy_(self.flags[count:])
+        report[count:-1].copy_(self.ns_bad)
+        report[-1:].copy_(self.found_inf.view(1))
+        if self._event is not None:
+            self._host.copy_(report, non_blocking=True)
+
+    def queued(self, step: int) -> None:
+        """Mark the copy queued by :meth:`publish` as the outcome of ``step`` (host side)."""
+        if self._event is not None:
+            self._event.record()
+        self._pending = step
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the queued outcome can be read without waiting for a device."""
+        return self._event is None
+
+    def read(self) -> Outcome | None:
+        """The queued outcome if anything went wrong in it; waits only for that step."""
+        if self._pending is None:
+            return None
+        step, self._pending = self._pending, None
+        if self._event is not None:
+            self._event.synchronize()
+        values = self._host_view
+        count = len(self.names)
+        if not values[-1] and not np.any(values[count:-1]):
+            return None
+        return Outcome(
+            step,
+            tuple(n for n, v in zip(self.names, values[:count], strict=True) if v),
+            tuple(n for n, v in zip(self.muon_names, values[count:-1], strict=True) if v),
+        )

@@ -1,0 +1,148 @@
+"""Checks that fail fast with a clear message instead of hanging or corrupting a run: all
+ranks built the same parameter list, and a saved state matches the current routing."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from muon_dist.groups import Peers
+from muon_dist.routing import matrix_views, named_params
+
+# Group keys every rank must share: they decide the matrix views, the plan and which
+# collectives run. Hyper-parameters such as lr are read fresh every step instead.
+AGREE_KEYS = (
+    "algorithm",
+    "muon_mode",
+    "experts",
+    "num_experts",
+    "num_heads",
+    "split_sizes",
+    "split_groups",
+    "transposed",
+    "ns_steps",
+    "coefficients",
+    "ns_method",
+    "magma",
+    "cautious_wd",
+)
+
+
+def check_ranks_agree(
+    groups: Sequence[dict[str, Any]], extra: Sequence[str], rank: int, holders: Peers
+) -> None:
+    """Fail fast, instead of hanging in a collective, when ranks hold different params.
+
+    ``extra`` lines (e.g. the QK-clip layers) must agree too; ``holders`` are the ranks
+    that hold the parameters and run the optimizer's collectives.
+    """
+    if holders.size == 1:
+        return
+    first = holders.ranks[0]
+    lines = list(extra)
+    for name, group, p in named_params(groups):
+        options = {k: group.get(k) for k in AGREE_KEYS}
+        placements = p.placements if isinstance(p, DTensor) else "plain"
+        mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
+        lines.append(f"{name} {tuple(p.shape)} {p.dtype} {placements} {mesh} {options}")
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests: list[str | None] = [None] * holders.size
+    dist.all_gather_object(digests, digest, group=holders.group)
+    if len(set(digests)) == 1:
+        return
+    all_lines: list[list[str] | None] = [None] * holders.size
+    dist.all_gather_object(all_lines, lines, group=holders.group)
+    reference = all_lines[0] or []
+    for other, other_lines in zip(holders.ranks, all_lines, strict=True):
+        other_lines = other_lines or []
+        if other_lines == reference:
+            continue
+        diff = next(
+            (
+                (i, a, b)
+                for i, (a, b) in enumerate(zip(reference, other_lines, strict=False))
+                if a != b
+            ),
+            (min(len(reference), len(other_lines)), "<end>", "<end>"),
+        )
+        raise RuntimeError(
+            f"muon_dist.Muon: rank {other} built a different parameter list than rank "
+            f"{first} (this is rank {rank}); rank {first} has {len(reference)} params, rank "
+            f"{other} has {len(other_lines)}; first difference at entry {diff[0]}: rank "
+            f"{first} {diff[1]!r} vs rank {other} {diff[2]!r}. Build the model and param "
+            "groups identically on every rank that holds them."
+        )
+
+
+def matrix_count(group: dict[str, Any], p: torch.Tensor, name: str) -> int:
+    """How many matrices a Muon parameter is cut into (Magma keeps one score each)."""
+    return sum(v.count for v in matrix_views(p.shape, group, name))
+
+
+def state_shapes(group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str, tuple[int, ...]]:
+    """The state this optimizer keeps for ``p`` (besides AdamW's step), with shapes."""
+    if group["algorithm"] == "adamw":
+        return {"exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+    shapes = {"momentum_buffer": tuple(p.shape)}
+    if group["magma"]:
+        shapes["magma_score"] = (matrix_count(group, p, name),)
+    return shapes
+
+
+def _with_names(saved: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
+    """A saved group, named after the current group at its index when it lost its names
+    (torchtitan's flat, name-keyed checkpoints come back without them) and sizes agree."""
+    names = (current or {}).get("param_names")
+    if "param_names" in saved or names is None or len(names) != len(saved["params"]):
+        return saved
+    return {**saved, "param_names": names}
+
+
+def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
+    """Name every parameter whose saved algorithm, state keys or state shapes differ from now."""
+    saved_groups = [
+        _with_names(saved, groups[i] if i < len(groups) else None)
+        for i, saved in enumerate(state_dict.get("param_groups", []))
+    ]
+    saved = {
+        name: (group.get("algorithm", "muon"), state_dict["state"].get(key, {}))
+        for name, group, key in named_params(saved_groups)
+    }
+    current = {name: (group, p) for name, group, p in named_params(groups)}
+    problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]
+    for name, (group, p) in current.items():
+        if name not in saved:
+            problems.append(f"{name}: absent from the saved state")
+            continue
+        saved_algorithm, state = saved[name]
+        algorithm = group["algorithm"]
+        if saved_algorithm != algorithm:
+            problems.append(f"{name}: saved as {saved_algorithm}, routed to {algorithm} now")
+            continue
+        shapes = state_shapes(group, p, name)
+        kept = set(state) - {"step"}
+        if state and kept != set(shapes):
+            problems.append(
+                f"{name}: saved state has {sorted(kept)}, this optimizer keeps "
+                f"{sorted(shapes)}; set magma as it was when saving"
+            )
+            continue
+        for key, value in state.items():
+            if key != "step" and tuple(value.shape) != shapes[key]:
+                problems.append(
+                    f"{name}: saved {key} has shape {tuple(value.shape)}, "
+                    f"this optimizer keeps {shapes[key]}"
+                )
+    saved_sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+    if not problems and saved_sizes != [len(g["params"]) for g in groups]:
+        problems.append(f"param group sizes {saved_sizes} were saved; rebuild the same groups")
+    if problems:
+        raise ValueError(
+            "the saved optimizer state does not match this optimizer's routing:\n  "
+            + "\n  ".join(problems)
+        )

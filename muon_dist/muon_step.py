@@ -1,0 +1,506 @@
+"""The Muon phase of a step, bound once to a plan and to the optimizer's tensors.
+
+Everything a step repeats is decided here when the plan is built: the local shards, their
+momentum buffers and the views of every piece a bucket reads or writes, which tensors take
+the fused form of the update rule, the stack layouts and their device index tensors, and
+the device buffers that hold this step's scalars. A steady-state step then only launches
+work: it builds no plan, reads no device value and makes no new views (gradient views are
+kept while the gradient tensors stay the same).
+
+One order for every step: agree (by the caller) → scalars → [momentum, Magma, decay] →
+buckets (Newton–Schulz input, gather, orthogonalize, scatter, update). A transactional step
+(``nonfinite="skip_step"``) moves the bracketed state updates and the weight updates after
+the point where all ranks agree that every Newton–Schulz result is finite; fusion changes
+which kernel runs a stage, never the order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from muon_dist.groups import CommGroups
+from muon_dist.kernels.coefficients import Coefficients
+from muon_dist.kernels.dispatch import newton_schulz
+from muon_dist.plan import Plan, covers_exactly, layout_of, local, local_pieces, local_rows
+from muon_dist.routing import MatrixView, PartSplit
+from muon_dist.runtime import run_tasks
+from muon_dist.runtime.bucket_task import StackLayout, bucket_task, stack_layouts
+from muon_dist.settings import ExecutionSettings
+from muon_dist.update_rule import (
+    fused_form,
+    mask_stack_,
+    ns_inputs_,
+    post_orthogonalize_,
+    pre_orthogonalize_,
+    store_momentum_,
+)
+
+# Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
+# an EMA of (1 + cos(momentum, gradient)) / 2 over steps, started at 1 (no damping).
+MAGMA_MIN_SCALE = 0.1
+_MAGMA_EPS = 1e-12
+
+Slices = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class MuonEntry:
+    """One matrix view of a Muon parameter, in plan order.
+
+    A parameter cut by ``split_sizes`` has one entry per row block; its matrices are
+    numbered across its views from ``first_matrix`` on (Magma keeps one score per matrix).
+    ``param_index`` is the parameter's position among the Muon parameters, ``group_index``
+    its group's position among all groups.
+    """
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    view: MatrixView
+    name: str
+    first_matrix: int
+    param_index: int
+    group_index: int
+
+
+def ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None, str]:
+    """What Newton–Schulz runs on a view's matrices besides the shape: steps, coefficients,
+    the parts the owner cuts each matrix into (with their lr scales), and the method. Groups
+    loaded from a checkpoint saved before ``ns_method`` existed lack the key: "auto", its
+    default."""
+    coefficients = group["coefficients"]
+    if not isinstance(coefficients, str):
+        coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
+    parts = view.part_split(group["adjust_lr"])
+    return (group["ns_steps"], coefficients, parts, group.get("ns_method", "auto"))
+
+
+def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tensor:
+    """For each dim-0 row of this rank's shard, which of the parameter's matrices it is in
+    (``entries`` are all the views of one parameter)."""
+    first = entries[0]
+    layout = layout_of(first.param, first.name, first.view, comm.holders.ranks)
+    lo, hi = local_rows(layout, comm.rank)
+    rows = torch.arange(lo, hi)
+    matrices = torch.zeros_like(rows)
+    for e in entries:
+        start, stop = e.view.box(0, e.view.count)[0]
+        inside = (rows >= start) & (rows < stop)
+        matrices[inside] = e.first_matrix + (rows[inside] - start) // e.view.dim0_step
+    return matrices.to(local(first.param).device)
+
+
+class MuonStep:
+    """The Muon phase of every step for one plan; implements the bucket tasks' context."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        entries: Sequence[MuonEntry],
+        state: dict[torch.Tensor, dict[str, Any]],
+        settings: ExecutionSettings,
+        group_count: int,
+        comm: CommGroups,
+    ) -> None:
+        self.plan = plan
+        self.peers = comm.exchange  # this rank's bucket all-to-alls
+        self.holders = comm.holders  # Magma's sums
+        self.entries = list(entries)
+        self.settings = settings
+        self.world_size = plan.world_size
+        self.comm_dtype = settings.comm_dtype
+        self.params = list({id(e.param): e.param for e in entries}.values())
+        self.local_params = [local(p) for p in self.params]
+        self.device = self.local_params[0].device
+        self._views_of: list[list[int]] = [[] for _ in self.params]
+        for index, e in enumerate(entries):
+            self._views_of[e.param_index].append(index)
+        self.groups = [entries[views[0]].group for views in self._views_of]
+        self.magma = [j for j, g in enumerate(self.groups) if g["magma"]]
+        self.bind_state(state)
+        self.fusable_reads, self.fusable_writes = self._fusable()
+        self._fused_reads = self._fused(self.fusable_reads)
+        self._fused_writes = self._fused(self.fusable_writes)
+        # Entries whose writes are a plain ``param += step·update`` (the decay ran before).
+        self._plain_writes = frozenset(
+            i
+            for i, e in enumerate(entries)
+            if i not in self._fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
+        )
+        self._layouts: list[list[StackLayout]] = []
+        for bucket in plan.buckets:
+            first = sum(len(layouts) for layouts in self._layouts)
+            self._layouts.append(stack_layouts(bucket, first))
+        device = self.device
+
+        def tensor(values: Sequence[float | int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=dtype, device=device)
+
+        self._stack_params = [
+            tensor([entries[i].param_index for i in layout.layouts], torch.long)
+            for layouts in self._layouts
+            for layout in layouts
+        ]
+        group_of = [entries[views[0]].group_index for views in self._views_of]
+        self._lr_index = tensor(group_of, torch.long)
+        self._wd_index = tensor([g + group_count for g in group_of], torch.long)
+        self._cautious_mask = tensor([float(g["cautious_wd"]) for g in self.groups], torch.float32)
+        self._plain_mask = 1.0 - self._cautious_mask
+        self._entry_param = tensor([e.param_index for e in entries], torch.long)
+        self._neg_scale = tensor(
+            [-e.view.lr_scale(e.group["adjust_lr"]) for e in entries], torch.float32
+        )
+        # Step classes: entries of one group and one lr scale share a step where kept.
+        classes: dict[tuple[int, float], int] = {}
+        self._entry_class = [
+            classes.setdefault((e.group_index, e.view.lr_scale(e.group["adjust_lr"])), len(classes))
+            for e in entries
+        ]
+        self._class_group = tensor([g for g, _ in classes], torch.long)
+        self._class_neg_scale = tensor([-scale for _, scale in classes], torch.float32)
+        self.class_step = torch.zeros(len(classes), device=device)
+        self._class_step_views = list(self.class_step.unbind(0))
+        # This step's scalars, written in place every step; per-tensor views made once.
+        self.decay = torch.ones(len(self.params), device=device)
+        self.cautious = torch.zeros(len(self.params), device=device)
+        self.step = torch.zeros(len(entries), device=device)
+        self._decay_views = list(self.decay.unbind(0))
+        self._group_count = group_count
+        self.group_decay = torch.ones(group_count, device=device)
+        self._group_decay_views = list(self.group_decay.unbind(0))
+        self._cautious_views = list(self.cautious.unbind(0))
+        self._step_views = list(self.step.unbind(0))
+        self._row_maps = {
+            j: _row_matrices([entries[i] for i in self._views_of[j]], comm) for j in self.magma
+        }
+        self._magma_steps: dict[int, torch.Tensor] = {}
+        # The step's inputs, set by run().
+        self.keep = torch.ones(len(self.params), dtype=torch.bool, device=device)
+        self._keep_views = list(self.keep.unbind(0))
+        self.ns_bad = torch.zeros(len(self.params), device=device)
+        self.found_inf = torch.zeros((), device=device)
+        self._local_grad = [True] * len(self.params)
+        self.grads: list[torch.Tensor] = []
+        self._grad_views: list[dict[tuple[int, int], torch.Tensor]] = [{} for _ in self.params]
+        self._grad_sources: list[torch.Tensor | None] = [None] * len(self.params)
+        self._deferred: list[tuple[int, Slices, torch.Tensor]] | None = None
+
+    # -- plan time ----------------------------------------------------------------------
+
+    def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Point at the momentum buffers and Magma scores (again after a state load)."""
+        self.momenta = [local(state[p]["momentum_buffer"]) for p in self.params]
+        self.scores = {j: state[self.params[j]]["magma_score"] for j in self.magma}
+        self._piece_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _fusable(self) -> tuple[frozenset[int], frozenset[int]]:
+        """Entries whose local shard the step reads (writes) exactly once, so the read can
+        also advance the momentum and the write also decay, in one pass.
+
+        Magma needs the advanced momentum before any read and scales rows by a tensor;
+        cautious decay needs the update's sign: both keep their separate passes.
+        """
+        reads, writes = local_pieces(self.plan)
+        fusable_reads: set[int] = set()
+        fusable_writes: set[int] = set()
+        for j, views in enumerate(self._views_of):
+            group, shape = self.groups[j], self.local_params[j].shape
+            if group["magma"]:
+                continue
+            if covers_exactly(shape, [piece for i in views for piece in reads[i]]):
+                fusable_reads.update(views)
+            if not group["cautious_wd"] and covers_exactly(
+                shape, [piece for i in views for piece in writes[i]]
+            ):
+                fusable_writes.update(views)
+        return frozenset(fusable_reads), frozenset(fusable_writes)
+
+    def _fused(self, fusable: frozenset[int]) -> frozenset[int]:
+        """The fusable entries whose tensors take the fused form under the backend."""
+        backend = self.settings.backend
+        return frozenset(
+            i
+            for i in fusable
+            if fused_form(
+                backend,
+                self.local_params[self.entries[i].param_index],
+                self.momenta[self.entries[i].param_index],
+            )
+        )
+
+    # -- the step -----------------------------------------------------------------------
+
+    def run(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        keep: torch.Tensor,
+        found_inf: torch.Tensor,
+        ns_bad: torch.Tensor,
+        hyper: torch.Tensor,
+        agree_on_results: Callable[[], None],
+        transactional: bool,
+    ) -> None:
+        """One Muon phase. ``grads`` are the local gradients (None where absent), ``keep`` the
+        agreed per-parameter mask and ``found_inf`` the step's flag (a parameter with a local
+        gradient has ``keep = not found_inf``, which lets its decay share one launch with its
+        group's), ``ns_bad`` (zeroed) counts non-finite Newton–Schulz results per parameter,
+        ``hyper`` holds the step's lr and weight decay per group.
+        ``agree_on_results`` all-reduces the Newton–Schulz flags (and, when transactional,
+        updates ``keep``) before the deferred writes."""
+        self._set_grads(grads)
+        self.keep.copy_(keep)
+        self.found_inf = found_inf
+        self.ns_bad = ns_bad
+        self._scalars(hyper)
+        if not transactional:
+            self._advance_state(store_all=False)
+        self._deferred = [] if transactional else None
+        buckets = self.plan.buckets
+        run_tasks(
+            (
+                bucket_task(b, layouts, self)
+                for b, layouts in zip(buckets, self._layouts, strict=True)
+            ),
+            self.settings.max_inflight,
+        )
+        agree_on_results()
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self.keep.copy_(keep)
+            self._scalars(hyper)
+            self._advance_state(store_all=True)
+            self._write_all(
+                [
+                    (index, slices, torch.where(self._keep_views[e.param_index], update, 0.0))
+                    for index, slices, update in deferred
+                    for e in (self.entries[index],)
+                ]
+            )
+
+    def _set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Local gradients, zeros where absent; piece views are kept while a gradient stays."""
+        self.grads = []
+        self._local_grad = [grad is not None for grad in grads]
+        for j, grad in enumerate(grads):
+            if grad is None:
+                grad = torch.zeros_like(self.local_params[j])
+            if grad is not self._grad_sources[j]:
+                self._grad_sources[j] = grad
+                self._grad_views[j] = {}
+            self.grads.append(grad)
+
+    def _scalars(self, hyper: torch.Tensor) -> None:
+        """This step's decay, cautious rate and step size per tensor, zero effect off ``keep``."""
+        keep = self.keep.float()
+        lr = hyper.index_select(0, self._lr_index)
+        rate = lr * hyper.index_select(0, self._wd_index) * keep
+        torch.sub(1.0, rate * self._plain_mask, out=self.decay)
+        torch.mul(rate, self._cautious_mask, out=self.cautious)
+        per_entry = (lr * keep).index_select(0, self._entry_param)
+        torch.mul(per_entry, self._neg_scale, out=self.step)
+        groups = self._group_count
+        ok = (self.found_inf == 0).float()
+        group_rate = hyper[:groups] * hyper[groups : 2 * groups] * ok
+        torch.sub(1.0, group_rate, out=self.group_decay)
+        class_lr = hyper.index_select(0, self._class_group) * ok
+        torch.mul(class_lr, self._class_neg_scale, out=self.class_step)
+
+    def _advance_state(self, store_all: bool) -> None:
+        """Momentum (one foreach pass per coefficient), Magma and the unfused decay."""
+        by_beta: dict[float, list[int]] = {}
+        for j, group in enumerate(self.groups):
+            if store_all or self._views_of[j][0] not in self._fused_reads:
+                by_beta.setdefault(group["momentum"], []).append(j)
+        for beta, members in by_beta.items():
+            advanced = torch._foreach_add(
+                [self.grads[j] for j in members], [self.momenta[j] for j in members], alpha=beta
+            )
+            for j, new in zip(members, advanced, strict=True):
+                store_momentum_(self.momenta[j], new, self._keep_views[j])
+        if self.magma:
+            self._magma()
+        # Parameters with a local gradient decay by their group's factor, one launch per
+        # group; the others by their own, which depends on the other ranks' gradients.
+        by_group: dict[int, list[int]] = {}
+        alone: list[int] = []
+        for j, group in enumerate(self.groups):
+            if group["cautious_wd"] or self._views_of[j][0] in self._fused_writes:
+                continue
+            if self._local_grad[j]:
+                by_group.setdefault(self.entries[self._views_of[j][0]].group_index, []).append(j)
+            else:
+                alone.append(j)
+        for g, members in by_group.items():
+            torch._foreach_mul_([self.local_params[j] for j in members], self._group_decay_views[g])
+        if alone:
+            torch._foreach_mul_(
+                [self.local_params[j] for j in alone], [self._decay_views[j] for j in alone]
+            )
+
+    def _magma(self) -> None:
+        """Damp Magma parameters' steps per matrix by momentum-gradient agreement.
+
+        Each rank sums dot products and squared norms of its rows per matrix; one all-reduce
+        completes them, so every rank sees the cosine of the whole matrix. Replicas add a
+        piece once per copy, which the cosine's ratio cancels.
+        """
+        sums = []
+        for j in self.magma:
+            m, g = self.momenta[j].float(), self.grads[j].float()
+            dims = tuple(range(1, m.ndim))
+            per_row = torch.stack([(m * g).sum(dims), m.square().sum(dims), g.square().sum(dims)])
+            total = torch.zeros(3, self.scores[j].numel(), device=self.device)
+            sums.append(total.index_add_(1, self._row_maps[j], per_row))
+        totals = torch.cat(sums, dim=1)
+        if self.holders.size > 1:
+            dist.all_reduce(totals, group=self.holders.group)
+        offset = 0
+        for j in self.magma:
+            score = self.scores[j]
+            dot, mm, gg = totals[:, offset : offset + score.numel()]
+            offset += score.numel()
+            cosine = (dot / (mm.sqrt() * gg.sqrt()).clamp_min(_MAGMA_EPS)).clamp(-1.0, 1.0)
+            beta = self.groups[j]["magma_beta"]
+            new = score * beta + (1.0 + cosine) / 2.0 * (1.0 - beta)
+            torch.where(self._keep_views[j], new, score, out=score)
+            damping = (MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score)[self._row_maps[j]]
+            shape = (-1, *[1] * (self.local_params[j].ndim - 1))
+            for i in self._views_of[j]:
+                self._magma_steps[i] = (damping * self._step_views[i]).view(shape)
+
+    def _pieces(self, index: int, slices: Slices) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parameter and momentum views of a piece, made once per plan."""
+        key = (index, id(slices))
+        views = self._piece_views.get(key)
+        if views is None:
+            j = self.entries[index].param_index
+            views = self._piece_views[key] = (self.local_params[j][slices], self.momenta[j][slices])
+        return views
+
+    def _grad_piece(self, index: int, slices: Slices) -> torch.Tensor:
+        j = self.entries[index].param_index
+        key = (index, id(slices))
+        view = self._grad_views[j].get(key)
+        if view is None:
+            view = self._grad_views[j][key] = self.grads[j][slices]
+        return view
+
+    # -- the bucket tasks' context ------------------------------------------------------
+
+    def read_updates(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
+        # Pieces whose momentum advanced before (torch form, not transactional) take one
+        # foreach add per Nesterov coefficient and one foreach copy that casts to ``out``.
+        batched: dict[float | None, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for index, slices, out in pieces:
+            entry = self.entries[index]
+            group = entry.group
+            mix = group["momentum"] if group["nesterov"] else None
+            grad = self._grad_piece(index, slices)
+            _, momentum = self._pieces(index, slices)
+            if self._deferred is not None or index in self._fused_reads:
+                pre_orthogonalize_(
+                    grad,
+                    momentum,
+                    out,
+                    beta=group["momentum"],
+                    mix=mix,
+                    keep=self._keep_views[entry.param_index],
+                    store=self._deferred is None,
+                    fused=index in self._fused_reads,
+                )
+            else:
+                batched.setdefault(mix, []).append((grad, momentum, out))
+        for mix, items in batched.items():
+            grads, momenta, outs = zip(*items, strict=True)
+            ns_inputs_(grads, momenta, outs, mix)
+
+    def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
+        params = self._stack_params[layout.index]
+        mask_stack_(stack, self.keep.index_select(0, params))
+        steps, coefficients, parts, method = cast(
+            tuple[int, Coefficients, PartSplit | None, str], layout.ns_key
+        )
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(
+                x,
+                steps=steps,
+                coefficients=coefficients,
+                dtype=self.settings.ns_dtype,
+                backend=self.settings.backend,
+                method=method,
+            )
+
+        result = run(stack) if parts is None else parts.orthogonalize(stack, run)
+        # One sum per matrix instead of an elementwise test: a sum is finite exactly when
+        # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
+        finite = torch.isfinite(result.sum(dim=(-2, -1), dtype=torch.float32))
+        self.ns_bad.index_add_(0, params, finite.logical_not_().float())
+        return result
+
+    def apply(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
+        # Owners add their own result in the dtype the other holders receive it in, so
+        # replicas of a parameter round identically and stay bitwise equal.
+        updates = [(index, slices, ortho.to(self.comm_dtype)) for index, slices, ortho in pieces]
+        if self._deferred is not None:
+            self._deferred += updates
+            return
+        self._write_all(updates)
+
+    def _write_all(self, updates: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
+        """Write updates; plain pieces (torch form, no Magma or cautious decay) batched.
+
+        A plain piece of a parameter with a local gradient has the step of its class (group
+        and lr scale), so each class takes three multi-tensor launches: cast the updates to
+        the parameters' dtype, scale them, add them. Other plain pieces take one foreach
+        ``addcmul`` with their own steps; the rest go one by one.
+        """
+        classes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        targets, sources, steps = [], [], []
+        for index, slices, update in updates:
+            if index not in self._plain_writes:
+                self._write(index, slices, update)
+                continue
+            target = self._pieces(index, slices)[0]
+            if self._local_grad[self.entries[index].param_index]:
+                classes.setdefault(self._entry_class[index], []).append((target, update))
+            else:
+                targets.append(target)
+                sources.append(update)
+                steps.append(self._step_views[index])
+        if targets:
+            torch._foreach_addcmul_(targets, sources, steps)
+        for cls, pieces in classes.items():
+            by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for target, update in pieces:
+                by_dtype.setdefault(target.dtype, []).append((target, update))
+            for dtype, items in by_dtype.items():
+                numels = [target.numel() for target, _ in items]
+                flat = torch.empty(sum(numels), dtype=dtype, device=self.device)
+                scaled = [
+                    part.view(target.shape)
+                    for part, (target, _) in zip(flat.split_with_sizes(numels), items, strict=True)
+                ]
+                torch._foreach_copy_(scaled, [update for _, update in items])
+                torch._foreach_mul_(scaled, self._class_step_views[cls])
+                torch._foreach_add_([target for target, _ in items], scaled)
+
+    def _write(self, index: int, slices: Slices, update: torch.Tensor) -> None:
+        j = self.entries[index].param_index
+        target, _ = self._pieces(index, slices)
+        magma_step = self._magma_steps.get(index)
+        step = magma_step[slices[0]] if magma_step is not None else self._step_views[index]
+        fused = index in self._fused_writes
+        post_orthogonalize_(
+            target,
+            update,
+            step=step,
+            keep=self._keep_views[j],
+            decay=self._decay_views[j] if fused else None,
+            cautious=self._cautious_views[j] if self.groups[j]["cautious_wd"] else None,
+            fused=fused,
+        )
