@@ -128,3 +128,43 @@ def two_meshes_worker(rank: int, world_size: int) -> dict[str, Any]:
         for p, r, f in zip(params, refs, fulls, strict=True)
     ]
     return {"errors": errors, "calls": calls, "stage_ranks": (2 * stage, 2 * stage + 1)}
+
+
+def plain_subgroup_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Plain-tensor replicas (DDP style) per stage, ranks {0, 1} and {2, 3}: with
+    ``process_group`` each stage's Muon splits the work among its own ranks only."""
+    from reference_muon import reference_muon_step
+    from torch import nn
+
+    import muon_dist
+
+    stages = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    stage = rank // 2
+    gen = torch.Generator().manual_seed(20 + stage)
+    shapes = [(24 + 8 * stage, 16), (16, 40), (32, 32)]
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
+    params = [nn.Parameter(f.clone()) for f in fulls]
+    hp = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1}
+    opt = muon_dist.Muon(
+        [{"params": params, "algorithm": "muon"}],
+        comm_dtype=torch.float32,
+        ns_dtype=torch.float32,
+        process_group=stages[stage],
+        **hp,
+    )
+    refs = [f.clone() for f in fulls]
+    moms = [torch.zeros_like(f) for f in fulls]
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    with recording(calls):
+        for _ in range(3):
+            grads = [torch.randn(s, generator=gen) for s in shapes]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+            for r, g, m in zip(refs, grads, moms, strict=True):
+                reference_muon_step(r, g, m, ns_dtype=torch.float32, **hp)
+    errors = [
+        float((p.detach() - r).abs().max() / (r - f).abs().max())
+        for p, r, f in zip(params, refs, fulls, strict=True)
+    ]
+    return {"errors": errors, "calls": calls, "stage_ranks": (2 * stage, 2 * stage + 1)}

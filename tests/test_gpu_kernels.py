@@ -13,7 +13,7 @@ Triton is not installed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -176,6 +176,28 @@ def test_small_stacks_replay_from_a_graph() -> None:
     assert torch.equal(first, newton_schulz(X, backend="torch", method="gram"))
     Y = torch.randn_like(X)
     assert torch.equal(newton_schulz(Y), newton_schulz(Y, backend="torch", method="gram"))
+
+
+def test_full_graph_cache_runs_new_shapes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the graph cache is full, new small shapes run eagerly instead of evicting and
+    capturing again: a capture synchronises, and a cycling cache would do it every step."""
+    from muon_dist.kernels import graphs
+
+    captures: list[int] = []
+    capture = graphs._capture
+
+    def counted(X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> graphs._Graphed:
+        captures.append(X.shape[-1])
+        return capture(X, fn)
+
+    monkeypatch.setattr(graphs, "_graphs", {})
+    monkeypatch.setattr(graphs, "_MAX_GRAPHS", 2)
+    monkeypatch.setattr(graphs, "_capture", counted)
+    stacks = [torch.randn(1, 256, n, device="cuda", dtype=torch.bfloat16) for n in (512, 640, 768)]
+    for _ in range(3):
+        for X in stacks:
+            assert torch.equal(newton_schulz(X), newton_schulz(X, backend="torch", method="gram"))
+    assert captures == [512, 640]
 
 
 def _keep() -> torch.Tensor:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_distributed
-from group_cases import hsdp_worker, pipeline_worker, two_meshes_worker
+from group_cases import (
+    hsdp_worker,
+    pipeline_worker,
+    plain_subgroup_worker,
+    two_meshes_worker,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,3 +39,11 @@ def test_stage_on_two_meshes_gets_a_group_of_its_own_ranks() -> None:
         assert max(result["errors"]) <= 1e-5, (rank, result["errors"])
         wrong = {c for c in result["calls"] if c[1] != result["stage_ranks"]}
         assert result["calls"] and not wrong, f"rank {rank}: collectives outside its stage: {wrong}"
+
+
+def test_plain_replicas_on_a_subgroup_with_process_group() -> None:
+    for rank, result in enumerate(run_distributed(4, plain_subgroup_worker)):
+        assert max(result["errors"]) <= 1e-5, (rank, result["errors"])
+        wrong = {c for c in result["calls"] if c[1] != result["stage_ranks"]}
+        kinds = {name for name, _ in result["calls"]}
+        assert "all_to_all_single" in kinds and not wrong, (rank, kinds, wrong)

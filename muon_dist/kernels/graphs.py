@@ -10,7 +10,6 @@ already removes the launches.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import torch
 # Stacks up to this size replay from a graph: one 1024×4096 bf16 matrix is 8 MiB. Each
 # cached graph keeps its intermediates (a few stack-sized buffers) in a private pool.
 GRAPH_MAX_BYTES = 16 * 2**20
-# Graphs kept per process, least recently used dropped first: bounds their memory to about
+# Graphs kept per process, the first shapes seen: bounds their memory to about
 # _MAX_GRAPHS · 5 · GRAPH_MAX_BYTES.
 _MAX_GRAPHS = 8
 
@@ -31,7 +30,7 @@ class _Graphed:
     graph: torch.cuda.CUDAGraph
 
 
-_graphs: OrderedDict[Hashable, _Graphed] = OrderedDict()
+_graphs: dict[Hashable, _Graphed] = {}
 
 
 def graph_eligible(X: torch.Tensor) -> bool:
@@ -50,17 +49,16 @@ def run_graphed(
     besides X's values that ``fn`` depends on: shape, dtype, device, options).
 
     The first call per key warms ``fn`` up on a side stream (cuBLAS and Triton set
-    themselves up, Triton autotunes) and captures it; the result is always a fresh tensor,
-    never the graph's static output.
+    themselves up, Triton autotunes) and captures it, while the cache has room; a key that
+    finds it full runs ``fn`` eagerly. The result is always a fresh tensor, never the
+    graph's static output.
     """
     entry = _graphs.get(key)
     if entry is None:
+        if len(_graphs) >= _MAX_GRAPHS:
+            return fn(X)
         entry = _capture(X, fn)
         _graphs[key] = entry
-        while len(_graphs) > _MAX_GRAPHS:
-            _graphs.popitem(last=False)
-    else:
-        _graphs.move_to_end(key)
     entry.static_input.copy_(X)
     entry.graph.replay()
     return entry.static_output.clone()
