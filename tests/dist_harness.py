@@ -141,7 +141,9 @@ class WorkerPool:
             if p.is_alive():
                 tasks.put(None)
 
-    def join(self, timeout: float = 10) -> None:
+    def join(self, timeout: float = 3) -> None:
+        """Wait up to ``timeout`` s in all for the ranks to exit, then end the rest: they hold
+        nothing worth a slow interpreter shutdown on a loaded machine."""
         deadline = time.monotonic() + timeout
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
