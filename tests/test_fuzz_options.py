@@ -35,6 +35,15 @@ OPTIONS = st.fixed_dictionaries(
         "coefficients": st.sampled_from(["quintic", "keller", "polar_express", "nope"]),
     },
 )
+ADAMW_OPTIONS = st.fixed_dictionaries(
+    {},
+    optional={
+        "lr": NUMBERS,
+        "weight_decay": NUMBERS,
+        "eps": st.sampled_from([1e-8, 0.0, -1.0, math.nan]),
+        "betas": st.tuples(NUMBERS, NUMBERS),
+    },
+)
 SHAPES = st.sampled_from([(4, 4), (3, 7), (9, 2), (1, 5), (6, 0), (5,), (2, 3, 4)])
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.complex64, torch.int64])
 
@@ -45,25 +54,54 @@ DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.complex64, torch.
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(options=OPTIONS, shape=SHAPES, dtype=DTYPES, seed=st.integers(0, 2**16))
+@given(
+    options=OPTIONS,
+    adamw_options=ADAMW_OPTIONS,
+    shape=SHAPES,
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
 def test_fuzzed_group_raises_by_name_or_matches_reference(
-    options: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype, seed: int
+    options: dict[str, Any],
+    adamw_options: dict[str, Any],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    seed: int,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(shape, generator=gen).to(dtype)
     p = nn.Parameter(full.clone(), requires_grad=dtype.is_floating_point or dtype.is_complex)
-    group = {"params": [p], "param_names": ["fuzz.w"], "algorithm": "muon", **options}
+    bias_full = torch.randn(5, generator=gen)
+    bias = nn.Parameter(bias_full.clone())
+    groups = [
+        {"params": [p], "param_names": ["fuzz.w"], "algorithm": "muon", **options},
+        {"params": [bias], "param_names": ["fuzz.b"], "algorithm": "adamw", **adamw_options},
+    ]
     try:
-        opt = muon_dist.Muon([group], comm_dtype=torch.float32)
+        opt = muon_dist.Muon(groups, comm_dtype=torch.float32)
     except (ValueError, TypeError) as exc:
         message = str(exc)
-        named = [k for k in options if k in message] + ["fuzz.w", "ns_steps", "coefficients"]
+        keys = [*options, *adamw_options]
+        named = [k for k in keys if k in message] + ["fuzz.w", "ns_steps", "coefficients"]
         assert any(n in message for n in named), message
         return
     assert p.ndim == 2 and dtype in (torch.float32, torch.bfloat16) and 0 not in shape
     grad = torch.randn(shape, generator=gen).to(dtype)
-    p.grad = grad.clone()
+    bias_grad = torch.randn(5, generator=gen)
+    p.grad, bias.grad = grad.clone(), bias_grad.clone()
     opt.step()
+    adamw = opt.param_groups[1]
+    ref_bias = nn.Parameter(bias_full.clone())
+    ref_bias.grad = bias_grad
+    torch.optim.AdamW(
+        [ref_bias],
+        lr=adamw["lr"],
+        betas=adamw["betas"],
+        eps=adamw["eps"],
+        weight_decay=adamw["weight_decay"],
+    ).step()
+    assert torch.isfinite(bias.detach()).all()
+    torch.testing.assert_close(bias.detach(), ref_bias.detach(), rtol=1e-6, atol=1e-6)
     group = opt.param_groups[0]
     ref = full.clone()
     reference_muon_step(
