@@ -160,18 +160,29 @@ class Muon(torch.optim.Optimizer):
         # CyclicLR), which is Muon's; AdamW groups keep their betas. Groups get their own
         # algorithm's defaults in add_param_group, never these.
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-        super().__init__(
-            _split_by_algorithm(params, self._defaults_by_algorithm), defaults=defaults
-        )
+        groups = _split_by_algorithm(params, self._defaults_by_algorithm)
+        # A group refused on this rank only (options that differ across ranks) is agreed
+        # through the rank check below, so the other ranks raise too instead of waiting.
+        refused: ValueError | TypeError | None = None
+        try:
+            super().__init__(groups, defaults=defaults)
+        except (ValueError, TypeError) as exc:
+            refused = exc
         self._comm = comm_groups(
-            [p for g in self.param_groups for p in g["params"]], replica_mode, process_group
+            [p for g in groups for p in g["params"]], replica_mode, process_group
         )
-        check_ranks_agree(
-            self.param_groups,
-            [repr(spec) for spec in qk_clip],
-            self._comm.rank,
-            self._comm.holders,
-        )
+        try:
+            check_ranks_agree(
+                [] if refused else self.param_groups,
+                [f"refused: {refused}"] if refused else [repr(spec) for spec in qk_clip],
+                self._comm.rank,
+                self._comm.holders,
+            )
+        except RuntimeError:
+            if refused is None:
+                raise
+        if refused is not None:
+            raise refused
         runner = self._step_runner()  # unsupported layouts fail here, not mid-training
         if cuda_graph and runner.device.type != "cuda":
             raise ValueError(

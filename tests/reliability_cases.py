@@ -210,6 +210,18 @@ def exception_in_newton_schulz_on_one_rank_is_agreed() -> None:
         opt.step()  # the next step runs on every rank
 
 
+def option_refused_on_one_rank_raises_on_every_rank() -> None:
+    """An lr that is NaN on rank 1 only: rank 1 names it, rank 0 learns it at construction."""
+    _, p = _sharded((8, 6), 13)
+    lr = float("nan") if dist.get_rank() == 1 else 0.02
+    if dist.get_rank() == 1:
+        error, pattern = ValueError, r"param group 0 \(muon\): lr=nan is not finite"
+    else:
+        error, pattern = RuntimeError, r"'refused: param group 0 \(muon\): lr=nan is not finite"
+    with pytest.raises(error, match=pattern):
+        muon_dist.Muon([{"params": [p], "algorithm": "muon", "lr": lr}])
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     check.__name__: check
     for check in (
@@ -221,6 +233,7 @@ CHECKS: dict[str, Callable[[], None]] = {
         gradient_placements_are_checked_on_every_rank,
         adamw_gradient_on_some_ranks_only_counts_as_zero,
         exception_in_newton_schulz_on_one_rank_is_agreed,
+        option_refused_on_one_rank_raises_on_every_rank,
     )
 }
 
