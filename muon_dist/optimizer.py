@@ -245,6 +245,7 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by Muon, matching parameters by name, refusing one whose routing
         no longer matches and checking every loaded option as the constructor does."""
+        self.check_finite()  # the last step's outcome, before its step is rebuilt below
         check_saved_routing(state_dict, self.param_groups)
         state_dict = by_name(state_dict, self.param_groups)
         for index, (saved, group) in enumerate(
@@ -268,8 +269,10 @@ class Muon(torch.optim.Optimizer):
                 for p in group["params"]:
                     step = self.state[p]["step"]
                     self.state[p]["step"] = step.to(local(p).device, torch.float32, copy=True)
-        if self._runner is not None:
-            self._runner.bind_state(self.state)
+        # Optimizer.load_state_dict replaces the group dicts, which the step reads its
+        # momentum, Nesterov and lr scale from: bind a step to the loaded groups.
+        self._runner = None
+        self._step_runner()
 
     def routing_table(self) -> str:
         """Which parameter goes where, its matrix view and lr scale, as printable text."""

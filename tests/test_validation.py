@@ -176,3 +176,22 @@ def test_overflowing_norm_is_reported_as_such_and_changes_nothing(policy: str) -
     assert torch.equal(w.detach(), before[0]) and torch.equal(b.detach(), before[1])
     assert torch.count_nonzero(opt.state[w]["momentum_buffer"]) == 0
     assert float(opt.state[b]["step"]) == 0.0
+
+
+def test_loaded_momentum_is_the_one_the_step_uses() -> None:
+    """Loading replaces the group dicts; the step must read the loaded ones."""
+    from reference_muon import reference_muon_step
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 6))
+    opt = muon_dist.Muon([("w", w)], momentum=0.9, comm_dtype=torch.float32, ns_dtype=torch.float32)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["momentum"] = 0.5
+    opt.load_state_dict(saved)
+    ref, buf = w.detach().clone(), torch.zeros(8, 6)
+    for _ in range(2):
+        grad = torch.randn(8, 6)
+        w.grad = grad.clone()
+        opt.step()
+        reference_muon_step(ref, grad, buf, lr=0.02, momentum=0.5, ns_dtype=torch.float32)
+    torch.testing.assert_close(w.detach(), ref, rtol=0, atol=1e-6)
