@@ -14,10 +14,9 @@ from torch.distributed.tensor import DTensor
 from muon_dist.groups import Peers
 from muon_dist.routing import group_param_names, matrix_views, named_params
 
-# Group keys every rank must share: they decide the matrix views, the plan and which
-# collectives run. Hyper-parameters such as lr are read fresh every step instead.
-AGREE_KEYS = (
-    "algorithm",
+# Group keys that decide a Muon parameter's matrix views: a saved state built under other
+# values holds momenta of other matrices, so loading it is refused.
+ROUTING_KEYS = (
     "muon_mode",
     "experts",
     "num_experts",
@@ -25,6 +24,14 @@ AGREE_KEYS = (
     "split_sizes",
     "split_groups",
     "transposed",
+)
+
+
+# Group keys every rank must share: they decide the matrix views, the plan and which
+# collectives run. Hyper-parameters such as lr are read fresh every step instead.
+AGREE_KEYS = (
+    "algorithm",
+    *ROUTING_KEYS,
     "ns_steps",
     "coefficients",
     "ns_method",
@@ -101,19 +108,6 @@ def _with_names(saved: dict[str, Any], current: dict[str, Any] | None) -> dict[s
     if "param_names" in saved or names is None or len(names) != len(saved["params"]):
         return saved
     return {**saved, "param_names": names}
-
-
-# Group keys that decide a Muon parameter's matrix views: a saved state built under other
-# values holds momenta of other matrices, so loading it is refused.
-ROUTING_KEYS = (
-    "muon_mode",
-    "experts",
-    "num_experts",
-    "num_heads",
-    "split_sizes",
-    "split_groups",
-    "transposed",
-)
 
 
 def _saved_groups(
