@@ -23,13 +23,28 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from muon_dist.comm import Runs, flat_views, runs_numel, shape_runs
 from muon_dist.groups import CommGroups
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import newton_schulz
-from muon_dist.plan import Plan, covers_exactly, layout_of, local, local_pieces, local_rows
+from muon_dist.plan import (
+    Plan,
+    covers_exactly,
+    is_whole,
+    layout_of,
+    local,
+    local_pieces,
+    local_rows,
+)
 from muon_dist.routing import MatrixView, PartSplit
 from muon_dist.runtime import run_tasks
-from muon_dist.runtime.bucket_task import StackLayout, bucket_task, stack_layouts
+from muon_dist.runtime.bucket_task import (
+    BucketLayout,
+    LocalSlices,
+    StackLayout,
+    bucket_layout,
+    bucket_task,
+)
 from muon_dist.settings import ExecutionSettings
 from muon_dist.update_rule import (
     fused_form,
@@ -94,6 +109,38 @@ def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tenso
     return matrices.to(local(first.param).device)
 
 
+@dataclass(frozen=True)
+class _Reads:
+    """How one tuple of pieces is read: positions taking one pass each, and positions
+    batched per Nesterov coefficient."""
+
+    alone: tuple[int, ...]
+    batched: tuple[tuple[float | None, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class _ClassWrites:
+    """Plain pieces of one step class and parameter dtype, written with shared launches;
+    their scaled updates lie in one flat buffer in ``runs``."""
+
+    step: int
+    dtype: torch.dtype
+    positions: tuple[int, ...]
+    targets: tuple[torch.Tensor, ...]
+    runs: Runs
+
+
+@dataclass(frozen=True)
+class _Writes:
+    """How one tuple of pieces is written (see :meth:`MuonStep._write_all`)."""
+
+    alone: tuple[int, ...]
+    loose: tuple[int, ...]
+    loose_targets: tuple[torch.Tensor, ...]
+    loose_steps: tuple[torch.Tensor, ...]
+    classes: tuple[_ClassWrites, ...]
+
+
 class MuonStep:
     """The Muon phase of every step for one plan; implements the bucket tasks' context."""
 
@@ -135,10 +182,10 @@ class MuonStep:
             for i, e in enumerate(entries)
             if i not in self._fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
         )
-        self._layouts: list[list[StackLayout]] = []
+        self._layouts: list[BucketLayout] = []
         for bucket in plan.buckets:
-            first = sum(len(layouts) for layouts in self._layouts)
-            self._layouts.append(stack_layouts(bucket, first))
+            first = sum(len(layout.stacks) for layout in self._layouts)
+            self._layouts.append(bucket_layout(bucket, first, plan.world_size, self.peers))
         device = self.device
 
         def tensor(values: Sequence[float | int], dtype: torch.dtype) -> torch.Tensor:
@@ -146,8 +193,8 @@ class MuonStep:
 
         self._stack_params = [
             tensor([entries[i].param_index for i in layout.layouts], torch.long)
-            for layouts in self._layouts
-            for layout in layouts
+            for bucket in self._layouts
+            for layout in bucket.stacks
         ]
         group_of = [entries[views[0]].group_index for views in self._views_of]
         self._lr_index = tensor(group_of, torch.long)
@@ -191,7 +238,12 @@ class MuonStep:
         self.grads: list[torch.Tensor] = []
         self._grad_views: list[dict[tuple[int, int], torch.Tensor]] = [{} for _ in self.params]
         self._grad_sources: list[torch.Tensor | None] = [None] * len(self.params)
-        self._deferred: list[tuple[int, Slices, torch.Tensor]] | None = None
+        self._deferred: list[tuple[Sequence[LocalSlices], Sequence[torch.Tensor]]] | None = None
+        # How each of the layouts' piece tuples is read and written, decided on its first
+        # step; writes depend on which parameters have a local gradient, so they are decided
+        # again when that changes.
+        self._reads: dict[tuple[int, bool], _Reads] = {}
+        self._writes: dict[Hashable, _Writes] = {}
 
     # -- plan time ----------------------------------------------------------------------
 
@@ -268,8 +320,8 @@ class MuonStep:
         buckets = self.plan.buckets
         run_tasks(
             (
-                bucket_task(b, layouts, self)
-                for b, layouts in zip(buckets, self._layouts, strict=True)
+                bucket_task(b, layout, self)
+                for b, layout in zip(buckets, self._layouts, strict=True)
             ),
             self.settings.max_inflight,
         )
@@ -279,18 +331,24 @@ class MuonStep:
             self.keep.copy_(keep)
             self._scalars(hyper)
             self._advance_state(store_all=True)
+            pieces = tuple(piece for part, _ in deferred for piece in part)
+            updates = [update for _, part in deferred for update in part]
             self._write_all(
+                pieces,
                 [
-                    (index, slices, torch.where(self._keep_views[e.param_index], update, 0.0))
-                    for index, slices, update in deferred
-                    for e in (self.entries[index],)
-                ]
+                    torch.where(self._keep_views[self.entries[index].param_index], update, 0.0)
+                    for (index, _), update in zip(pieces, updates, strict=True)
+                ],
+                key=tuple(id(part) for part, _ in deferred),
             )
 
     def _set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Local gradients, zeros where absent; piece views are kept while a gradient stays."""
         self.grads = []
-        self._local_grad = [grad is not None for grad in grads]
+        local_grad = [grad is not None for grad in grads]
+        if local_grad != self._local_grad:
+            self._local_grad = local_grad
+            self._writes.clear()
         for j, grad in enumerate(grads):
             if grad is None:
                 grad = torch.zeros_like(self.local_params[j])
@@ -392,37 +450,52 @@ class MuonStep:
         key = (index, id(slices))
         view = self._grad_views[j].get(key)
         if view is None:
-            view = self._grad_views[j][key] = self.grads[j][slices]
+            grad = self.grads[j]
+            view = self._grad_views[j][key] = grad if is_whole(slices, grad.shape) else grad[slices]
         return view
 
     # -- the bucket tasks' context ------------------------------------------------------
 
-    def read_updates(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
-        # Pieces whose momentum advanced before (torch form, not transactional) take one
-        # foreach add per Nesterov coefficient and one foreach copy that casts to ``out``.
-        batched: dict[float | None, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        for index, slices, out in pieces:
+    def read_updates(self, pieces: Sequence[LocalSlices], outs: Sequence[torch.Tensor]) -> None:
+        reads = self._reads.get((id(pieces), self._deferred is None))
+        if reads is None:
+            reads = self._reads[(id(pieces), self._deferred is None)] = self._plan_reads(pieces)
+        for i in reads.alone:
+            index, slices = pieces[i]
             entry = self.entries[index]
             group = entry.group
-            mix = group["momentum"] if group["nesterov"] else None
-            grad = self._grad_piece(index, slices)
-            _, momentum = self._pieces(index, slices)
+            pre_orthogonalize_(
+                self._grad_piece(index, slices),
+                self._pieces(index, slices)[1],
+                outs[i],
+                beta=group["momentum"],
+                mix=group["momentum"] if group["nesterov"] else None,
+                keep=self._keep_views[entry.param_index],
+                store=self._deferred is None,
+                fused=index in self._fused_reads,
+            )
+        for mix, positions in reads.batched:
+            ns_inputs_(
+                [self._grad_piece(*pieces[i]) for i in positions],
+                [self._pieces(*pieces[i])[1] for i in positions],
+                [outs[i] for i in positions],
+                mix,
+            )
+
+    def _plan_reads(self, pieces: Sequence[LocalSlices]) -> _Reads:
+        """Pieces whose momentum advanced before (torch form, not transactional) take one
+        foreach add per Nesterov coefficient and one foreach copy that casts to ``out``; the
+        others one pass each."""
+        alone: list[int] = []
+        batched: dict[float | None, list[int]] = {}
+        for i, (index, _) in enumerate(pieces):
+            group = self.entries[index].group
             if self._deferred is not None or index in self._fused_reads:
-                pre_orthogonalize_(
-                    grad,
-                    momentum,
-                    out,
-                    beta=group["momentum"],
-                    mix=mix,
-                    keep=self._keep_views[entry.param_index],
-                    store=self._deferred is None,
-                    fused=index in self._fused_reads,
-                )
+                alone.append(i)
             else:
-                batched.setdefault(mix, []).append((grad, momentum, out))
-        for mix, items in batched.items():
-            grads, momenta, outs = zip(*items, strict=True)
-            ns_inputs_(grads, momenta, outs, mix)
+                mix = group["momentum"] if group["nesterov"] else None
+                batched.setdefault(mix, []).append(i)
+        return _Reads(tuple(alone), tuple((mix, tuple(p)) for mix, p in batched.items()))
 
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
         params = self._stack_params[layout.index]
@@ -447,59 +520,84 @@ class MuonStep:
             self.error = self.error or exc
             self.ns_bad[-1:].fill_(float(self.rank + 1))
             self.ns_bad.index_fill_(0, params, 1.0)
-            return stack.new_zeros(stack.shape, dtype=self.settings.ns_dtype)
+            return stack.new_zeros(stack.shape, dtype=self.comm_dtype)
         # One sum per matrix instead of an elementwise test: a sum is finite exactly when
         # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
         finite = torch.isfinite(result.sum(dim=(-2, -1), dtype=torch.float32))
         self.ns_bad.index_add_(0, params, finite.logical_not_().float())
-        return result
-
-    def apply(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
         # Owners add their own result in the dtype the other holders receive it in, so
         # replicas of a parameter round identically and stay bitwise equal.
-        updates = [(index, slices, ortho.to(self.comm_dtype)) for index, slices, ortho in pieces]
-        if self._deferred is not None:
-            self._deferred += updates
-            return
-        self._write_all(updates)
+        return result.to(self.comm_dtype)
 
-    def _write_all(self, updates: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
+    def apply(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
+        if self._deferred is not None:
+            self._deferred.append((pieces, updates))
+            return
+        self._write_all(pieces, updates)
+
+    def _write_all(
+        self,
+        pieces: Sequence[LocalSlices],
+        updates: Sequence[torch.Tensor],
+        key: Hashable = None,
+    ) -> None:
         """Write updates; plain pieces (torch form, no Magma or cautious decay) batched.
 
         A plain piece of a parameter with a local gradient has the step of its class (group
         and lr scale), so each class takes three multi-tensor launches: cast the updates to
         the parameters' dtype, scale them, add them. Other plain pieces take one foreach
-        ``addcmul`` with their own steps; the rest go one by one.
+        ``addcmul`` with their own steps; the rest go one by one. ``key`` names ``pieces``
+        across steps (default: the tuple itself, one of the layouts').
         """
-        classes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        targets, sources, steps = [], [], []
-        for index, slices, update in updates:
+        key = id(pieces) if key is None else key
+        writes = self._writes.get(key)
+        if writes is None:
+            writes = self._writes[key] = self._plan_writes(pieces)
+        for i in writes.alone:
+            self._write(*pieces[i], updates[i])
+        if writes.loose:
+            torch._foreach_addcmul_(
+                list(writes.loose_targets),
+                [updates[i] for i in writes.loose],
+                list(writes.loose_steps),
+            )
+        for cls in writes.classes:
+            flat = torch.empty(runs_numel(cls.runs), dtype=cls.dtype, device=self.device)
+            scaled = flat_views(flat, cls.runs)
+            torch._foreach_copy_(scaled, [updates[i] for i in cls.positions])
+            torch._foreach_mul_(scaled, self._class_step_views[cls.step])
+            torch._foreach_add_(list(cls.targets), scaled)
+
+    def _plan_writes(self, pieces: Sequence[LocalSlices]) -> _Writes:
+        alone: list[int] = []
+        loose: list[int] = []
+        classes: dict[int, dict[torch.dtype, list[int]]] = {}
+        for i, (index, slices) in enumerate(pieces):
             if index not in self._plain_writes:
-                self._write(index, slices, update)
-                continue
-            target = self._pieces(index, slices)[0]
-            if self._local_grad[self.entries[index].param_index]:
-                classes.setdefault(self._entry_class[index], []).append((target, update))
+                alone.append(i)
+            elif self._local_grad[self.entries[index].param_index]:
+                dtype = self._pieces(index, slices)[0].dtype
+                classes.setdefault(self._entry_class[index], {}).setdefault(dtype, []).append(i)
             else:
-                targets.append(target)
-                sources.append(update)
-                steps.append(self._step_views[index])
-        if targets:
-            torch._foreach_addcmul_(targets, sources, steps)
-        for cls, pieces in classes.items():
-            by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-            for target, update in pieces:
-                by_dtype.setdefault(target.dtype, []).append((target, update))
-            for dtype, items in by_dtype.items():
-                numels = [target.numel() for target, _ in items]
-                flat = torch.empty(sum(numels), dtype=dtype, device=self.device)
-                scaled = [
-                    part.view(target.shape)
-                    for part, (target, _) in zip(flat.split_with_sizes(numels), items, strict=True)
-                ]
-                torch._foreach_copy_(scaled, [update for _, update in items])
-                torch._foreach_mul_(scaled, self._class_step_views[cls])
-                torch._foreach_add_([target for target, _ in items], scaled)
+                loose.append(i)
+        targets = [self._pieces(*piece)[0] for piece in pieces]
+        return _Writes(
+            tuple(alone),
+            tuple(loose),
+            tuple(targets[i] for i in loose),
+            tuple(self._step_views[pieces[i][0]] for i in loose),
+            tuple(
+                _ClassWrites(
+                    cls,
+                    dtype,
+                    tuple(positions),
+                    tuple(targets[i] for i in positions),
+                    shape_runs(tuple(targets[i].shape) for i in positions),
+                )
+                for cls, by_dtype in classes.items()
+                for dtype, positions in by_dtype.items()
+            ),
+        )
 
     def _write(self, index: int, slices: Slices, update: torch.Tensor) -> None:
         j = self.entries[index].param_index

@@ -412,6 +412,11 @@ def local_pieces(plan: Plan) -> tuple[dict[int, list[Slices]], dict[int, list[Sl
     return reads, writes
 
 
+def is_whole(slices: Slices, shape: Sequence[int]) -> bool:
+    """Whether ``slices`` index all of a tensor of ``shape`` (the tensor itself serves)."""
+    return all((s.start, s.stop) == (0, n) for s, n in zip(slices, shape, strict=True))
+
+
 def covers_exactly(shape: Sequence[int], pieces: Sequence[Slices]) -> bool:
     """Whether ``pieces`` tile a tensor of ``shape``: every element lies in exactly one."""
     boxes = sorted(tuple((s.start, s.stop) for s in piece) for piece in pieces)
@@ -502,6 +507,23 @@ def _rank_bucket(
     return plan
 
 
+def _by_stack(bucket: Sequence[Block], layouts: Sequence[ParamLayout]) -> list[Block]:
+    """Each owner's blocks of a bucket with those of one stack (same matrix shape and
+    Newton–Schulz schedule) next to each other, stacks in the order they first appear.
+
+    The order inside a stack is kept, so the stacks are the same; the pieces of a stack then
+    lie side by side in the exchange buffers, where a step takes one view for all of them.
+    """
+    first: dict[tuple[int, int, int, Hashable], int] = {}
+    keys = []
+    for block in bucket:
+        layout = layouts[block.param]
+        stack = (block.owner, layout.view.rows, layout.view.cols, layout.ns_key)
+        keys.append((block.owner, first.setdefault(stack, len(first))))
+    order = sorted(range(len(bucket)), key=keys.__getitem__)
+    return [bucket[i] for i in order]
+
+
 def build_plan(
     layouts: Sequence[ParamLayout],
     rank: int,
@@ -523,7 +545,7 @@ def build_plan(
     blocks = _blocks(layouts, jobs, bucket_bytes, itemsize)
     boxes = [local_boxes(layout) for layout in layouts]
     buckets = [
-        _rank_bucket(bucket, layouts, rank, boxes)
+        _rank_bucket(_by_stack(bucket, layouts), layouts, rank, boxes)
         for bucket in _buckets(blocks, bucket_bytes, itemsize)
     ]
     return Plan(rank, world_size, buckets, load, blocks)
