@@ -9,9 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from muon_dist.comm import flat_views
+from muon_dist.groups import Peers
 from muon_dist.plan import (
+    BucketPlan,
+    OwnedBlock,
     ParamLayout,
     Plan,
+    Slices,
     box_shape,
     build_plan,
     covers_exactly,
@@ -19,8 +24,10 @@ from muon_dist.plan import (
     local_pieces,
     ns_cost,
     relative_slices,
+    split_sizes,
 )
 from muon_dist.routing import matrix_view
+from muon_dist.runtime.bucket_task import bucket_layout, region_views, stack_layouts
 
 
 def _layout(
@@ -236,3 +243,84 @@ def test_covers_exactly() -> None:
 def test_relative_slices_and_shapes() -> None:
     assert relative_slices(((2, 4), (1, 3)), ((2, 6), (0, 5))) == (slice(0, 2), slice(1, 3))
     assert box_shape(((2, 4), (1, 3))) == (2, 2)
+
+
+def _old_style_views(
+    bucket: BucketPlan, stacks: list[torch.Tensor], pieces: list[tuple[int, Slices]]
+) -> list[torch.Tensor]:
+    """Each piece viewed the plain way: its block's part of the stack, then the slices."""
+    layouts = stack_layouts(bucket, 0)
+    block_views: dict[int, torch.Tensor] = {}
+    for layout, stack in zip(layouts, stacks, strict=True):
+        for block, offset in zip(layout.blocks, layout.offsets, strict=True):
+            owned = bucket.owned[block]
+            part = stack[offset : offset + owned.stop - owned.start]
+            block_views[block] = part.view(owned.shape)
+    return [block_views[block][slices] for block, slices in pieces]
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
+
+
+@settings(max_examples=60, deadline=None)
+@given(_random_layouts(), st.sampled_from(["split", "redundant"]))
+def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
+    case: tuple[list[ParamLayout], int], mode: str
+) -> None:
+    layouts, world = case
+    peers = Peers(tuple(range(world)), None)
+    for rank in range(world):
+        plan = build_plan(layouts, rank, world, bucket_bytes=512, itemsize=4, replica_mode=mode)
+        for bucket in plan.buckets:
+            layout = bucket_layout(bucket, 0, world, peers)
+            stacks = [torch.empty(s.shape) for s in layout.stacks]
+            for regions_, pieces in (
+                (layout.own_regions, [(i, b.own_slices[1]) for i, b in _owned(bucket)]),
+                (layout.gather_regions, [(p.block, p.slices) for p in bucket.gather_recvs]),
+                (layout.scatter_regions, [(p.block, p.slices) for p in bucket.scatter_sends]),
+            ):
+                views = region_views(stacks, regions_)
+                expected = _old_style_views(bucket, stacks, pieces)
+                assert len(views) == len(expected)
+                assert all(_same_view(a, b) for a, b in zip(views, expected, strict=True))
+            assert layout.own == tuple((b.param, b.own_slices[0]) for _, b in _owned(bucket))
+            for packing_, pieces_ in (
+                (layout.gather_send, bucket.gather_sends),
+                (layout.gather_recv, bucket.gather_recvs),
+                (layout.scatter_send, bucket.scatter_sends),
+                (layout.scatter_recv, bucket.scatter_recvs),
+            ):
+                assert list(packing_.splits) == split_sizes(pieces_, world)
+                buffer = torch.empty(packing_.numel)
+                views = flat_views(buffer, packing_.runs)
+                chunks = buffer.split_with_sizes([math.prod(p.shape) for p in pieces_])
+                expected = [c.view(p.shape) for c, p in zip(chunks, pieces_, strict=True)]
+                assert len(views) == len(expected)
+                assert all(_same_view(a, b) for a, b in zip(views, expected, strict=True))
+
+
+def _owned(bucket: BucketPlan) -> list[tuple[int, OwnedBlock]]:
+    return [(i, b) for i, b in enumerate(bucket.owned) if b.own_slices is not None]
+
+
+def test_like_pieces_take_one_region_per_stack() -> None:
+    # Layers of three shapes, interleaved in parameter order: each owner's blocks of one
+    # shape still lie side by side, so each stack's pieces take a single region.
+    shapes = [(16, 8), (8, 16), (16, 8), (4, 8)] * 6
+    layouts = [_layout(f"w{i}", shape, (2,), (0,)) for i, shape in enumerate(shapes)]
+    peers = Peers((0, 1), None)
+    for rank in range(2):
+        plan = build_plan(layouts, rank, 2, bucket_bytes=1 << 20, itemsize=4)
+        (bucket,) = plan.buckets
+        layout = bucket_layout(bucket, 0, 2, peers)
+        assert len(layout.stacks) == 3
+        for regions_ in (layout.own_regions, layout.gather_regions, layout.scatter_regions):
+            assert len(regions_) == 3
+        for packing_ in (
+            layout.gather_send,
+            layout.gather_recv,
+            layout.scatter_send,
+            layout.scatter_recv,
+        ):
+            assert len(packing_.runs) == 3
