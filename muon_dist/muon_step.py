@@ -520,16 +520,19 @@ class MuonStep:
             self.error = self.error or exc
             self.ns_bad[-1:].fill_(float(self.rank + 1))
             self.ns_bad.index_fill_(0, params, 1.0)
-            return stack.new_zeros(stack.shape, dtype=self.comm_dtype)
+            return stack.new_zeros(stack.shape, dtype=self.settings.ns_dtype)
         # One sum per matrix instead of an elementwise test: a sum is finite exactly when
         # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
         finite = torch.isfinite(result.sum(dim=(-2, -1), dtype=torch.float32))
         self.ns_bad.index_add_(0, params, finite.logical_not_().float())
-        # Owners add their own result in the dtype the other holders receive it in, so
-        # replicas of a parameter round identically and stay bitwise equal.
-        return result.to(self.comm_dtype)
+        return result
 
     def apply(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
+        if self.settings.ns_dtype != self.comm_dtype:
+            # Owners add their own result in the dtype the other holders receive it in, so
+            # replicas of a parameter round identically and stay bitwise equal. Piece by
+            # piece: a cast of whole stacks would hold both dtypes' stacks at once.
+            updates = [update.to(self.comm_dtype) for update in updates]
         if self._deferred is not None:
             self._deferred.append((pieces, updates))
             return

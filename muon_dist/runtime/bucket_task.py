@@ -182,8 +182,7 @@ class StepContext(Protocol):
 
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
         """Newton–Schulz on a ``[k, rows, cols]`` stack, recording on the device whether
-        the result is finite; the result is in ``comm_dtype``, the dtype every holder of a
-        piece applies it in."""
+        the result is finite."""
         ...
 
     def apply(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
