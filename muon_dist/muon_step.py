@@ -2,10 +2,13 @@
 
 Everything a step repeats is decided here when the plan is built: the local shards, their
 momentum buffers and the views of every piece a bucket reads or writes, which tensors take
-the fused form of the update rule, the stack layouts and their device index tensors, and
-the device buffers that hold this step's scalars. A steady-state step then only launches
-work: it builds no plan, reads no device value and makes no new views (gradient views are
-kept while the gradient tensors stay the same).
+the fused form of the update rule, the bucket layouts (stacks, and where each piece lies in
+them and in the exchange buffers) and their device index tensors, and the device buffers
+that hold this step's scalars; how each layout's pieces are read and written is decided on
+their first step. A steady-state step then only launches work: it builds no plan, reads no
+device value and makes new views only of its fresh buffers, a few per run of like pieces
+(gradient views are kept while the gradient tensors stay the same; a whole shard serves as
+its own view).
 
 One order for every step: agree (by the caller) → scalars → [momentum, Magma, decay] →
 buckets (Newton–Schulz input, gather, orthogonalize, scatter, update). A transactional step
