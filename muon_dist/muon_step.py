@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from muon_dist.flat import Span, spans
 from muon_dist.groups import CommGroups
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import newton_schulz
@@ -37,7 +38,7 @@ from muon_dist.update_rule import (
     ns_inputs_,
     post_orthogonalize_,
     pre_orthogonalize_,
-    store_momentum_,
+    store_momenta_,
 )
 
 # Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
@@ -187,10 +188,12 @@ class MuonStep:
         self._keep_views = list(self.keep.unbind(0))
         self.ns_bad = torch.zeros(len(self.params), device=device)
         self.found_inf = torch.zeros((), device=device)
+        self.ok = torch.ones((), dtype=torch.bool, device=device)  # not found_inf, by _scalars
         self._local_grad = [True] * len(self.params)
         self.grads: list[torch.Tensor] = []
         self._grad_views: list[dict[tuple[int, int], torch.Tensor]] = [{} for _ in self.params]
         self._grad_sources: list[torch.Tensor | None] = [None] * len(self.params)
+        self._flat_grads: list[torch.Tensor | None] = [None] * len(self.params)
         self._deferred: list[tuple[int, Slices, torch.Tensor]] | None = None
 
     # -- plan time ----------------------------------------------------------------------
@@ -199,6 +202,7 @@ class MuonStep:
         """Point at the momentum buffers and Magma scores (again after a state load)."""
         self.momenta = [local(state[p]["momentum_buffer"]) for p in self.params]
         self.scores = {j: state[self.params[j]]["magma_score"] for j in self.magma}
+        self._spans: dict[tuple[int, ...], list[tuple[Span, list[int], list[torch.Tensor]]]] = {}
         self._piece_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _fusable(self) -> tuple[frozenset[int], frozenset[int]]:
@@ -279,13 +283,7 @@ class MuonStep:
             self.keep.copy_(keep)
             self._scalars(hyper)
             self._advance_state(store_all=True)
-            self._write_all(
-                [
-                    (index, slices, torch.where(self._keep_views[e.param_index], update, 0.0))
-                    for index, slices, update in deferred
-                    for e in (self.entries[index],)
-                ]
-            )
+            self._write_all(deferred, unchecked=True)
 
     def _set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Local gradients, zeros where absent; piece views are kept while a gradient stays."""
@@ -297,6 +295,7 @@ class MuonStep:
             if grad is not self._grad_sources[j]:
                 self._grad_sources[j] = grad
                 self._grad_views[j] = {}
+                self._flat_grads[j] = None
             self.grads.append(grad)
 
     def _scalars(self, hyper: torch.Tensor) -> None:
@@ -309,7 +308,8 @@ class MuonStep:
         per_entry = (lr * keep).index_select(0, self._entry_param)
         torch.mul(per_entry, self._neg_scale, out=self.step)
         groups = self._group_count
-        ok = (self.found_inf == 0).float()
+        torch.eq(self.found_inf, 0, out=self.ok)
+        ok = self.ok.float()
         group_rate = hyper[:groups] * hyper[groups : 2 * groups] * ok
         torch.sub(1.0, group_rate, out=self.group_decay)
         class_lr = hyper.index_select(0, self._class_group) * ok
@@ -321,12 +321,23 @@ class MuonStep:
         for j, group in enumerate(self.groups):
             if store_all or self._views_of[j][0] not in self._fused_reads:
                 by_beta.setdefault(group["momentum"], []).append(j)
+        # A parameter with a local gradient is kept exactly when the step is: those share one
+        # flag and, lying in order in their group's buffer, one select per span. The others
+        # carry their own flag, which depends on the other ranks' gradients.
+        ok = self.ok
         for beta, members in by_beta.items():
-            advanced = torch._foreach_add(
-                [self.grads[j] for j in members], [self.momenta[j] for j in members], alpha=beta
-            )
-            for j, new in zip(members, advanced, strict=True):
-                store_momentum_(self.momenta[j], new, self._keep_views[j])
+            shared = tuple(j for j in members if self._local_grad[j])
+            for span, chosen, flat_momenta in self._momentum_spans(shared):
+                flat_grads = [self._flat_grad(j) for j in chosen]
+                if span.flat is not None and all(g is not None for g in flat_grads):
+                    grads = cast(list[torch.Tensor], flat_grads)
+                    store_momenta_(grads, flat_momenta, beta, ok, span)
+                else:
+                    grads = [self.grads[j] for j in chosen]
+                    store_momenta_(grads, [self.momenta[j] for j in chosen], beta, ok)
+            for j in members:
+                if not self._local_grad[j]:
+                    store_momenta_([self.grads[j]], [self.momenta[j]], beta, self._keep_views[j])
         if self.magma:
             self._magma()
         # Parameters with a local gradient decay by their group's factor, one launch per
@@ -346,6 +357,29 @@ class MuonStep:
             torch._foreach_mul_(
                 [self.local_params[j] for j in alone], [self._decay_views[j] for j in alone]
             )
+
+    def _momentum_spans(
+        self, members: tuple[int, ...]
+    ) -> list[tuple[Span, list[int], list[torch.Tensor]]]:
+        """Runs of ``members`` whose momenta lie in order in one buffer, with each run's
+        parameters and one-dimensional momentum views; found once per set of members."""
+        found = self._spans.get(members)
+        if found is None:
+            found = self._spans[members] = [
+                (span, chosen, [self.momenta[j].view(-1) for j in chosen])
+                for span in spans([self.momenta[j] for j in members])
+                for chosen in ([members[i] for i in span.members],)
+            ]
+        return found
+
+    def _flat_grad(self, j: int) -> torch.Tensor | None:
+        """The local gradient as one dimension, if it can share its momentum's span."""
+        flat = self._flat_grads[j]
+        if flat is None:
+            grad = self.grads[j]
+            if grad.is_contiguous() and grad.dtype == self.momenta[j].dtype:
+                flat = self._flat_grads[j] = grad.view(-1)
+        return flat
 
     def _magma(self) -> None:
         """Damp Magma parameters' steps per matrix by momentum-gradient agreement.
@@ -398,30 +432,38 @@ class MuonStep:
     # -- the bucket tasks' context ------------------------------------------------------
 
     def read_updates(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
-        # Pieces whose momentum advanced before (torch form, not transactional) take one
-        # foreach add per Nesterov coefficient and one foreach copy that casts to ``out``.
-        batched: dict[float | None, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # One batch per form and coefficients: pieces whose momentum advances here (fused,
+        # or a transactional step's read) and pieces whose momentum advanced before, which
+        # only need the Nesterov mix and the cast to ``out``.
+        advancing: dict[tuple[bool, float, float | None], list[tuple[torch.Tensor, ...]]] = {}
+        advanced: dict[float | None, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for index, slices, out in pieces:
             entry = self.entries[index]
             group = entry.group
             mix = group["momentum"] if group["nesterov"] else None
             grad = self._grad_piece(index, slices)
             _, momentum = self._pieces(index, slices)
-            if self._deferred is not None or index in self._fused_reads:
-                pre_orthogonalize_(
-                    grad,
-                    momentum,
-                    out,
-                    beta=group["momentum"],
-                    mix=mix,
-                    keep=self._keep_views[entry.param_index],
-                    store=self._deferred is None,
-                    fused=index in self._fused_reads,
-                )
+            fused = index in self._fused_reads
+            if self._deferred is not None or fused:
+                key = (fused, group["momentum"], mix)
+                keep = self._keep_views[entry.param_index]
+                advancing.setdefault(key, []).append((grad, momentum, out, keep))
             else:
-                batched.setdefault(mix, []).append((grad, momentum, out))
-        for mix, items in batched.items():
-            grads, momenta, outs = zip(*items, strict=True)
+                advanced.setdefault(mix, []).append((grad, momentum, out))
+        for (fused, beta, mix), items in advancing.items():
+            grads, momenta, outs, keeps = zip(*items, strict=True)
+            pre_orthogonalize_(
+                grads,
+                momenta,
+                outs,
+                beta=beta,
+                mix=mix,
+                keeps=keeps,
+                store=self._deferred is None,
+                fused=fused,
+            )
+        for mix, triples in advanced.items():
+            grads, momenta, outs = zip(*triples, strict=True)
             ns_inputs_(grads, momenta, outs, mix)
 
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
@@ -463,22 +505,31 @@ class MuonStep:
             return
         self._write_all(updates)
 
-    def _write_all(self, updates: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
+    def _write_all(
+        self, updates: Sequence[tuple[int, Slices, torch.Tensor]], unchecked: bool = False
+    ) -> None:
         """Write updates; plain pieces (torch form, no Magma or cautious decay) batched.
 
         A plain piece of a parameter with a local gradient has the step of its class (group
         and lr scale), so each class takes three multi-tensor launches: cast the updates to
         the parameters' dtype, scale them, add them. Other plain pieces take one foreach
-        ``addcmul`` with their own steps; the rest go one by one.
+        ``addcmul`` with their own steps; the rest go one by one. ``unchecked`` updates (a
+        transactional step's) may be non-finite where ``keep`` is false, and a zero step
+        does not cancel them: they are selected away, for a class in one pass over its
+        scaled updates, since its parameters are kept exactly when the step is.
         """
         classes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         targets, sources, steps = [], [], []
         for index, slices, update in updates:
+            j = self.entries[index].param_index
+            masked = unchecked and (index not in self._fused_writes)
+            if masked and not (index in self._plain_writes and self._local_grad[j]):
+                update = torch.where(self._keep_views[j], update, 0.0)
             if index not in self._plain_writes:
                 self._write(index, slices, update)
                 continue
             target = self._pieces(index, slices)[0]
-            if self._local_grad[self.entries[index].param_index]:
+            if self._local_grad[j]:
                 classes.setdefault(self._entry_class[index], []).append((target, update))
             else:
                 targets.append(target)
@@ -499,6 +550,8 @@ class MuonStep:
                 ]
                 torch._foreach_copy_(scaled, [update for _, update in items])
                 torch._foreach_mul_(scaled, self._class_step_views[cls])
+                if unchecked:
+                    flat.masked_fill_(self.ok.logical_not(), 0.0)
                 torch._foreach_add_([target for target, _ in items], scaled)
 
     def _write(self, index: int, slices: Slices, update: torch.Tensor) -> None:
