@@ -111,8 +111,9 @@ class MuonStep:
         self.peers = comm.exchange  # this rank's bucket all-to-alls
         self.holders = comm.holders  # Magma's sums
         self.rank = comm.rank
-        # An exception Newton–Schulz raised on this rank in the last run, agreed with the
-        # other ranks through the result flags instead of leaving them in a collective.
+        # The first exception this rank's own work (Newton–Schulz, a read or a write of an
+        # update) raised in the last run, agreed with the other ranks through the result
+        # flags instead of leaving them in a collective.
         self.error: Exception | None = None
         self.entries = list(entries)
         self.settings = settings
@@ -432,6 +433,14 @@ class MuonStep:
     # -- the bucket tasks' context ------------------------------------------------------
 
     def read_updates(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
+        try:
+            self._read_updates(pieces)
+        except Exception as exc:  # raised by step() once the other ranks know (see run)
+            # Zero inputs orthogonalize to zero: the stack stays finite, the write a no-op.
+            torch._foreach_zero_([out for _, _, out in pieces])
+            self._fail(exc, [self.entries[index].param_index for index, _, _ in pieces])
+
+    def _read_updates(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
         # One batch per form and coefficients: pieces whose momentum advances here (fused,
         # or a transactional step's read) and pieces whose momentum advanced before, which
         # only need the Nesterov mix and the cast to ``out``.
@@ -486,9 +495,7 @@ class MuonStep:
         try:
             result = run(stack) if parts is None else parts.orthogonalize(stack, run)
         except Exception as exc:  # raised by step() once the other ranks know (see run)
-            self.error = self.error or exc
-            self.ns_bad[-1:].fill_(float(self.rank + 1))
-            self.ns_bad.index_fill_(0, params, 1.0)
+            self._fail(exc, params)
             return stack.new_zeros(stack.shape, dtype=self.settings.ns_dtype)
         # One sum per matrix instead of an elementwise test: a sum is finite exactly when
         # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
@@ -499,11 +506,25 @@ class MuonStep:
     def apply(self, pieces: Sequence[tuple[int, Slices, torch.Tensor]]) -> None:
         # Owners add their own result in the dtype the other holders receive it in, so
         # replicas of a parameter round identically and stay bitwise equal.
-        updates = [(index, slices, ortho.to(self.comm_dtype)) for index, slices, ortho in pieces]
-        if self._deferred is not None:
-            self._deferred += updates
-            return
-        self._write_all(updates)
+        try:
+            updates = [(i, slices, ortho.to(self.comm_dtype)) for i, slices, ortho in pieces]
+            if self._deferred is not None:
+                self._deferred += updates
+                return
+            self._write_all(updates)
+        except Exception as exc:  # raised by step() once the other ranks know (see run)
+            self._fail(exc, [self.entries[index].param_index for index, _, _ in pieces])
+
+    def _fail(self, exc: Exception, params: torch.Tensor | Sequence[int]) -> None:
+        """Record an exception of this rank's own work on ``params`` (Newton–Schulz, a read
+        or a write) in the result flags, which ``run`` all-reduces with the other ranks', so
+        they learn of it there instead of waiting in a collective this rank never joins;
+        the first exception is raised on this rank after the step."""
+        self.error = self.error or exc
+        self.ns_bad[-1:].fill_(float(self.rank + 1))
+        if not isinstance(params, torch.Tensor):
+            params = torch.tensor(list(params), dtype=torch.long, device=self.device)
+        self.ns_bad.index_fill_(0, params, 1.0)
 
     def _write_all(
         self, updates: Sequence[tuple[int, Slices, torch.Tensor]], unchecked: bool = False

@@ -371,11 +371,12 @@ class Muon(torch.optim.Optimizer):
                 "parameters and state were left as they were on every rank"
                 if self.settings.nonfinite == "skip_step"
                 else "under nonfinite='raise' the rest of the step was applied and the failed "
-                "matrices took only their momentum and weight decay ('skip_step' keeps all)"
+                "matrices may be partly updated ('skip_step' leaves everything as it was)"
             )
             raise RuntimeError(
                 f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
-                f"Newton–Schulz raised an exception (raised there, with its traceback); {kept}"
+                "Newton–Schulz or the read or write of an update raised an exception (raised "
+                f"there, with its traceback); {kept}"
             )
         if outcome.failed_rank is not None:
             raise RuntimeError(
