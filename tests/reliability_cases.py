@@ -228,6 +228,21 @@ def exception_writing_an_update_on_one_rank_is_agreed() -> None:
     _exception_on_one_rank_is_agreed("_write_all", ("raise",))
 
 
+def full_momentum_for_a_sharded_parameter_is_refused() -> None:
+    """A state holding whole momenta (a gathered checkpoint) for sharded parameters: refused
+    by name before anything changes, pointing at torch.distributed.checkpoint."""
+    full, p = _sharded((8, 6), 14)
+    opt = muon_dist.Muon([{"params": [p], "algorithm": "muon"}])
+    p.grad = distribute_tensor(torch.randn(full.shape), p.device_mesh, [Shard(0)])
+    opt.step()
+    state = opt.state_dict()
+    state["state"][0] = {**state["state"][0], "momentum_buffer": torch.ones(full.shape)}
+    before = opt.state[p]["momentum_buffer"].full_tensor()
+    with pytest.raises(ValueError, match=r"momentum of 'group0.param0' holds a local shard"):
+        opt.load_state_dict(state)
+    assert torch.equal(opt.state[p]["momentum_buffer"].full_tensor(), before)
+
+
 def option_refused_on_one_rank_raises_on_every_rank() -> None:
     """An lr that is NaN on rank 1 only: rank 1 names it, rank 0 learns it at construction."""
     _, p = _sharded((8, 6), 13)
@@ -254,6 +269,7 @@ CHECKS: dict[str, Callable[[], None]] = {
         exception_reading_an_update_on_one_rank_is_agreed,
         exception_writing_an_update_on_one_rank_is_agreed,
         option_refused_on_one_rank_raises_on_every_rank,
+        full_momentum_for_a_sharded_parameter_is_refused,
     )
 }
 

@@ -109,3 +109,24 @@ def test_launches_per_step_do_not_grow_with_the_matrix_count(nonfinite: str) -> 
     and the update take as many operations for 32 matrices as for 4."""
     few, many = _steady_state_ops(4, nonfinite), _steady_state_ops(32, nonfinite)
     assert many == few, f"operations that grow with the matrix count: {many - few}"
+
+
+def _muon_with_state(seed: int) -> tuple[muon_dist.Muon, list[nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in [(6, 4), (4, 9), (5, 5)]]
+    opt = muon_dist.Muon([{"params": params, "algorithm": "muon"}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    return opt, params
+
+
+def test_load_state_dict_keeps_the_momenta_in_their_buffer() -> None:
+    """Loaded momenta are copied into the group's buffer, so the step keeps its one select."""
+    saved, _ = _muon_with_state(0)
+    opt, params = _muon_with_state(1)
+    opt.load_state_dict(saved.state_dict())
+    momenta = [opt.state[p]["momentum_buffer"] for p in params]
+    assert len(spans(momenta)) == 1
+    for p, q in zip(params, saved.param_groups[0]["params"], strict=True):
+        assert torch.equal(opt.state[p]["momentum_buffer"], saved.state[q]["momentum_buffer"])
