@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.comm import Runs, flat_views, runs_numel, shape_runs
+from muon_dist.flat import Span, spans
 from muon_dist.groups import CommGroups
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import newton_schulz
@@ -55,7 +56,7 @@ from muon_dist.update_rule import (
     ns_inputs_,
     post_orthogonalize_,
     pre_orthogonalize_,
-    store_momentum_,
+    store_momenta_,
 )
 
 # Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
@@ -114,11 +115,12 @@ def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tenso
 
 @dataclass(frozen=True)
 class _Reads:
-    """How one tuple of pieces is read: positions taking one pass each, and positions
-    batched per Nesterov coefficient."""
+    """How one tuple of pieces is read: positions batched per form and coefficients
+    (fused, β, Nesterov mix) where the momentum advances in the read, and per mix where it
+    advanced before."""
 
-    alone: tuple[int, ...]
-    batched: tuple[tuple[float | None, tuple[int, ...]], ...]
+    advancing: tuple[tuple[tuple[bool, float, float | None], tuple[int, ...]], ...]
+    advanced: tuple[tuple[float | None, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,10 @@ class _ClassWrites:
 
 @dataclass(frozen=True)
 class _Writes:
-    """How one tuple of pieces is written (see :meth:`MuonStep._write_all`)."""
+    """How one tuple of pieces is written (see :meth:`MuonStep._write_all`); ``masked``
+    are the positions whose unchecked updates are selected one by one."""
 
+    masked: tuple[int, ...]
     alone: tuple[int, ...]
     loose: tuple[int, ...]
     loose_targets: tuple[torch.Tensor, ...]
@@ -160,8 +164,9 @@ class MuonStep:
         self.peers = comm.exchange  # this rank's bucket all-to-alls
         self.holders = comm.holders  # Magma's sums
         self.rank = comm.rank
-        # An exception Newton–Schulz raised on this rank in the last run, agreed with the
-        # other ranks through the result flags instead of leaving them in a collective.
+        # The first exception this rank's own work (Newton–Schulz, a read or a write of an
+        # update) raised in the last run, agreed with the other ranks through the result
+        # flags instead of leaving them in a collective.
         self.error: Exception | None = None
         self.entries = list(entries)
         self.settings = settings
@@ -237,10 +242,12 @@ class MuonStep:
         self._keep_views = list(self.keep.unbind(0))
         self.ns_bad = torch.zeros(len(self.params), device=device)
         self.found_inf = torch.zeros((), device=device)
+        self.ok = torch.ones((), dtype=torch.bool, device=device)  # not found_inf, by _scalars
         self._local_grad = [True] * len(self.params)
         self.grads: list[torch.Tensor] = []
         self._grad_views: list[dict[tuple[int, int], torch.Tensor]] = [{} for _ in self.params]
         self._grad_sources: list[torch.Tensor | None] = [None] * len(self.params)
+        self._flat_grads: list[torch.Tensor | None] = [None] * len(self.params)
         self._deferred: list[tuple[Sequence[LocalSlices], Sequence[torch.Tensor]]] | None = None
         # How each of the layouts' piece tuples is read and written, decided on its first
         # step; writes depend on which parameters have a local gradient, so they are decided
@@ -254,6 +261,7 @@ class MuonStep:
         """Point at the momentum buffers and Magma scores (again after a state load)."""
         self.momenta = [local(state[p]["momentum_buffer"]) for p in self.params]
         self.scores = {j: state[self.params[j]]["magma_score"] for j in self.magma}
+        self._spans: dict[tuple[int, ...], list[tuple[Span, list[int], list[torch.Tensor]]]] = {}
         self._piece_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _fusable(self) -> tuple[frozenset[int], frozenset[int]]:
@@ -334,15 +342,11 @@ class MuonStep:
             self.keep.copy_(keep)
             self._scalars(hyper)
             self._advance_state(store_all=True)
-            pieces = tuple(piece for part, _ in deferred for piece in part)
-            updates = [update for _, part in deferred for update in part]
             self._write_all(
-                pieces,
-                [
-                    torch.where(self._keep_views[self.entries[index].param_index], update, 0.0)
-                    for (index, _), update in zip(pieces, updates, strict=True)
-                ],
-                key=tuple(id(part) for part, _ in deferred),
+                tuple(piece for pieces, _ in deferred for piece in pieces),
+                [update for _, updates in deferred for update in updates],
+                key=tuple(id(pieces) for pieces, _ in deferred),
+                unchecked=True,
             )
 
     def _set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
@@ -358,6 +362,7 @@ class MuonStep:
             if grad is not self._grad_sources[j]:
                 self._grad_sources[j] = grad
                 self._grad_views[j] = {}
+                self._flat_grads[j] = None
             self.grads.append(grad)
 
     def _scalars(self, hyper: torch.Tensor) -> None:
@@ -370,7 +375,8 @@ class MuonStep:
         per_entry = (lr * keep).index_select(0, self._entry_param)
         torch.mul(per_entry, self._neg_scale, out=self.step)
         groups = self._group_count
-        ok = (self.found_inf == 0).float()
+        torch.eq(self.found_inf, 0, out=self.ok)
+        ok = self.ok.float()
         group_rate = hyper[:groups] * hyper[groups : 2 * groups] * ok
         torch.sub(1.0, group_rate, out=self.group_decay)
         class_lr = hyper.index_select(0, self._class_group) * ok
@@ -382,12 +388,23 @@ class MuonStep:
         for j, group in enumerate(self.groups):
             if store_all or self._views_of[j][0] not in self._fused_reads:
                 by_beta.setdefault(group["momentum"], []).append(j)
+        # A parameter with a local gradient is kept exactly when the step is: those share one
+        # flag and, lying in order in their group's buffer, one select per span. The others
+        # carry their own flag, which depends on the other ranks' gradients.
+        ok = self.ok
         for beta, members in by_beta.items():
-            advanced = torch._foreach_add(
-                [self.grads[j] for j in members], [self.momenta[j] for j in members], alpha=beta
-            )
-            for j, new in zip(members, advanced, strict=True):
-                store_momentum_(self.momenta[j], new, self._keep_views[j])
+            shared = tuple(j for j in members if self._local_grad[j])
+            for span, chosen, flat_momenta in self._momentum_spans(shared):
+                flat_grads = [self._flat_grad(j) for j in chosen]
+                if span.flat is not None and all(g is not None for g in flat_grads):
+                    grads = cast(list[torch.Tensor], flat_grads)
+                    store_momenta_(grads, flat_momenta, beta, ok, span)
+                else:
+                    grads = [self.grads[j] for j in chosen]
+                    store_momenta_(grads, [self.momenta[j] for j in chosen], beta, ok)
+            for j in members:
+                if not self._local_grad[j]:
+                    store_momenta_([self.grads[j]], [self.momenta[j]], beta, self._keep_views[j])
         if self.magma:
             self._magma()
         # Parameters with a local gradient decay by their group's factor, one launch per
@@ -407,6 +424,29 @@ class MuonStep:
             torch._foreach_mul_(
                 [self.local_params[j] for j in alone], [self._decay_views[j] for j in alone]
             )
+
+    def _momentum_spans(
+        self, members: tuple[int, ...]
+    ) -> list[tuple[Span, list[int], list[torch.Tensor]]]:
+        """Runs of ``members`` whose momenta lie in order in one buffer, with each run's
+        parameters and one-dimensional momentum views; found once per set of members."""
+        found = self._spans.get(members)
+        if found is None:
+            found = self._spans[members] = [
+                (span, chosen, [self.momenta[j].view(-1) for j in chosen])
+                for span in spans([self.momenta[j] for j in members])
+                for chosen in ([members[i] for i in span.members],)
+            ]
+        return found
+
+    def _flat_grad(self, j: int) -> torch.Tensor | None:
+        """The local gradient as one dimension, if it can share its momentum's span."""
+        flat = self._flat_grads[j]
+        if flat is None:
+            grad = self.grads[j]
+            if grad.is_contiguous() and grad.dtype == self.momenta[j].dtype:
+                flat = self._flat_grads[j] = grad.view(-1)
+        return flat
 
     def _magma(self) -> None:
         """Damp Magma parameters' steps per matrix by momentum-gradient agreement.
@@ -460,24 +500,30 @@ class MuonStep:
     # -- the bucket tasks' context ------------------------------------------------------
 
     def read_updates(self, pieces: Sequence[LocalSlices], outs: Sequence[torch.Tensor]) -> None:
-        reads = self._reads.get((id(pieces), self._deferred is None))
+        try:
+            self._read_updates(pieces, outs)
+        except Exception as exc:  # raised by step() once the other ranks know (see run)
+            # Zero inputs orthogonalize to zero: the stack stays finite, the write a no-op.
+            torch._foreach_zero_(list(outs))
+            self._fail(exc, [self.entries[index].param_index for index, _ in pieces])
+
+    def _read_updates(self, pieces: Sequence[LocalSlices], outs: Sequence[torch.Tensor]) -> None:
+        key = (id(pieces), self._deferred is None)
+        reads = self._reads.get(key)
         if reads is None:
-            reads = self._reads[(id(pieces), self._deferred is None)] = self._plan_reads(pieces)
-        for i in reads.alone:
-            index, slices = pieces[i]
-            entry = self.entries[index]
-            group = entry.group
+            reads = self._reads[key] = self._plan_reads(pieces)
+        for (fused, beta, mix), positions in reads.advancing:
             pre_orthogonalize_(
-                self._grad_piece(index, slices),
-                self._pieces(index, slices)[1],
-                outs[i],
-                beta=group["momentum"],
-                mix=group["momentum"] if group["nesterov"] else None,
-                keep=self._keep_views[entry.param_index],
+                [self._grad_piece(*pieces[i]) for i in positions],
+                [self._pieces(*pieces[i])[1] for i in positions],
+                [outs[i] for i in positions],
+                beta=beta,
+                mix=mix,
+                keeps=[self._keep_views[self.entries[pieces[i][0]].param_index] for i in positions],
                 store=self._deferred is None,
-                fused=index in self._fused_reads,
+                fused=fused,
             )
-        for mix, positions in reads.batched:
+        for mix, positions in reads.advanced:
             ns_inputs_(
                 [self._grad_piece(*pieces[i]) for i in positions],
                 [self._pieces(*pieces[i])[1] for i in positions],
@@ -486,19 +532,23 @@ class MuonStep:
             )
 
     def _plan_reads(self, pieces: Sequence[LocalSlices]) -> _Reads:
-        """Pieces whose momentum advanced before (torch form, not transactional) take one
-        foreach add per Nesterov coefficient and one foreach copy that casts to ``out``; the
-        others one pass each."""
-        alone: list[int] = []
-        batched: dict[float | None, list[int]] = {}
+        """One batch per form and coefficients: pieces whose momentum advances here (fused,
+        or a transactional step's read) and pieces whose momentum advanced before, which
+        only need the Nesterov mix and the cast to ``out``."""
+        advancing: dict[tuple[bool, float, float | None], list[int]] = {}
+        advanced: dict[float | None, list[int]] = {}
         for i, (index, _) in enumerate(pieces):
             group = self.entries[index].group
-            if self._deferred is not None or index in self._fused_reads:
-                alone.append(i)
+            mix = group["momentum"] if group["nesterov"] else None
+            fused = index in self._fused_reads
+            if self._deferred is not None or fused:
+                advancing.setdefault((fused, group["momentum"], mix), []).append(i)
             else:
-                mix = group["momentum"] if group["nesterov"] else None
-                batched.setdefault(mix, []).append(i)
-        return _Reads(tuple(alone), tuple((mix, tuple(p)) for mix, p in batched.items()))
+                advanced.setdefault(mix, []).append(i)
+        return _Reads(
+            tuple((key, tuple(positions)) for key, positions in advancing.items()),
+            tuple((mix, tuple(positions)) for mix, positions in advanced.items()),
+        )
 
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
         params = self._stack_params[layout.index]
@@ -520,9 +570,7 @@ class MuonStep:
         try:
             result = run(stack) if parts is None else parts.orthogonalize(stack, run)
         except Exception as exc:  # raised by step() once the other ranks know (see run)
-            self.error = self.error or exc
-            self.ns_bad[-1:].fill_(float(self.rank + 1))
-            self.ns_bad.index_fill_(0, params, 1.0)
+            self._fail(exc, params)
             return stack.new_zeros(stack.shape, dtype=self.settings.ns_dtype)
         # One sum per matrix instead of an elementwise test: a sum is finite exactly when
         # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
@@ -531,34 +579,57 @@ class MuonStep:
         return result
 
     def apply(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
-        if self.settings.ns_dtype != self.comm_dtype:
-            # Owners add their own result in the dtype the other holders receive it in, so
-            # replicas of a parameter round identically and stay bitwise equal. Piece by
-            # piece: a cast of whole stacks would hold both dtypes' stacks at once.
-            updates = [update.to(self.comm_dtype) for update in updates]
-        if self._deferred is not None:
-            self._deferred.append((pieces, updates))
-            return
-        self._write_all(pieces, updates)
+        try:
+            if self.settings.ns_dtype != self.comm_dtype:
+                # Owners add their own result in the dtype the other holders receive it in,
+                # so replicas of a parameter round identically and stay bitwise equal. Piece
+                # by piece: a cast of whole stacks would hold both dtypes' stacks at once.
+                updates = [update.to(self.comm_dtype) for update in updates]
+            if self._deferred is not None:
+                self._deferred.append((pieces, updates))
+                return
+            self._write_all(pieces, updates)
+        except Exception as exc:  # raised by step() once the other ranks know (see run)
+            self._fail(exc, [self.entries[index].param_index for index, _ in pieces])
+
+    def _fail(self, exc: Exception, params: torch.Tensor | Sequence[int]) -> None:
+        """Record an exception of this rank's own work on ``params`` (Newton–Schulz, a read
+        or a write) in the result flags, which ``run`` all-reduces with the other ranks', so
+        they learn of it there instead of waiting in a collective this rank never joins;
+        the first exception is raised on this rank after the step."""
+        self.error = self.error or exc
+        self.ns_bad[-1:].fill_(float(self.rank + 1))
+        if not isinstance(params, torch.Tensor):
+            params = torch.tensor(list(params), dtype=torch.long, device=self.device)
+        self.ns_bad.index_fill_(0, params, 1.0)
 
     def _write_all(
         self,
         pieces: Sequence[LocalSlices],
         updates: Sequence[torch.Tensor],
         key: Hashable = None,
+        unchecked: bool = False,
     ) -> None:
         """Write updates; plain pieces (torch form, no Magma or cautious decay) batched.
 
         A plain piece of a parameter with a local gradient has the step of its class (group
         and lr scale), so each class takes three multi-tensor launches: cast the updates to
         the parameters' dtype, scale them, add them. Other plain pieces take one foreach
-        ``addcmul`` with their own steps; the rest go one by one. ``key`` names ``pieces``
-        across steps (default: the tuple itself, one of the layouts').
+        ``addcmul`` with their own steps; the rest go one by one. ``unchecked`` updates (a
+        transactional step's) may be non-finite where ``keep`` is false, and a zero step
+        does not cancel them: they are selected away, for a class in one pass over its
+        scaled updates, since its parameters are kept exactly when the step is. ``key``
+        names ``pieces`` across steps (by default the tuple itself, one of the layouts').
         """
         key = id(pieces) if key is None else key
         writes = self._writes.get(key)
         if writes is None:
             writes = self._writes[key] = self._plan_writes(pieces)
+        if unchecked:
+            updates = list(updates)
+            for i in writes.masked:
+                j = self.entries[pieces[i][0]].param_index
+                updates[i] = torch.where(self._keep_views[j], updates[i], 0.0)
         for i in writes.alone:
             self._write(*pieces[i], updates[i])
         if writes.loose:
@@ -572,6 +643,8 @@ class MuonStep:
             scaled = flat_views(flat, cls.runs)
             torch._foreach_copy_(scaled, [updates[i] for i in cls.positions])
             torch._foreach_mul_(scaled, self._class_step_views[cls.step])
+            if unchecked:
+                flat.masked_fill_(self.ok.logical_not(), 0.0)
             torch._foreach_add_(list(cls.targets), scaled)
 
     def _plan_writes(self, pieces: Sequence[LocalSlices]) -> _Writes:
@@ -588,6 +661,7 @@ class MuonStep:
                 loose.append(i)
         targets = [self._pieces(*piece)[0] for piece in pieces]
         return _Writes(
+            tuple(i for i in alone + loose if pieces[i][0] not in self._fused_writes),
             tuple(alone),
             tuple(loose),
             tuple(targets[i] for i in loose),

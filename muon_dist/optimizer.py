@@ -26,6 +26,7 @@ from muon_dist.checks import (
     matrix_count,
 )
 from muon_dist.cuda_graph import StepGraph
+from muon_dist.flat import zeros_like_flat
 from muon_dist.groups import CommGroups, comm_groups
 from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
 from muon_dist.plan import build_plan, layout_of, local
@@ -225,10 +226,12 @@ class Muon(torch.optim.Optimizer):
             self.defaults = defaults
         self._runner = None
         names = group_param_names(group, len(self.param_groups) - 1)
-        for p, name in zip(group["params"], names, strict=True):
+        # One buffer holds the group's momenta, so the step stores them in one pass.
+        momenta = zeros_like_flat(group["params"]) if algorithm == "muon" else []
+        for index, (p, name) in enumerate(zip(group["params"], names, strict=True)):
             state = self.state[p]
             if algorithm == "muon":
-                state["momentum_buffer"] = torch.zeros_like(p)
+                state["momentum_buffer"] = momenta[index]
                 if group["magma"]:
                     count = matrix_count(group, p, name)
                     state["magma_score"] = torch.ones(count, device=local(p).device)
@@ -259,7 +262,27 @@ class Muon(torch.optim.Optimizer):
             for i, p in enumerate(params)
             if "magma_score" in state_dict["state"].get(i, {})
         }
+        momenta: dict[torch.Tensor, torch.Tensor] = {}
+        for i, (name, group, p) in enumerate(named_params(self.param_groups)):
+            saved = state_dict["state"].get(i, {}).get("momentum_buffer")
+            if group["algorithm"] != "muon" or saved is None:
+                continue
+            buffer = local(self.state[p]["momentum_buffer"])
+            if local(saved).shape != buffer.shape:
+                raise ValueError(
+                    f"load_state_dict: the momentum of {name!r} holds a local shard of shape "
+                    f"{tuple(local(saved).shape)}, where this rank's shard of the parameter is "
+                    f"{tuple(buffer.shape)}; load a state saved on the same mesh, or go "
+                    "through torch.distributed.checkpoint, which reshards"
+                )
+            momenta[p] = self.state[p]["momentum_buffer"]
         super().load_state_dict(state_dict)
+        # Loaded values go into the group's buffer (see add_param_group), not beside it.
+        for p, buffer in momenta.items():
+            loaded = local(self.state[p]["momentum_buffer"])
+            if loaded.data_ptr() != local(buffer).data_ptr():
+                local(buffer).copy_(loaded)
+            self.state[p]["momentum_buffer"] = buffer
         # Optimizer.load_state_dict casts state to the parameter dtype and keeps AdamW's
         # step on the host; scores stay fp32 and steps live with the fused AdamW's tensors.
         for p, score in scores.items():
@@ -348,11 +371,12 @@ class Muon(torch.optim.Optimizer):
                 "parameters and state were left as they were on every rank"
                 if self.settings.nonfinite == "skip_step"
                 else "under nonfinite='raise' the rest of the step was applied and the failed "
-                "matrices took only their momentum and weight decay ('skip_step' keeps all)"
+                "matrices may be partly updated ('skip_step' leaves everything as it was)"
             )
             raise RuntimeError(
                 f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
-                f"Newton–Schulz raised an exception (raised there, with its traceback); {kept}"
+                "Newton–Schulz or the read or write of an update raised an exception (raised "
+                f"there, with its traceback); {kept}"
             )
         if outcome.failed_rank is not None:
             raise RuntimeError(

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from muon_dist.flat import Span
 from muon_dist.kernels.availability import triton_available
 
 # Below this many elements the fused pass loses: a Triton launch costs about 20 us of CPU
@@ -51,6 +52,13 @@ def advance_momentum(
     return torch.add(grad, momentum, alpha=beta, out=out)
 
 
+def advance_momenta(
+    grads: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor], beta: float
+) -> Sequence[torch.Tensor]:
+    """:func:`advance_momentum` of every pair, in one foreach launch."""
+    return torch._foreach_add(list(grads), list(momenta), alpha=beta)
+
+
 def ns_inputs_(
     grads: Sequence[torch.Tensor],
     momenta: Sequence[torch.Tensor],
@@ -71,32 +79,62 @@ def store_momentum_(momentum: torch.Tensor, advanced: torch.Tensor, keep: torch.
     torch.where(keep, advanced, momentum, out=momentum)
 
 
+def store_momenta_(
+    grads: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
+    beta: float,
+    keep: torch.Tensor,
+    span: Span | None = None,
+) -> None:
+    """Advance every momentum where ``keep`` (one flag for all of them).
+
+    With ``span``, the momenta lie in order in one buffer (:func:`muon_dist.flat.spans`)
+    and both lists hold one-dimensional views: the advanced values are written into one
+    scratch buffer laid out like the span, and one ``where`` over the whole span stores
+    them, instead of one per momentum. Both forms store what :func:`advance_momenta`
+    computes.
+    """
+    if span is None or span.flat is None:
+        for momentum, new in zip(momenta, advance_momenta(grads, momenta, beta), strict=True):
+            store_momentum_(momentum, new, keep)
+        return
+    scratch = torch.empty_like(span.flat)
+    advanced = span.split(scratch)
+    torch._foreach_copy_(advanced, list(grads))
+    torch._foreach_add_(advanced, list(momenta), alpha=beta)
+    store_momentum_(span.flat, scratch, keep)
+
+
 def pre_orthogonalize_(
-    grad: torch.Tensor,
-    momentum: torch.Tensor,
-    out: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
     *,
     beta: float,
     mix: float | None,
-    keep: torch.Tensor,
+    keeps: Sequence[torch.Tensor],
     store: bool,
     fused: bool,
 ) -> None:
-    """Advance the momentum and write Newton–Schulz's input into ``out`` (cast to its dtype).
+    """Advance the momenta and write Newton–Schulz's inputs into ``outs`` (cast to their
+    dtype).
 
-    The new momentum replaces ``momentum`` only when ``store`` and ``keep``: a step that may
-    still be skipped reads the next momentum without keeping it. The torch form leaves
-    ``out`` unmasked; the caller zeroes masked matrices in the stack (:func:`mask_stack_`).
+    A new momentum replaces the old one only when ``store`` and its ``keeps`` flag: a step
+    that may still be skipped reads the next momentum without keeping it. The torch form
+    leaves ``outs`` unmasked; the caller zeroes masked matrices in the stack
+    (:func:`mask_stack_`). The fused form is one Triton pass per tensor.
     """
     if fused:
         from muon_dist.kernels.triton_elementwise import momentum_input_triton
 
-        momentum_input_triton(grad, momentum, out, beta, mix, store, keep)
+        for grad, momentum, out, keep in zip(grads, momenta, outs, keeps, strict=True):
+            momentum_input_triton(grad, momentum, out, beta, mix, store, keep)
         return
-    advanced = advance_momentum(grad, momentum, beta)
+    advanced = advance_momenta(grads, momenta, beta)
     if store:
-        store_momentum_(momentum, advanced, keep)
-    ns_inputs_([grad], [advanced], [out], mix)
+        for momentum, new, keep in zip(momenta, advanced, keeps, strict=True):
+            store_momentum_(momentum, new, keep)
+    ns_inputs_(grads, advanced, outs, mix)
 
 
 def mask_stack_(stack: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

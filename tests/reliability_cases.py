@@ -176,38 +176,71 @@ def adamw_gradient_on_some_ranks_only_counts_as_zero() -> None:
     assert steps == [1.0] * dist.get_world_size(), steps
 
 
-def exception_in_newton_schulz_on_one_rank_is_agreed() -> None:
-    """Newton–Schulz raises on rank 1 only: it raises that, the others name it; no hang."""
+def _exception_on_one_rank_is_agreed(site: str, policies: tuple[str, ...]) -> None:
+    """``site`` raises on rank 1 only: it raises that, the others name it; no hang."""
     import muon_dist.muon_step as step_module
 
+    owner: object = step_module if site == "newton_schulz" else step_module.MuonStep
     pairs = [_sharded((10, 6), 11), _sharded((6, 10), 12)]
     params = [p for _, p in pairs]
-    original = step_module.newton_schulz
+    original = getattr(owner, site)
 
-    def broken_on_rank_1(stack: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    def broken_on_rank_1(*args: object, **kwargs: object) -> object:
         if dist.get_rank() == 1:
             raise RuntimeError("kernel exploded")
-        return original(stack, **kwargs)  # type: ignore[arg-type]
+        return original(*args, **kwargs)
 
-    for policy in ("skip_step", "raise"):
+    for policy in policies:
         opt = muon_dist.Muon([{"params": params, "algorithm": "muon"}], nonfinite=policy)
         for full, p in pairs:
             p.grad = distribute_tensor(torch.randn(full.shape), p.device_mesh, [Shard(0)])
-        step_module.newton_schulz = broken_on_rank_1  # type: ignore[assignment]
+        setattr(owner, site, broken_on_rank_1)
         try:
             if dist.get_rank() == 1:
                 error, pattern = RuntimeError, r"kernel exploded"
             else:
-                error, pattern = RuntimeError, r"step 1 failed on rank 1: its Newton–Schulz raised"
+                error, pattern = (
+                    RuntimeError,
+                    r"step 1 failed on rank 1: its Newton–Schulz or the read or write of an "
+                    "update raised",
+                )
             with pytest.raises(error, match=pattern):
                 opt.step()
         finally:
-            step_module.newton_schulz = original
+            setattr(owner, site, original)
         if policy == "skip_step":
             for full, p in pairs:
                 assert torch.equal(p.full_tensor(), full), "a failed step changed a parameter"
         _steps_everywhere(opt)
         opt.step()  # the next step runs on every rank
+
+
+def exception_in_newton_schulz_on_one_rank_is_agreed() -> None:
+    _exception_on_one_rank_is_agreed("newton_schulz", ("skip_step", "raise"))
+
+
+def exception_reading_an_update_on_one_rank_is_agreed() -> None:
+    _exception_on_one_rank_is_agreed("_read_updates", ("skip_step", "raise"))
+
+
+def exception_writing_an_update_on_one_rank_is_agreed() -> None:
+    # Only under "raise": a transactional step writes after the ranks' last agreement.
+    _exception_on_one_rank_is_agreed("_write_all", ("raise",))
+
+
+def full_momentum_for_a_sharded_parameter_is_refused() -> None:
+    """A state holding whole momenta (a gathered checkpoint) for sharded parameters: refused
+    by name before anything changes, pointing at torch.distributed.checkpoint."""
+    full, p = _sharded((8, 6), 14)
+    opt = muon_dist.Muon([{"params": [p], "algorithm": "muon"}])
+    p.grad = distribute_tensor(torch.randn(full.shape), p.device_mesh, [Shard(0)])
+    opt.step()
+    state = opt.state_dict()
+    state["state"][0] = {**state["state"][0], "momentum_buffer": torch.ones(full.shape)}
+    before = opt.state[p]["momentum_buffer"].full_tensor()
+    with pytest.raises(ValueError, match=r"momentum of 'group0.param0' holds a local shard"):
+        opt.load_state_dict(state)
+    assert torch.equal(opt.state[p]["momentum_buffer"].full_tensor(), before)
 
 
 def option_refused_on_one_rank_raises_on_every_rank() -> None:
@@ -233,7 +266,10 @@ CHECKS: dict[str, Callable[[], None]] = {
         gradient_placements_are_checked_on_every_rank,
         adamw_gradient_on_some_ranks_only_counts_as_zero,
         exception_in_newton_schulz_on_one_rank_is_agreed,
+        exception_reading_an_update_on_one_rank_is_agreed,
+        exception_writing_an_update_on_one_rank_is_agreed,
         option_refused_on_one_rank_raises_on_every_rank,
+        full_momentum_for_a_sharded_parameter_is_refused,
     )
 }
 

@@ -38,11 +38,11 @@ def test_momentum_input_matches_torch(
     expected_momentum = momentum.clone()
     expected = torch.empty(shape, dtype=out_dtype)
     keep = torch.tensor(True)
-    rule = {"beta": 0.9, "mix": mix, "keep": keep, "store": store}
-    pre_orthogonalize_(grad, expected_momentum, expected, **rule, fused=False)  # torch form
+    rule = {"beta": 0.9, "mix": mix, "keeps": [keep], "store": store}
+    pre_orthogonalize_([grad], [expected_momentum], [expected], **rule, fused=False)  # torch form
     out = torch.full(shape, float("nan"), dtype=out_dtype)
     before = momentum.clone()
-    pre_orthogonalize_(grad, momentum, out, **rule, fused=True)
+    pre_orthogonalize_([grad], [momentum], [out], **rule, fused=True)
     torch.testing.assert_close(out, expected)
     if store:
         torch.testing.assert_close(momentum, advance_momentum(grad, before, 0.9))
@@ -76,7 +76,9 @@ def test_masked_matrices_stay_bitwise_unchanged(fused: bool) -> None:
     before = (momentum.clone(), param.clone())
     keep = torch.tensor(False)
     out = torch.empty(4097, dtype=torch.bfloat16)
-    pre_orthogonalize_(grad, momentum, out, beta=0.9, mix=0.95, keep=keep, store=True, fused=fused)
+    pre_orthogonalize_(
+        [grad], [momentum], [out], beta=0.9, mix=0.95, keeps=[keep], store=True, fused=fused
+    )
     update = torch.zeros(4097, dtype=torch.bfloat16)
     scalars = {"decay": torch.tensor(1.0), "step": torch.tensor(0.0), "keep": keep}
     post_orthogonalize_(param, update, **scalars, fused=fused)
@@ -92,5 +94,7 @@ def test_cpu_dispatch_uses_torch_arithmetic() -> None:
     expected = torch.add(grad, advanced, alpha=0.95).bfloat16()
     assert not fused_form("auto", grad, momentum, out)
     keep = torch.tensor(True)
-    pre_orthogonalize_(grad, momentum, out, beta=0.9, mix=0.95, keep=keep, store=True, fused=False)
+    pre_orthogonalize_(
+        [grad], [momentum], [out], beta=0.9, mix=0.95, keeps=[keep], store=True, fused=False
+    )
     assert torch.equal(momentum, advanced) and torch.equal(out, expected)
