@@ -77,7 +77,7 @@ class Region:
     slices: Slices | None  # of each piece inside its block
 
 
-def regions(
+def stack_regions(
     bucket: BucketPlan, stacks: Sequence[StackLayout], pieces: Sequence[tuple[int, Slices]]
 ) -> tuple[Region, ...]:
     """The regions of ``(owned block, slices in the block)`` pieces, in their order."""
@@ -106,10 +106,10 @@ def regions(
     return tuple(out)
 
 
-def region_views(stacks: Sequence[torch.Tensor], layout: Sequence[Region]) -> list[torch.Tensor]:
+def region_views(stacks: Sequence[torch.Tensor], regions: Sequence[Region]) -> list[torch.Tensor]:
     """Each piece's view of the stacks, shaped like the piece, in the regions' order."""
     views: list[torch.Tensor] = []
-    for region in layout:
+    for region in regions:
         part = stacks[region.stack].narrow(0, region.start, region.count * region.matrices)
         if region.count == 1:
             part = part.view(region.shape)
@@ -155,13 +155,13 @@ def bucket_layout(
     return BucketLayout(
         stacks,
         tuple((param, local) for param, (local, _), _ in owned),
-        regions(bucket, stacks, [(index, inside) for _, (_, inside), index in owned]),
+        stack_regions(bucket, stacks, [(index, inside) for _, (_, inside), index in owned]),
         tuple((p.param, p.slices) for p in bucket.gather_sends),
         packing(bucket.gather_sends, world_size, peers),
         packing(bucket.gather_recvs, world_size, peers),
-        regions(bucket, stacks, [(p.block, p.slices) for p in bucket.gather_recvs]),
+        stack_regions(bucket, stacks, [(p.block, p.slices) for p in bucket.gather_recvs]),
         packing(bucket.scatter_sends, world_size, peers),
-        regions(bucket, stacks, [(p.block, p.slices) for p in bucket.scatter_sends]),
+        stack_regions(bucket, stacks, [(p.block, p.slices) for p in bucket.scatter_sends]),
         packing(bucket.scatter_recvs, world_size, peers),
         tuple((p.param, p.slices) for p in bucket.scatter_recvs),
     )
