@@ -199,11 +199,22 @@ class MuonStep:
         def tensor(values: Sequence[float | int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(list(values), dtype=dtype, device=device)
 
-        self._stack_params = [
-            tensor([entries[i].param_index for i in layout.layouts], torch.long)
+        # Per matrix of every stack, in stack order: its parameter, whether this step drops
+        # it (masked input) and the sum of its result (finite exactly when the result is),
+        # so a step tests and flags every result at once instead of once per stack.
+        matrix_params = [
+            entries[i].param_index
             for bucket in self._layouts
             for layout in bucket.stacks
+            for i in layout.layouts
         ]
+        sizes = [layout.shape[0] for bucket in self._layouts for layout in bucket.stacks]
+        self._matrix_params = tensor(matrix_params, torch.long)
+        self._dropped = torch.zeros(len(matrix_params), dtype=torch.bool, device=device)
+        self._dropped_views = list(self._dropped.split_with_sizes(sizes))
+        self._result_sums = torch.zeros(len(matrix_params), device=device)
+        self._sum_views = list(self._result_sums.split_with_sizes(sizes))
+        self._stack_params = list(self._matrix_params.split_with_sizes(sizes))
         group_of = [entries[views[0]].group_index for views in self._views_of]
         self._lr_index = tensor(group_of, torch.long)
         self._wd_index = tensor([g + group_count for g in group_of], torch.long)
@@ -322,6 +333,8 @@ class MuonStep:
         self.error = None
         self._set_grads(grads)
         self.keep.copy_(keep)
+        torch.index_select(self.keep, 0, self._matrix_params, out=self._dropped)
+        self._dropped.logical_not_()
         self.found_inf = found_inf
         self.ns_bad = ns_bad
         self._scalars(hyper)
@@ -336,6 +349,7 @@ class MuonStep:
             ),
             self.settings.max_inflight,
         )
+        self._flag_results()
         agree_on_results()
         if self._deferred is not None:
             deferred, self._deferred = self._deferred, None
@@ -551,8 +565,7 @@ class MuonStep:
         )
 
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:
-        params = self._stack_params[layout.index]
-        mask_stack_(stack, self.keep.index_select(0, params))
+        mask_stack_(stack, self._dropped_views[layout.index])
         steps, coefficients, parts, method = cast(
             tuple[int, Coefficients, PartSplit | None, str], layout.ns_key
         )
@@ -570,13 +583,18 @@ class MuonStep:
         try:
             result = run(stack) if parts is None else parts.orthogonalize(stack, run)
         except Exception as exc:  # raised by step() once the other ranks know (see run)
-            self._fail(exc, params)
+            self._fail(exc, self._stack_params[layout.index])
+            self._sum_views[layout.index].zero_()
             return stack.new_zeros(stack.shape, dtype=self.settings.ns_dtype)
         # One sum per matrix instead of an elementwise test: a sum is finite exactly when
         # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
-        finite = torch.isfinite(result.sum(dim=(-2, -1), dtype=torch.float32))
-        self.ns_bad.index_add_(0, params, finite.logical_not_().float())
+        torch.sum(result, dim=(-2, -1), dtype=torch.float32, out=self._sum_views[layout.index])
         return result
+
+    def _flag_results(self) -> None:
+        """Count each parameter's non-finite Newton–Schulz results of this step."""
+        bad = torch.isfinite(self._result_sums).logical_not_().float()
+        self.ns_bad.index_add_(0, self._matrix_params, bad)
 
     def apply(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
         try:

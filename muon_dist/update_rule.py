@@ -137,9 +137,9 @@ def pre_orthogonalize_(
     ns_inputs_(grads, advanced, outs, mix)
 
 
-def mask_stack_(stack: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Zero the matrices of a ``[k, m, n]`` stack whose ``keep`` (shape ``[k]``) is false."""
-    return stack.masked_fill_(keep.logical_not().view(-1, 1, 1), 0.0)
+def mask_stack_(stack: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """Zero the matrices of a ``[k, m, n]`` stack that ``dropped`` (shape ``[k]``) marks."""
+    return stack.masked_fill_(dropped.view(-1, 1, 1), 0.0)
 
 
 def post_orthogonalize_(
