@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import muon_dist
 from muon_dist.flat import ALIGN_BYTES, spans, zeros_like_flat
@@ -64,51 +60,6 @@ def test_span_store_matches_the_per_tensor_store_bitwise(keep: bool) -> None:
     store_momenta_([g.view(-1) for g in grads], [m.view(-1) for m in momenta], 0.9, flag, span)
     for got, want in zip(momenta, expected, strict=True):
         assert torch.equal(got, want)
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts the operations that launch work (views launch none)."""
-
-    VIEWS = frozenset(
-        {"view", "_unsafe_view", "slice", "select", "unbind", "split", "split_with_sizes"}
-        | {"expand", "transpose", "t", "alias", "detach", "as_strided", "diagonal", "unsqueeze"}
-    )
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        if name not in self.VIEWS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _steady_state_ops(matrices: int, nonfinite: str) -> Counter[str]:
-    gen = torch.Generator().manual_seed(0)
-    params = [nn.Parameter(torch.randn(8, 16, generator=gen)) for _ in range(matrices)]
-    opt = muon_dist.Muon(
-        [{"params": params, "algorithm": "muon"}],
-        weight_decay=0.1,
-        nonfinite=nonfinite,
-        bucket_bytes=1 << 30,
-    )
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
-    opt.step()
-    counter = _CountOps()
-    with counter:
-        opt.step()
-    return counter.ops
-
-
-@pytest.mark.parametrize("nonfinite", ["raise", "skip_step"])
-def test_launches_per_step_do_not_grow_with_the_matrix_count(nonfinite: str) -> None:
-    """Same-shape matrices of one group share every launch: momentum, selects, Newton–Schulz
-    and the update take as many operations for 32 matrices as for 4."""
-    few, many = _steady_state_ops(4, nonfinite), _steady_state_ops(32, nonfinite)
-    assert many == few, f"operations that grow with the matrix count: {many - few}"
 
 
 def _muon_with_state(seed: int) -> tuple[muon_dist.Muon, list[nn.Parameter]]:
