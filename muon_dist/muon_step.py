@@ -115,12 +115,13 @@ def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tenso
 
 @dataclass(frozen=True)
 class _Reads:
-    """How one tuple of pieces is read: positions batched per form and coefficients
-    (fused, β, Nesterov mix) where the momentum advances in the read, and per mix where it
-    advanced before."""
+    """How one tuple of pieces is read: positions batched per form and group (fused,
+    group) where the momentum advances in the read, and per group where it advanced
+    before. Groups, not their coefficients: a scheduler may change ``momentum`` between
+    steps, so each step reads β and the Nesterov mix from the group."""
 
-    advancing: tuple[tuple[tuple[bool, float, float | None], tuple[int, ...]], ...]
-    advanced: tuple[tuple[float | None, tuple[int, ...]], ...]
+    advancing: tuple[tuple[tuple[bool, dict[str, Any]], tuple[int, ...]], ...]
+    advanced: tuple[tuple[dict[str, Any], tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,11 @@ class _Writes:
     loose_targets: tuple[torch.Tensor, ...]
     loose_steps: tuple[torch.Tensor, ...]
     classes: tuple[_ClassWrites, ...]
+
+
+def _nesterov_mix(group: dict[str, Any]) -> float | None:
+    """The weight of the momentum in Newton–Schulz's input ``g + mix·m``; None for ``m``."""
+    return group["momentum"] if group["nesterov"] else None
 
 
 class MuonStep:
@@ -526,42 +532,43 @@ class MuonStep:
         reads = self._reads.get(key)
         if reads is None:
             reads = self._reads[key] = self._plan_reads(pieces)
-        for (fused, beta, mix), positions in reads.advancing:
+        for (fused, group), positions in reads.advancing:
             pre_orthogonalize_(
                 [self._grad_piece(*pieces[i]) for i in positions],
                 [self._pieces(*pieces[i])[1] for i in positions],
                 [outs[i] for i in positions],
-                beta=beta,
-                mix=mix,
+                beta=group["momentum"],
+                mix=_nesterov_mix(group),
                 keeps=[self._keep_views[self.entries[pieces[i][0]].param_index] for i in positions],
                 store=self._deferred is None,
                 fused=fused,
             )
-        for mix, positions in reads.advanced:
+        for group, positions in reads.advanced:
             ns_inputs_(
                 [self._grad_piece(*pieces[i]) for i in positions],
                 [self._pieces(*pieces[i])[1] for i in positions],
                 [outs[i] for i in positions],
-                mix,
+                _nesterov_mix(group),
             )
 
     def _plan_reads(self, pieces: Sequence[LocalSlices]) -> _Reads:
-        """One batch per form and coefficients: pieces whose momentum advances here (fused,
-        or a transactional step's read) and pieces whose momentum advanced before, which
-        only need the Nesterov mix and the cast to ``out``."""
-        advancing: dict[tuple[bool, float, float | None], list[int]] = {}
-        advanced: dict[float | None, list[int]] = {}
+        """One batch per form and group: pieces whose momentum advances here (fused, or a
+        transactional step's read) and pieces whose momentum advanced before, which only
+        need the Nesterov mix and the cast to ``out``."""
+        advancing: dict[tuple[bool, int], list[int]] = {}
+        advanced: dict[int, list[int]] = {}
+        groups: dict[int, dict[str, Any]] = {}
         for i, (index, _) in enumerate(pieces):
-            group = self.entries[index].group
-            mix = group["momentum"] if group["nesterov"] else None
+            entry = self.entries[index]
+            groups[entry.group_index] = entry.group
             fused = index in self._fused_reads
             if self._deferred is not None or fused:
-                advancing.setdefault((fused, group["momentum"], mix), []).append(i)
+                advancing.setdefault((fused, entry.group_index), []).append(i)
             else:
-                advanced.setdefault(mix, []).append(i)
+                advanced.setdefault(entry.group_index, []).append(i)
         return _Reads(
-            tuple((key, tuple(positions)) for key, positions in advancing.items()),
-            tuple((mix, tuple(positions)) for mix, positions in advanced.items()),
+            tuple(((f, groups[g]), tuple(positions)) for (f, g), positions in advancing.items()),
+            tuple((groups[g], tuple(positions)) for g, positions in advanced.items()),
         )
 
     def orthogonalize(self, stack: torch.Tensor, layout: StackLayout) -> torch.Tensor:

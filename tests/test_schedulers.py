@@ -65,3 +65,29 @@ def test_reduce_on_plateau_lowers_both_kinds() -> None:
     for _ in range(3):
         scheduler.step(1.0)
     assert all(g["lr"] < b for g, b in zip(opt.param_groups, before, strict=True))
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip_step"])
+def test_a_changed_momentum_is_used_by_the_next_step(nonfinite: str) -> None:
+    """Schedulers that cycle ``momentum`` (OneCycleLR, CyclicLR) change it between steps:
+    every step must use the group's current value, as single-device Muon does."""
+    from reference_muon import reference_muon_step
+
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(12, 8, generator=gen)
+    param = nn.Parameter(full.clone())
+    opt = muon_dist.Muon(
+        [{"params": [param], "algorithm": "muon"}],
+        lr=0.02,
+        nonfinite=nonfinite,
+        comm_dtype=torch.float32,
+        ns_dtype=torch.float32,
+    )
+    ref, buffer = full.clone(), torch.zeros_like(full)
+    for beta in (0.95, 0.8, 0.6, 0.9):
+        opt.param_groups[0]["momentum"] = beta
+        grad = torch.randn(full.shape, generator=gen)
+        param.grad = grad.clone()
+        opt.step()
+        reference_muon_step(ref, grad, buffer, lr=0.02, momentum=beta, ns_dtype=torch.float32)
+        torch.testing.assert_close(param.detach(), ref, rtol=0, atol=1e-6)
