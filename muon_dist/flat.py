@@ -5,7 +5,7 @@ each parameter group): the step can then select, in a single ``torch.where`` ove
 span, between the advanced and the old momentum of every matrix, where per-tensor selects
 would cost a launch per matrix. Each buffer's start is aligned to :data:`ALIGN_BYTES`, so
 vectorized and Triton kernels see the alignment a separate allocation would give them; the
-padding between views belongs to no parameter and is never read.
+padding between views belongs to no parameter, and a select over a span may overwrite it.
 """
 
 from __future__ import annotations
