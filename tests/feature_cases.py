@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from parity_cases import full_value, set_grads
 from reference_muon import reference_muon_step
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import muon_dist
 
@@ -199,9 +200,7 @@ def run_feature_case(specs: list[F], layout: str, world_size: int, clip: bool = 
         max_logits=tracker if clip else None,
     )
     for step, step_grads in enumerate(grads):
-        for p, g in zip(params, step_grads, strict=True):
-            is_dtensor = isinstance(p, DTensor)
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements) if is_dtensor else g.clone()
+        set_grads(params, step_grads)
         if clip:
             for i, c in enumerate(CLIPS):
                 tracker.record(c.layer, _logits(step, i, rank, c.num_heads))
@@ -209,7 +208,7 @@ def run_feature_case(specs: list[F], layout: str, world_size: int, clip: bool = 
     expected = _reference(specs, fulls, grads, world_size, clip)
     worst = 0.0
     for p, ref, full in zip(params, expected, fulls, strict=True):
-        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        got = full_value(p)
         change = (ref - full).abs().max().item()
         worst = max(worst, (got - ref).abs().max().item() / max(change, 1e-30))
     return worst

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from parity_cases import Case, P, dense_params, run_case
+from parity_cases import Case, P, dense_params, full_value, run_case, set_grads
 from torch.distributed.tensor import Replicate, Shard
 
 RECORDED = ("all_to_all_single", "all_reduce", "all_gather_object")
@@ -79,11 +79,39 @@ def hsdp_worker(rank: int, world_size: int, replica_mode: str) -> dict[str, Any]
     return {"errors": errors, "calls": calls, "shard_group": shard_group}
 
 
+def _three_steps(
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    fulls: list[torch.Tensor],
+    gen: torch.Generator,
+    hp: dict[str, Any],
+    matrices: list[tuple[int, int, int] | None],
+) -> tuple[list[float], list[tuple[str, tuple[int, ...]]]]:
+    """Three steps of ``opt`` on fresh gradients against the single-device reference,
+    recording the collectives: each parameter's error relative to its reference update."""
+    from reference_muon import reference_muon_step
+
+    refs = [f.clone() for f in fulls]
+    moms = [torch.zeros_like(f) for f in fulls]
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    with recording(calls):
+        for _ in range(3):
+            grads = [torch.randn(f.shape, generator=gen) for f in fulls]
+            set_grads(params, grads)
+            opt.step()
+            for r, g, m, mats in zip(refs, grads, moms, matrices, strict=True):
+                reference_muon_step(r, g, m, matrices=mats, ns_dtype=torch.float32, **hp)
+    errors = [
+        float((full_value(p) - r).abs().max() / (r - f).abs().max())
+        for p, r, f in zip(params, refs, fulls, strict=True)
+    ]
+    return errors, calls
+
+
 def two_meshes_worker(rank: int, world_size: int) -> dict[str, Any]:
     """A pipeline stage whose parameters live on two meshes over the same ranks (dense
     weights on one, an expert stack on another): the optimizer's group over their ranks is
     created among the stage's ranks only. Three steps against the single-device reference."""
-    from reference_muon import reference_muon_step
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
@@ -110,30 +138,13 @@ def two_meshes_worker(rank: int, world_size: int) -> dict[str, Any]:
         ns_dtype=torch.float32,
         **hp,
     )
-    refs = [f.clone() for f in fulls]
-    moms = [torch.zeros_like(f) for f in fulls]
-    calls: list[tuple[str, tuple[int, ...]]] = []
-    with recording(calls):
-        for _ in range(3):
-            grads = [torch.randn(s, generator=gen) for s in shapes]
-            for p, g in zip(params, grads, strict=True):
-                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-            opt.step()
-            reference_muon_step(refs[0], grads[0], moms[0], ns_dtype=torch.float32, **hp)
-            reference_muon_step(
-                refs[1], grads[1], moms[1], matrices=(4, 12, 8), ns_dtype=torch.float32, **hp
-            )
-    errors = [
-        float((p.full_tensor() - r).abs().max() / (r - f).abs().max())
-        for p, r, f in zip(params, refs, fulls, strict=True)
-    ]
+    errors, calls = _three_steps(opt, params, fulls, gen, hp, [None, (4, 12, 8)])
     return {"errors": errors, "calls": calls, "stage_ranks": (2 * stage, 2 * stage + 1)}
 
 
 def plain_subgroup_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Plain-tensor replicas (DDP style) per stage, ranks {0, 1} and {2, 3}: with
     ``process_group`` each stage's Muon splits the work among its own ranks only."""
-    from reference_muon import reference_muon_step
     from torch import nn
 
     import muon_dist
@@ -152,19 +163,5 @@ def plain_subgroup_worker(rank: int, world_size: int) -> dict[str, Any]:
         process_group=stages[stage],
         **hp,
     )
-    refs = [f.clone() for f in fulls]
-    moms = [torch.zeros_like(f) for f in fulls]
-    calls: list[tuple[str, tuple[int, ...]]] = []
-    with recording(calls):
-        for _ in range(3):
-            grads = [torch.randn(s, generator=gen) for s in shapes]
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g.clone()
-            opt.step()
-            for r, g, m in zip(refs, grads, moms, strict=True):
-                reference_muon_step(r, g, m, ns_dtype=torch.float32, **hp)
-    errors = [
-        float((p.detach() - r).abs().max() / (r - f).abs().max())
-        for p, r, f in zip(params, refs, fulls, strict=True)
-    ]
+    errors, calls = _three_steps(opt, params, fulls, gen, hp, [None] * len(params))
     return {"errors": errors, "calls": calls, "stage_ranks": (2 * stage, 2 * stage + 1)}

@@ -23,6 +23,20 @@ import muon_dist
 STEPS = 3
 
 
+def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Give each parameter its full gradient, placed like the parameter."""
+    for p, g in zip(params, grads, strict=True):
+        if isinstance(p, DTensor):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+        else:
+            p.grad = g.clone()
+
+
+def full_value(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value, gathered from its shards if it is a DTensor."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
 @dataclass
 class P:
     """One parameter of a case: its full shape, routing and placements."""
@@ -159,11 +173,7 @@ def run_case(
         **case.extra,
     )
     for step_grads in grads:
-        for p, g in zip(params, step_grads, strict=True):
-            if isinstance(p, DTensor):
-                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
-            else:
-                p.grad = g.clone()
+        set_grads(params, step_grads)
         opt.step()
     expected = _reference(ns_dtype, case, fulls, grads)
     # fp32 parameters: max error relative to the update ("update") and to the parameter
@@ -171,7 +181,7 @@ def run_case(
     # parameters: relative to the parameter, since their decay and update round to bf16.
     errors = {"update": 0.0, "param": 0.0, "update_fro": 0.0, "bf16_param": 0.0}
     for p, ref, full in zip(params, expected, fulls, strict=True):
-        got = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).float()
+        got = full_value(p).float()
         diff = got - ref.float()
         worst = diff.abs().max().item()
         if ref.dtype == torch.bfloat16:
