@@ -9,47 +9,31 @@ device-side agreement on gradients in :mod:`muon_dist.agreement`, capture in
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.adamw import adamw as adamw_update
 
-from muon_dist.agreement import Agreement, Outcome
-from muon_dist.checks import (
-    by_name,
-    check_grad,
-    check_ranks_agree,
-    check_saved_routing,
-    matrix_count,
-)
-from muon_dist.cuda_graph import StepGraph
+from muon_dist.agreement import Outcome
+from muon_dist.checks import by_name, check_ranks_agree, check_saved_routing, matrix_count
 from muon_dist.flat import zeros_like_flat
-from muon_dist.groups import CommGroups, comm_groups
-from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
-from muon_dist.plan import build_plan, layout_of, local
+from muon_dist.groups import comm_groups
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.routing import (
     ALGORITHMS,
     format_routing_table,
     group_param_names,
-    matrix_views,
     named_params,
     routing_entries,
 )
 from muon_dist.settings import ExecutionSettings
+from muon_dist.step_runner import StepRunner
+from muon_dist.step_scalars import NS_NORM_LIMIT
+from muon_dist.tensors import local
 from muon_dist.validation import check_group_keys, validate_group
 
 logger = logging.getLogger(__name__)
-
-# Newton–Schulz divides its input by the Frobenius norm, whose square overflows fp32 above
-# about 1.84e19 (3.4e38 ** 0.5); the limit leaves room for Polar Express's 1.02 factor.
-NS_NORM_LIMIT = 1.8e19 / 1.02
-# Group entries that a captured step does not read from the group: the lr is staged into
-# device memory every step, the rest is bookkeeping. Any other change is captured anew.
-_NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
 
 
 class Muon(torch.optim.Optimizer):
@@ -156,7 +140,7 @@ class Muon(torch.optim.Optimizer):
                 "weight_decay": adamw_weight_decay,
             },
         }
-        self._runner: _StepRunner | None = None
+        self._runner: StepRunner | None = None
         # What torch reads: its schedulers scale "lr" and cycle "momentum" (OneCycleLR,
         # CyclicLR), which is Muon's; AdamW groups keep their betas. Groups get their own
         # algorithm's defaults in add_param_group, never these.
@@ -184,7 +168,7 @@ class Muon(torch.optim.Optimizer):
                 raise
         if refused is not None:
             raise refused
-        runner = self._step_runner()  # unsupported layouts fail here, not mid-training
+        runner = self.runner  # unsupported layouts fail here, not mid-training
         if cuda_graph and runner.device.type != "cuda":
             raise ValueError(
                 f"cuda_graph=True captures CUDA work, and these parameters are on "
@@ -197,7 +181,7 @@ class Muon(torch.optim.Optimizer):
                 qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
             )
             self.register_step_post_hook(
-                lambda opt, _args, _kwargs: clipper(opt._step_runner().agreement.found_inf)
+                lambda opt, _args, _kwargs: clipper(opt.runner.agreement.found_inf)
             )
         logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
 
@@ -295,7 +279,7 @@ class Muon(torch.optim.Optimizer):
         # Optimizer.load_state_dict replaces the group dicts, which the step reads its
         # momentum, Nesterov and lr scale from: bind a step to the loaded groups.
         self._runner = None
-        self._step_runner()
+        _ = self.runner
 
     def routing_table(self) -> str:
         """Which parameter goes where, its matrix view and lr scale, as printable text."""
@@ -304,10 +288,13 @@ class Muon(torch.optim.Optimizer):
     def _named_params(self) -> dict[str, torch.Tensor]:
         return {name: p for name, _, p in named_params(self.param_groups)}
 
-    def _step_runner(self) -> _StepRunner:
-        """The plan, bound tensors and device buffers of a step; built once per group set."""
+    @property
+    def runner(self) -> StepRunner:
+        """The step machinery bound to the current groups (:mod:`muon_dist.step_runner`):
+        the plan and Muon phase, the agreement, the CUDA graph. Built on first use and again
+        after the groups change; for tools and tests that look inside a step."""
         if self._runner is None:
-            self._runner = _StepRunner(self.param_groups, self.state, self.settings, self._comm)
+            self._runner = StepRunner(self.param_groups, self.state, self.settings, self._comm)
         return self._runner
 
     # -- step ---------------------------------------------------------------------------
@@ -339,7 +326,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.check_finite()
-        runner = self._step_runner()
+        runner = self.runner
         failure = runner.run(self.param_groups)
         runner.agreement.queued(self.param_groups[0]["steps"] + 1)
         for group in self.param_groups:
@@ -417,236 +404,6 @@ class Muon(torch.optim.Optimizer):
             "clip gradients) or a kernel or device failed (try backend='torch'); those "
             "parameters were updated"
         )
-
-
-class _StepRunner:
-    """Everything a step repeats, built once: the Muon phase, the agreement, the staging of
-    this step's hyper-parameters into device memory, and the CUDA graph when enabled."""
-
-    def __init__(
-        self,
-        groups: Sequence[dict[str, Any]],
-        state: dict[torch.Tensor, dict[str, Any]],
-        settings: ExecutionSettings,
-        comm: CommGroups,
-    ) -> None:
-        self.settings = settings
-        named = list(named_params(groups))
-        self.params = [p for _, _, p in named]
-        self.device = local(self.params[0]).device
-        group_index = {id(g): i for i, g in enumerate(groups)}
-        entries: list[MuonEntry] = []
-        muon_positions: list[int] = []
-        for position, (name, group, p) in enumerate(named):
-            if group["algorithm"] != "muon":
-                continue
-            first = 0
-            for view in matrix_views(p.shape, group, name):
-                entries.append(
-                    MuonEntry(
-                        p,
-                        group,
-                        view,
-                        view.label(name),
-                        first,
-                        len(muon_positions),
-                        group_index[id(group)],
-                    )
-                )
-                first += view.count
-            muon_positions.append(position)
-        self.muon_positions = muon_positions
-        self.muon: MuonStep | None = None
-        if entries:
-            layouts = [
-                layout_of(e.param, e.name, e.view, comm.holders.ranks, ns_key(e.group, e.view))
-                for e in entries
-            ]
-            plan = build_plan(
-                layouts,
-                comm.rank,
-                comm.world_size,
-                bucket_bytes=settings.bucket_bytes,
-                itemsize=settings.comm_dtype.itemsize,
-                replica_mode=settings.replica_mode,
-                steps=[e.group["ns_steps"] for e in entries],
-            )
-            logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
-            self.muon = MuonStep(plan, entries, state, settings, len(groups), comm)
-        self.agreement = Agreement(
-            [name for name, _, _ in named], muon_positions, self.device, comm.holders
-        )
-        # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
-        self._adamw_members: dict[int, list[int]] = {}
-        for position, (_, group, _) in enumerate(named):
-            if group["algorithm"] == "adamw":
-                self._adamw_members.setdefault(group_index[id(group)], []).append(position)
-        self.group_count = len(groups)
-        self.names = [name for name, _, _ in named]
-        self._group_of = [group_index[id(group)] for _, group, _ in named]
-        self.rank = comm.rank
-        # lr and weight decay per group | presence and norm limit per parameter | failure
-        self.hyper = torch.zeros(2 * len(groups) + 2 * len(self.params) + 1, device=self.device)
-        # AdamW reads its lr from device memory on CUDA (fused AdamW takes a tensor lr).
-        self._lr_views = list(self.hyper[: len(groups)].unbind(0))
-        self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
-        self._grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
-            (None, None) for _ in self.params
-        ]
-        self.bind_state(state)
-
-    def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Point at the state tensors (again after a state load, which replaces them)."""
-        self.state = state
-        self._adamw_tensors = {
-            i: (
-                local(p),
-                local(state[p]["exp_avg"]),
-                local(state[p]["exp_avg_sq"]),
-                state[p]["step"],
-            )
-            for members in self._adamw_members.values()
-            for i in members
-            for p in (self.params[i],)
-        }
-        if self.muon is not None:
-            self.muon.bind_state(state)
-        if self.graph is not None:
-            self.graph.reset()
-
-    def _local_grads(self) -> list[torch.Tensor | None]:
-        """Local gradient shards; a gradient kept between steps is checked and unwrapped
-        only once."""
-        grads: list[torch.Tensor | None] = []
-        for index, p in enumerate(self.params):
-            grad = p.grad
-            source, unwrapped = self._grads[index]
-            if grad is not source:
-                unwrapped = None if grad is None else check_grad(self.names[index], p, grad)
-                self._grads[index] = (grad, unwrapped)
-            grads.append(unwrapped)
-        return grads
-
-    def run(self, groups: Sequence[dict[str, Any]]) -> Exception | None:
-        """Queue one step. A rank that refuses its inputs (a gradient of the wrong layout,
-        a sparse one, a missing one under capture) still takes part in the step's agreement,
-        with every gradient absent and its failure flagged, so every rank leaves everything
-        as it was and learns of the failure; it returns its error for the caller to raise.
-        """
-        failure: Exception | None = None
-        try:
-            grads = self._local_grads()
-            if self.graph is not None:
-                _check_captured(grads)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            failure = exc
-            grads = [None] * len(self.params)
-        values = [float(g["lr"]) for g in groups] + [float(g["weight_decay"]) for g in groups]
-        values += [0.0 if g is None else 1.0 for g in grads]
-        limits = [_norm_limit(g) for g in groups]
-        values += [limits[g] for g in self._group_of]
-        values.append(0.0 if failure is None else float(self.rank + 1))
-        pinned = self.device.type == "cuda"
-        staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
-        self.hyper.copy_(staged, non_blocking=pinned)
-        if self.graph is None or failure is not None:
-            self._body(groups, grads)
-            return failure or self._crash()
-
-        def body() -> None:
-            self._body(groups, grads)
-
-        key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
-        self.graph.run(body, key, grads)
-        return self._crash()
-
-    def _crash(self) -> Exception | None:
-        """The exception Newton–Schulz raised on this rank in the step just queued."""
-        return None if self.muon is None else self.muon.error
-
-    def _body(self, groups: Sequence[dict[str, Any]], grads: Sequence[torch.Tensor | None]) -> None:
-        """The device work of one step: everything a captured step replays."""
-        agreement = self.agreement
-        agreement.decide(grads, self.hyper[2 * self.group_count :])
-        skip = self.settings.nonfinite == "skip_step"
-        if self.muon is not None:
-            self.muon.run(
-                [grads[i] for i in self.muon_positions],
-                agreement.keep,
-                agreement.found_inf,
-                agreement.ns_bad,
-                self.hyper,
-                lambda: agreement.agree_on_results(skip),
-                transactional=skip,
-            )
-        for index, group in enumerate(groups):
-            if group["algorithm"] == "adamw":
-                self._adamw(group, index, grads)
-        agreement.publish()
-
-    def _adamw(
-        self, group: dict[str, Any], index: int, grads: Sequence[torch.Tensor | None]
-    ) -> None:
-        """AdamW for one group. A parameter without a local gradient takes a zero one where
-        another rank has a gradient, as a Muon parameter does, so replicas and step counts
-        stay equal: one launch each, skipped on the device where no rank has a gradient."""
-        members = self._adamw_members[index]
-        present = [i for i in members if grads[i] is not None]
-        if present:
-            self._adamw_launch(group, index, present, grads, self.agreement.found_inf)
-        for i in members:
-            if grads[i] is None:
-                skip = torch.maximum(self.agreement.found_inf, 1.0 - self.agreement.flags[i])
-                zero = torch.zeros_like(self._adamw_tensors[i][0])
-                self._adamw_launch(group, index, [i], {i: zero}, skip)
-
-    def _adamw_launch(
-        self,
-        group: dict[str, Any],
-        index: int,
-        members: Sequence[int],
-        grads: Sequence[torch.Tensor | None] | dict[int, torch.Tensor],
-        found_inf: torch.Tensor,
-    ) -> None:
-        tensors = self._adamw_tensors
-        beta1, beta2 = group["betas"]
-        cuda = self.device.type == "cuda"
-        adamw_update(
-            [tensors[i][0] for i in members],
-            [cast(torch.Tensor, grads[i]) for i in members],
-            [tensors[i][1] for i in members],
-            [tensors[i][2] for i in members],
-            [],
-            [tensors[i][3] for i in members],
-            fused=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=self._lr_views[index] if cuda else group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-            found_inf=found_inf,
-        )
-
-
-def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
-    missing = [i for i, g in enumerate(grads) if g is None]
-    if missing:
-        raise RuntimeError(
-            f"cuda_graph=True: {len(missing)} parameters have no gradient this step; a "
-            "captured step reads every gradient tensor in place, so keep them between "
-            "steps with zero_grad(set_to_none=False), or use cuda_graph=False"
-        )
-
-
-def _norm_limit(group: dict[str, Any]) -> float:
-    """The largest gradient norm a Muon parameter of ``group`` takes: its momentum stays
-    below ``norm / (1 - momentum)``, and Newton–Schulz's input must stay below
-    :data:`NS_NORM_LIMIT`. AdamW parameters have none."""
-    if group["algorithm"] != "muon":
-        return math.inf
-    return NS_NORM_LIMIT * (1.0 - float(group["momentum"]))
 
 
 def _split_by_algorithm(

@@ -48,11 +48,6 @@ class ParamLayout:
             raise ValueError(f"{self.name}: one placement per mesh dim is needed")
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def layout_of(
     param: torch.Tensor,
     name: str,

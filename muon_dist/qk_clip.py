@@ -20,8 +20,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from muon_dist.groups import Peers
-from muon_dist.plan import layout_of, local, local_rows
+from muon_dist.plan import layout_of, local_rows
 from muon_dist.routing import is_positive_int, matrix_view
+from muon_dist.tensors import local
 
 
 @dataclass(frozen=True)

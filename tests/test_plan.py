@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from muon_dist.bucket_map import bucket_map, region_views, stack_specs
 from muon_dist.comm import flat_views
 from muon_dist.groups import Peers
 from muon_dist.plan import (
@@ -27,7 +28,6 @@ from muon_dist.plan import (
     split_sizes,
 )
 from muon_dist.routing import matrix_view
-from muon_dist.runtime.bucket_task import bucket_layout, region_views, stack_layouts
 
 
 def _layout(
@@ -249,7 +249,7 @@ def _old_style_views(
     bucket: BucketPlan, stacks: list[torch.Tensor], pieces: list[tuple[int, Slices]]
 ) -> list[torch.Tensor]:
     """Each piece viewed the plain way: its block's part of the stack, then the slices."""
-    layouts = stack_layouts(bucket, 0)
+    layouts = stack_specs(bucket, 0)
     block_views: dict[int, torch.Tensor] = {}
     for layout, stack in zip(layouts, stacks, strict=True):
         for block, offset in zip(layout.blocks, layout.offsets, strict=True):
@@ -273,7 +273,7 @@ def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
     for rank in range(world):
         plan = build_plan(layouts, rank, world, bucket_bytes=512, itemsize=4, replica_mode=mode)
         for bucket in plan.buckets:
-            layout = bucket_layout(bucket, 0, world, peers)
+            layout = bucket_map(bucket, 0, world, peers)
             stacks = [torch.empty(s.shape) for s in layout.stacks]
             for regions_, pieces in (
                 (layout.own_regions, [(i, b.own_slices[1]) for i, b in _owned(bucket)]),
@@ -313,7 +313,7 @@ def test_like_pieces_take_one_region_per_stack() -> None:
     for rank in range(2):
         plan = build_plan(layouts, rank, 2, bucket_bytes=1 << 20, itemsize=4)
         (bucket,) = plan.buckets
-        layout = bucket_layout(bucket, 0, 2, peers)
+        layout = bucket_map(bucket, 0, 2, peers)
         assert len(layout.stacks) == 3
         for regions_ in (layout.own_regions, layout.gather_regions, layout.scatter_regions):
             assert len(regions_) == 3

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from dist_harness import close_pools, run_distributed  # noqa: E402
+from dist_harness import close_pools, run_distributed
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -177,11 +177,13 @@ def compare(before_path: str, after_path: str) -> int:
         print(f"different cases: {sorted(set(before) ^ set(after))}")
         return 1
     tensors = mismatches = 0
+    op_changes: Counter[tuple[tuple[str, int], ...]] = Counter()
     for case in sorted(before):
         for rank, (a, b) in enumerate(zip(before[case], after[case], strict=True)):
-            if a.get("ops") != b.get("ops"):
-                print(f"{case} rank {rank}: operations {a.get('ops')} -> {b.get('ops')}")
-                mismatches += 1
+            ops_a, ops_b = Counter(a.get("ops", {})), Counter(b.get("ops", {}))
+            if ops_a != ops_b:
+                delta = {k: ops_b[k] - ops_a[k] for k in ops_a | ops_b if ops_a[k] != ops_b[k]}
+                op_changes[tuple(sorted(delta.items()))] += 1
             if a["raised"] != b["raised"]:
                 print(f"{case} rank {rank}: raised {a['raised']} -> {b['raised']}")
                 mismatches += 1
@@ -194,6 +196,8 @@ def compare(before_path: str, after_path: str) -> int:
                 if not torch.equal(t, b["tensors"][key]):
                     print(f"{case} rank {rank} {key}: differs")
                     mismatches += 1
+    for delta, count in op_changes.items():
+        print(f"operations of the last step changed on {count} case-ranks: {dict(delta)}")
     print(f"{len(before)} cases, {tensors} tensors compared, {mismatches} mismatches")
     return 1 if mismatches else 0
 
