@@ -26,14 +26,14 @@ LocalSlices = tuple[int, Slices]
 @dataclass(frozen=True)
 class StackSpec:
     """Same-shape, same-schedule owned blocks of a bucket, stacked for one batched kernel
-    call; laid out once per plan. ``layouts`` names each matrix's layout (plan position)."""
+    call; laid out once per plan. ``views`` names each matrix's view (plan position)."""
 
     index: int  # unique over the plan: the context keys per-stack data by it
     blocks: tuple[int, ...]
     offsets: tuple[int, ...]  # first matrix of each block in the stack
     shape: tuple[int, int, int]
     ns_key: Hashable
-    layouts: tuple[int, ...]
+    views: tuple[int, ...]
 
 
 def stack_specs(bucket: BucketPlan, first_index: int) -> list[StackSpec]:
@@ -44,19 +44,19 @@ def stack_specs(bucket: BucketPlan, first_index: int) -> list[StackSpec]:
     stacks: list[StackSpec] = []
     for (rows, cols, ns_key), members in groups.items():
         offsets: list[int] = []
-        layouts: list[int] = []
+        views: list[int] = []
         for index in members:
             block = bucket.owned[index]
-            offsets.append(len(layouts))
-            layouts += [block.param] * (block.stop - block.start)
+            offsets.append(len(views))
+            views += [block.view] * (block.stop - block.start)
         stacks.append(
             StackSpec(
                 first_index + len(stacks),
                 tuple(members),
                 tuple(offsets),
-                (len(layouts), rows, cols),
+                (len(views), rows, cols),
                 ns_key,
-                tuple(layouts),
+                tuple(views),
             )
         )
     return stacks
@@ -144,20 +144,20 @@ def bucket_map(bucket: BucketPlan, first_stack: int, world_size: int, peers: Pee
     """Lay out one bucket; its stacks are numbered from ``first_stack``."""
     stacks = tuple(stack_specs(bucket, first_stack))
     owned = [
-        (block.param, block.own_slices, index)
+        (block.view, block.own_slices, index)
         for index, block in enumerate(bucket.owned)
         if block.own_slices is not None
     ]
     return BucketMap(
         stacks,
-        tuple((param, local) for param, (local, _), _ in owned),
+        tuple((view, local) for view, (local, _), _ in owned),
         stack_regions(bucket, stacks, [(index, inside) for _, (_, inside), index in owned]),
-        tuple((p.param, p.slices) for p in bucket.gather_sends),
+        tuple((p.view, p.slices) for p in bucket.gather_sends),
         packing(bucket.gather_sends, world_size, peers),
         packing(bucket.gather_recvs, world_size, peers),
         stack_regions(bucket, stacks, [(p.block, p.slices) for p in bucket.gather_recvs]),
         packing(bucket.scatter_sends, world_size, peers),
         stack_regions(bucket, stacks, [(p.block, p.slices) for p in bucket.scatter_sends]),
         packing(bucket.scatter_recvs, world_size, peers),
-        tuple((p.param, p.slices) for p in bucket.scatter_recvs),
+        tuple((p.view, p.slices) for p in bucket.scatter_recvs),
     )

@@ -24,12 +24,12 @@ import torch
 
 from muon_dist.agreement import Agreement
 from muon_dist.bucket_map import BucketMap, LocalSlices, StackSpec, bucket_map
-from muon_dist.groups import CommGroups
+from muon_dist.groups import CommGroups, Peers
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import newton_schulz
 from muon_dist.muon_state import MuonState
 from muon_dist.piece_io import LocalGrads, PieceForms, PieceIO
-from muon_dist.plan import Plan, covers_exactly, layout_of, local_pieces, local_rows
+from muon_dist.plan import Plan, covers_exactly, local_pieces, local_rows, placement_of
 from muon_dist.routing import MatrixView, PartSplit
 from muon_dist.runtime import run_tasks
 from muon_dist.runtime.bucket_task import bucket_task
@@ -74,8 +74,8 @@ def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tenso
     """For each dim-0 row of this rank's shard, which of the parameter's matrices it is in
     (``entries`` are all the views of one parameter)."""
     first = entries[0]
-    layout = layout_of(first.param, first.name, first.view, comm.holders.ranks)
-    lo, hi = local_rows(layout, comm.rank)
+    placement = placement_of(first.param, first.name, first.view, comm.holders.ranks)
+    lo, hi = local_rows(placement, comm.rank)
     rows = torch.arange(lo, hi)
     matrices = torch.zeros_like(rows)
     for e in entries:
@@ -83,6 +83,56 @@ def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tenso
         inside = (rows >= start) & (rows < stop)
         matrices[inside] = e.first_matrix + (rows[inside] - start) // e.view.dim0_step
     return matrices.to(local(first.param).device)
+
+
+def _bucket_maps(plan: Plan, peers: Peers) -> list[BucketMap]:
+    """Every bucket's map, stacks numbered across the plan."""
+    maps: list[BucketMap] = []
+    for bucket in plan.buckets:
+        first = sum(len(m.stacks) for m in maps)
+        maps.append(bucket_map(bucket, first, plan.world_size, peers))
+    return maps
+
+
+def _fusable(
+    plan: Plan,
+    views_of: Sequence[Sequence[int]],
+    groups: Sequence[dict[str, Any]],
+    shards: Sequence[torch.Tensor],
+) -> tuple[frozenset[int], frozenset[int]]:
+    """Pieces whose local shard the step reads (writes) exactly once, so the read can
+    also advance the momentum and the write also decay, in one pass.
+
+    Magma needs the advanced momentum before any read and scales rows by a tensor;
+    cautious decay needs the update's sign: both keep their separate passes.
+    """
+    reads, writes = local_pieces(plan)
+    fusable_reads: set[int] = set()
+    fusable_writes: set[int] = set()
+    for j, views in enumerate(views_of):
+        group, shape = groups[j], shards[j].shape
+        if group["magma"]:
+            continue
+        if covers_exactly(shape, [piece for i in views for piece in reads[i]]):
+            fusable_reads.update(views)
+        if not group["cautious_wd"] and covers_exactly(
+            shape, [piece for i in views for piece in writes[i]]
+        ):
+            fusable_writes.update(views)
+    return frozenset(fusable_reads), frozenset(fusable_writes)
+
+
+def _fused(
+    fusable: frozenset[int],
+    tensor_of: Sequence[int],
+    shards: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
+    backend: str,
+) -> frozenset[int]:
+    """The fusable pieces whose tensors take the fused form under the backend."""
+    return frozenset(
+        i for i in fusable if fused_form(backend, shards[tensor_of[i]], momenta[tensor_of[i]])
+    )
 
 
 class SkipTransaction:
@@ -145,10 +195,7 @@ class MuonPhase:
             self._views_of[e.param_index].append(index)
         self.groups = [entries[views[0]].group for views in self._views_of]
         self._group_of = [entries[views[0]].group_index for views in self._views_of]
-        self.maps: list[BucketMap] = []
-        for bucket in plan.buckets:
-            first = sum(len(m.stacks) for m in self.maps)
-            self.maps.append(bucket_map(bucket, first, plan.world_size, self.peers))
+        self.maps = _bucket_maps(plan, self.peers)
         self.state = MuonState(
             self.params,
             self.groups,
@@ -166,9 +213,11 @@ class MuonPhase:
         # once per stack.
         sizes = [stack.shape[0] for m in self.maps for stack in m.stacks]
         stack_tensor = [
-            entries[i].param_index for m in self.maps for s in m.stacks for i in s.layouts
+            entries[i].param_index for m in self.maps for s in m.stacks for i in s.views
         ]
-        self.fusable_reads, self.fusable_writes = self._fusable()
+        self.fusable_reads, self.fusable_writes = _fusable(
+            plan, self._views_of, self.groups, self.shards
+        )
         self.scalars, forms = self._scalars_and_forms(group_count, stack_tensor)
         self.io = PieceIO(forms, self.shards, self.state, self.grads, self.scalars)
         self.transaction = SkipTransaction()
@@ -210,15 +259,17 @@ class MuonPhase:
             group_count=group_count,
             device=self.device,
         )
-        fused_reads = self._fused(self.fusable_reads)
-        fused_writes = self._fused(self.fusable_writes)
+        tensor_of = [e.param_index for e in entries]
+        backend, momenta = self.settings.backend, self.state.momenta
+        fused_reads = _fused(self.fusable_reads, tensor_of, self.shards, momenta, backend)
+        fused_writes = _fused(self.fusable_writes, tensor_of, self.shards, momenta, backend)
         plain = frozenset(
             i
             for i, e in enumerate(entries)
             if i not in fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
         )
         forms = PieceForms(
-            tensor_of=tuple(e.param_index for e in entries),
+            tensor_of=tuple(tensor_of),
             group_of=tuple(e.group_index for e in entries),
             groups=tuple(e.group for e in entries),
             class_of=class_of,
@@ -227,38 +278,6 @@ class MuonPhase:
             plain_writes=plain,
         )
         return scalars, forms
-
-    def _fusable(self) -> tuple[frozenset[int], frozenset[int]]:
-        """Pieces whose local shard the step reads (writes) exactly once, so the read can
-        also advance the momentum and the write also decay, in one pass.
-
-        Magma needs the advanced momentum before any read and scales rows by a tensor;
-        cautious decay needs the update's sign: both keep their separate passes.
-        """
-        reads, writes = local_pieces(self.plan)
-        fusable_reads: set[int] = set()
-        fusable_writes: set[int] = set()
-        for j, views in enumerate(self._views_of):
-            group, shape = self.groups[j], self.shards[j].shape
-            if group["magma"]:
-                continue
-            if covers_exactly(shape, [piece for i in views for piece in reads[i]]):
-                fusable_reads.update(views)
-            if not group["cautious_wd"] and covers_exactly(
-                shape, [piece for i in views for piece in writes[i]]
-            ):
-                fusable_writes.update(views)
-        return frozenset(fusable_reads), frozenset(fusable_writes)
-
-    def _fused(self, fusable: frozenset[int]) -> frozenset[int]:
-        """The fusable pieces whose tensors take the fused form under the backend."""
-        backend = self.settings.backend
-        tensor_of = [e.param_index for e in self.entries]
-        return frozenset(
-            i
-            for i in fusable
-            if fused_form(backend, self.shards[tensor_of[i]], self.state.momenta[tensor_of[i]])
-        )
 
     # -- the step -----------------------------------------------------------------------
 

@@ -37,7 +37,27 @@ logger = logging.getLogger(__name__)
 
 
 class Muon(torch.optim.Optimizer):
-    """Distributed Muon with AdamW for non-matrix parameters.
+    r"""Distributed Muon with AdamW for non-matrix parameters.
+
+    For each matrix :math:`W` of a Muon group (gradient :math:`G`, momentum :math:`M`,
+    Newton–Schulz :math:`\mathrm{NS}`), one step computes
+    (:func:`muon_dist.update_rule.muon_update_`)
+
+    .. math::
+        \begin{aligned}
+        M &\leftarrow \beta M + G \\
+        U &\leftarrow G + \beta M \ \text{(nesterov)} \quad\text{or}\quad M \\
+        O &\leftarrow \mathrm{NS}_{k}(U) \approx \text{the polar factor of } U \\
+        \eta &\leftarrow \mathrm{lr} \cdot s(\text{full shape})
+              \cdot \big(\text{magma}: 0.1 + 0.9\, q\big) \\
+        W &\leftarrow (1 - \mathrm{lr}\,\lambda)\, W - \eta\, O
+             \quad\text{or, cautious:}\quad W - \mathrm{lr}\,\lambda\,
+             [\operatorname{sign} O = \operatorname{sign} W] \odot W - \eta\, O
+        \end{aligned}
+
+    where :math:`s` is ``adjust_lr``'s scale of the whole matrix (never a shard's) and
+    :math:`q`, Magma's score per matrix, an EMA (``magma_beta``) of
+    :math:`(1 + \cos(M, G)) / 2`. Other parameters take torch's AdamW.
 
     Groups carry ``"algorithm": "muon" | "adamw"``; a group without it is split, >=2-D
     parameters to Muon and the rest to AdamW. Muon parameters may be plain tensors or
@@ -45,24 +65,68 @@ class Muon(torch.optim.Optimizer):
     gathered onto one owner rank each, orthogonalized there, and scattered back, so the
     update equals single-device Muon.
 
-    Per group, ``num_heads`` orthogonalizes each head's rows separately, ``split_sizes`` each
-    block of a fused weight (QKV, gate+up), ``magma=True`` damps each matrix's update by how
-    well its gradient agrees with its momentum, and ``cautious_wd=True`` decays only weights
-    whose sign the update shares. ``ns_method`` ("auto", "gram", "standard") picks the
-    Newton–Schulz iteration (see :func:`muon_dist.kernels.newton_schulz`). ``qk_clip`` (with
-    ``max_logits``) rescales attention query and key heads whose logits exceed tau after
-    each step (see :mod:`muon_dist.qk_clip`).
-
     The step never waits for the device. All ranks agree on the device which gradients
     exist and are finite; a parameter without a gradient on any rank is left alone, one
     without a gradient on some ranks takes a zero gradient there (Muon and AdamW alike), and
     a non-finite gradient anywhere leaves every parameter and all state as they were. The
     host learns of it later, where it reads the step's flags: with CUDA tensors at the next
     ``step()``, ``state_dict()`` or :meth:`check_finite`; with CPU tensors at the end of the
-    step itself. There ``nonfinite="raise"`` raises ``FloatingPointError`` naming the
-    parameters and the step, and ``"skip_step"`` counts the step in ``skipped_steps`` and
-    logs a warning. ``cuda_graph=True`` captures the whole step in a CUDA graph after
-    ``graph_warmup`` eager steps and replays it (see :mod:`muon_dist.cuda_graph`).
+    step itself.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs, or param-group dicts (as
+            :func:`muon_dist.param_groups` returns).
+        lr (float, default 0.02): Muon's learning rate.
+        momentum (float, default 0.95): Muon's momentum coefficient :math:`\beta`.
+        nesterov (bool, default True): feed :math:`G + \beta M` to Newton–Schulz, else
+            :math:`M`.
+        weight_decay (float, default 0.0): Muon's decoupled weight decay :math:`\lambda`.
+        adjust_lr (str | None, default "spectral_norm"): lr scale from the full matrix
+            shape: ``"spectral_norm"`` :math:`\sqrt{\max(1, rows/cols)}`, ``"rms_norm"``
+            :math:`0.2\sqrt{\max(rows, cols)}` (matches AdamW's update RMS), None: 1.
+        ns_steps (int, default 5): Newton–Schulz iterations.
+        coefficients (str | sequence, default "quintic"): ``"quintic"``, ``"keller"``,
+            ``"polar_express"`` or a list of ``(a, b, c)`` per iteration.
+        backend (str, default "auto"): Newton–Schulz kernels, ``"torch"``, ``"triton"``
+            (CUDA) or ``"auto"`` (Triton where measured faster); also picks the fused form
+            of the momentum and update passes.
+        ns_method (str, default "auto"): ``"standard"``, ``"gram"`` or ``"auto"`` (see
+            :func:`muon_dist.kernels.newton_schulz`).
+        comm_dtype (torch.dtype, default torch.bfloat16): dtype of gathers and scatters.
+        muon_mode (str, default "2d"): >2-D weights as ``"flat"`` ``[out, prod(rest)]``
+            or ``"slice"`` (one matrix per leading index); ``"2d"`` refuses them.
+        adamw_lr (float, default 3e-4): lr of AdamW groups.
+        adamw_betas (tuple, default (0.9, 0.95)): AdamW's betas.
+        adamw_eps (float, default 1e-8): AdamW's eps.
+        adamw_weight_decay (float, default 0.0): AdamW's weight decay.
+        bucket_bytes (int, default 128 MiB): gathered matrix bytes each owner handles per
+            bucket.
+        max_inflight (int, default 3): buckets in flight at once.
+        replica_mode (str, default "split"): HSDP replicas split the Newton–Schulz work
+            (``"split"``) or each redo it (``"redundant"``).
+        ns_dtype (torch.dtype, default torch.bfloat16): dtype Newton–Schulz runs in.
+        nonfinite (str, default "raise"): on a non-finite gradient, raise
+            ``FloatingPointError`` naming the parameters and the step, or ``"skip_step"``:
+            count it in ``skipped_steps`` and log a warning (a non-finite Newton–Schulz
+            result skips the step too).
+        magma (bool, default False): damp each matrix's update by how well its gradient
+            agrees with its momentum (Magma-lite).
+        magma_beta (float, default 0.9): EMA coefficient of Magma's score.
+        cautious_wd (bool, default False): decay only weights whose sign the update shares.
+        qk_clip (sequence of QKClip, default ()): MuonClip: rescale attention query and
+            key heads whose logits exceed tau after each step (:mod:`muon_dist.qk_clip`).
+        max_logits (MaxLogitTracker | None, default None): records the logits ``qk_clip``
+            reads.
+        cuda_graph (bool, default False): capture the whole step in one CUDA graph after
+            ``graph_warmup`` eager steps and replay it (:mod:`muon_dist.cuda_graph`).
+        graph_warmup (int, default 2): eager steps before the capture.
+        process_group (ProcessGroup | None, default None): the ranks holding plain-tensor
+            replicas, if not the world; DTensor parameters need none.
+
+    Per group also: ``experts`` (3-D expert stacks), ``num_experts`` (fused experts),
+    ``num_heads`` (orthogonalize each head's rows), ``split_sizes``, ``split_groups`` and
+    ``transposed`` (fused weights, ``[in, out]`` storage); the README's Options section
+    lists them all.
     """
 
     def __init__(
@@ -146,8 +210,24 @@ class Muon(torch.optim.Optimizer):
         # algorithm's defaults in add_param_group, never these.
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         groups = _split_by_algorithm(params, self._defaults_by_algorithm)
-        # A group refused on this rank only (options that differ across ranks) is agreed
-        # through the rank check below, so the other ranks raise too instead of waiting.
+        self._init_groups(groups, defaults, replica_mode, process_group, qk_clip)
+        self._bind_step(cuda_graph, qk_clip, max_logits)
+        logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
+
+    # -- construction -------------------------------------------------------------------
+
+    def _init_groups(
+        self,
+        groups: list[dict[str, Any]],
+        defaults: dict[str, Any],
+        replica_mode: str,
+        process_group: dist.ProcessGroup | None,
+        qk_clip: Sequence[QKClip],
+    ) -> None:
+        """Add the groups and check that every rank built the same ones.
+
+        A group refused on this rank only (options that differ across ranks) is agreed
+        through the rank check, so the other ranks raise too instead of waiting."""
         refused: ValueError | TypeError | None = None
         try:
             super().__init__(groups, defaults=defaults)
@@ -168,7 +248,12 @@ class Muon(torch.optim.Optimizer):
                 raise
         if refused is not None:
             raise refused
-        runner = self.runner  # unsupported layouts fail here, not mid-training
+
+    def _bind_step(
+        self, cuda_graph: bool, qk_clip: Sequence[QKClip], max_logits: MaxLogitTracker | None
+    ) -> None:
+        """Build the step (unsupported layouts fail here, not mid-training) and its hooks."""
+        runner = self.runner
         if cuda_graph and runner.device.type != "cuda":
             raise ValueError(
                 f"cuda_graph=True captures CUDA work, and these parameters are on "
@@ -183,9 +268,6 @@ class Muon(torch.optim.Optimizer):
             self.register_step_post_hook(
                 lambda opt, _args, _kwargs: clipper(opt.runner.agreement.found_inf)
             )
-        logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
-
-    # -- construction -------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         algorithm = param_group.get("algorithm", "muon")
@@ -349,61 +431,63 @@ class Muon(torch.optim.Optimizer):
             return
         outcome = self._runner.agreement.read()
         if outcome is not None:
-            self._report(outcome)
+            _apply_policy(outcome, self.settings.nonfinite, self.param_groups)
 
-    def _report(self, outcome: Outcome) -> None:
-        step = outcome.step
-        if outcome.crashed_rank is not None:
-            kept = (
-                "parameters and state were left as they were on every rank"
-                if self.settings.nonfinite == "skip_step"
-                else "under nonfinite='raise' the rest of the step was applied and the failed "
-                "matrices may be partly updated ('skip_step' leaves everything as it was)"
-            )
-            raise RuntimeError(
-                f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
-                "Newton–Schulz or the read or write of an update raised an exception (raised "
-                f"there, with its traceback); {kept}"
-            )
-        if outcome.failed_rank is not None:
-            raise RuntimeError(
-                f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
-                "refused its inputs and raised an error naming them; parameters and state "
-                "were left as they were on every rank; fix that rank's inputs"
-            )
-        if outcome.nonfinite_grads:
-            reason = f"non-finite gradient in {', '.join(outcome.nonfinite_grads)}"
-        elif outcome.overflowing_grads:
-            reason = (
-                f"gradient norm too large in {', '.join(outcome.overflowing_grads)} (finite, "
-                f"but above {NS_NORM_LIMIT:.2g}·(1 - momentum), where Newton–Schulz's "
-                "normalisation would overflow fp32)"
-            )
-        else:
-            reason = f"non-finite Newton–Schulz result for {', '.join(outcome.nonfinite_results)}"
-        if self.settings.nonfinite == "skip_step":
-            for group in self.param_groups:
-                group["skipped_steps"] += 1
-            logger.warning(
-                "muon_dist.Muon: skipped step %d (%s); %d skipped so far",
-                step,
-                reason,
-                self.param_groups[0]["skipped_steps"],
-            )
-            return
-        if outcome.nonfinite_grads or outcome.overflowing_grads:
-            raise FloatingPointError(
-                f"muon_dist.Muon step {step}: {reason}; parameters and state were left as "
-                "they were; fix the loss (or clip gradients) or pass nonfinite='skip_step' "
-                "to skip such steps"
-            )
-        raise FloatingPointError(
-            f"muon_dist.Muon step {step}: Newton–Schulz returned non-finite values for "
-            f"{', '.join(outcome.nonfinite_results)} although every gradient was finite; "
-            "either a momentum grew past a Frobenius norm of about 1.8e19 (lower the lr or "
-            "clip gradients) or a kernel or device failed (try backend='torch'); those "
-            "parameters were updated"
+
+def _apply_policy(outcome: Outcome, nonfinite: str, groups: list[dict[str, Any]]) -> None:
+    """Raise for a failed step, or count and log a skipped one (``nonfinite``)."""
+    step = outcome.step
+    if outcome.crashed_rank is not None:
+        kept = (
+            "parameters and state were left as they were on every rank"
+            if nonfinite == "skip_step"
+            else "under nonfinite='raise' the rest of the step was applied and the failed "
+            "matrices may be partly updated ('skip_step' leaves everything as it was)"
         )
+        raise RuntimeError(
+            f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
+            "Newton–Schulz or the read or write of an update raised an exception (raised "
+            f"there, with its traceback); {kept}"
+        )
+    if outcome.failed_rank is not None:
+        raise RuntimeError(
+            f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
+            "refused its inputs and raised an error naming them; parameters and state "
+            "were left as they were on every rank; fix that rank's inputs"
+        )
+    if outcome.nonfinite_grads:
+        reason = f"non-finite gradient in {', '.join(outcome.nonfinite_grads)}"
+    elif outcome.overflowing_grads:
+        reason = (
+            f"gradient norm too large in {', '.join(outcome.overflowing_grads)} (finite, "
+            f"but above {NS_NORM_LIMIT:.2g}·(1 - momentum), where Newton–Schulz's "
+            "normalisation would overflow fp32)"
+        )
+    else:
+        reason = f"non-finite Newton–Schulz result for {', '.join(outcome.nonfinite_results)}"
+    if nonfinite == "skip_step":
+        for group in groups:
+            group["skipped_steps"] += 1
+        logger.warning(
+            "muon_dist.Muon: skipped step %d (%s); %d skipped so far",
+            step,
+            reason,
+            groups[0]["skipped_steps"],
+        )
+        return
+    if outcome.nonfinite_grads or outcome.overflowing_grads:
+        raise FloatingPointError(
+            f"muon_dist.Muon step {step}: {reason}; parameters and state were left as "
+            "they were; fix the loss (or clip gradients) or pass nonfinite='skip_step' "
+            "to skip such steps"
+        )
+    raise FloatingPointError(
+        f"muon_dist.Muon step {step}: Newton–Schulz returned non-finite values for "
+        f"{', '.join(outcome.nonfinite_results)} although every gradient was finite; "
+        "either a momentum grew past a Frobenius norm of about 1.8e19 (lower the lr or "
+        "clip gradients) or a kernel or device failed (try backend='torch'); those "
+        "parameters were updated"
+    )
 
 
 def _split_by_algorithm(

@@ -21,7 +21,7 @@ from muon_dist.checks import check_grad
 from muon_dist.cuda_graph import StepGraph
 from muon_dist.groups import CommGroups
 from muon_dist.muon_phase import MuonEntry, MuonPhase, ns_key
-from muon_dist.plan import build_plan, layout_of
+from muon_dist.plan import build_plan, placement_of
 from muon_dist.routing import matrix_views, named_params
 from muon_dist.settings import ExecutionSettings
 from muon_dist.step_scalars import StepInputs
@@ -99,12 +99,12 @@ class StepRunner:
         """The plan of the Muon parameters, bound to their tensors (None without any)."""
         if not entries:
             return None
-        layouts = [
-            layout_of(e.param, e.name, e.view, comm.holders.ranks, ns_key(e.group, e.view))
+        placements = [
+            placement_of(e.param, e.name, e.view, comm.holders.ranks, ns_key(e.group, e.view))
             for e in entries
         ]
         plan = build_plan(
-            layouts,
+            placements,
             comm.rank,
             comm.world_size,
             bucket_bytes=settings.bucket_bytes,
