@@ -1,9 +1,11 @@
 """The Muon optimizer: Muon for hidden matrices, AdamW for the rest, in one torch Optimizer.
 
-This module builds and validates groups and orchestrates a step; the update rule lives in
-:mod:`muon_dist.update_rule`, the Muon phase of a step in :mod:`muon_dist.muon_step`, the
-device-side agreement on gradients in :mod:`muon_dist.agreement`, capture in
-:mod:`muon_dist.cuda_graph`, and the rank and checkpoint checks in :mod:`muon_dist.checks`.
+This module is the torch-facing shell: construction, validation, param groups,
+``state_dict`` and hooks. What a step computes lives in :mod:`muon_dist.update_rule`; the
+step machinery in :mod:`muon_dist.step_runner` (and the Muon phase it runs,
+:mod:`muon_dist.muon_phase`), the device-side agreement on gradients in
+:mod:`muon_dist.agreement`, capture in :mod:`muon_dist.cuda_graph`, and the rank and
+checkpoint checks in :mod:`muon_dist.checks`.
 """
 
 from __future__ import annotations
