@@ -19,7 +19,7 @@ from muon_dist.comm import Packing, packing
 from muon_dist.groups import Peers
 from muon_dist.plan import BucketPlan, Slices, is_whole
 
-# A piece of a local shard: (layout index in the plan, slices of the local tensor).
+# A piece of a local shard: (view index in the plan, slices of the local tensor).
 LocalSlices = tuple[int, Slices]
 
 

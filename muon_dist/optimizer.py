@@ -131,6 +131,8 @@ class Muon(torch.optim.Optimizer):
     lists them all.
     """
 
+    # Long by design: the signature lists every option (documented in Args above) and the
+    # defaults below map each to its group key; the work is in _init_groups and _bind_step.
     def __init__(
         self,
         params: Iterable[Any],
