@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from muon_dist.groups import Peers
 from muon_dist.routing import group_param_names, matrix_views, named_params
+from muon_dist.row_moments import STATE_KEY as ROW_MOMENT
+from muon_dist.row_moments import row_count
 
 # Group keys that decide a Muon parameter's matrix views: a saved state built under other
 # values holds momenta of other matrices, so loading it is refused.
@@ -36,6 +38,7 @@ AGREE_KEYS = (
     "coefficients",
     "ns_method",
     "magma",
+    "rule",
     "cautious_wd",
 )
 
@@ -98,6 +101,8 @@ def state_shapes(group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str,
     shapes = {"momentum_buffer": tuple(p.shape)}
     if group["magma"]:
         shapes["magma_score"] = (matrix_count(group, p, name),)
+    if group.get("rule", "muon") == "normuon":
+        shapes[ROW_MOMENT] = (row_count(matrix_views(p.shape, group, name)),)
     return shapes
 
 
@@ -177,7 +182,7 @@ def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, A
         if state and kept != set(shapes):
             problems.append(
                 f"{name}: saved state has {sorted(kept)}, this optimizer keeps "
-                f"{sorted(shapes)}; set magma as it was when saving"
+                f"{sorted(shapes)}; set magma and rule as they were when saving"
             )
             continue
         for key, value in state.items():

@@ -31,6 +31,7 @@ from muon_dist.muon_state import MuonState
 from muon_dist.piece_io import LocalGrads, PieceForms, PieceIO
 from muon_dist.plan import Plan, covers_exactly, local_pieces, local_rows, placement_of
 from muon_dist.routing import MatrixView, PartSplit
+from muon_dist.row_moments import STATE_KEY, row_moments
 from muon_dist.runtime import run_tasks
 from muon_dist.runtime.bucket_task import bucket_task
 from muon_dist.settings import ExecutionSettings
@@ -58,16 +59,21 @@ class MuonEntry:
     group_index: int
 
 
-def ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None, str]:
-    """What Newton–Schulz runs on a view's matrices besides the shape: steps, coefficients,
-    the parts the owner cuts each matrix into (with their lr scales), and the method. Groups
-    loaded from a checkpoint saved before ``ns_method`` existed lack the key: "auto", its
-    default."""
+def ns_key(
+    group: dict[str, Any], view: MatrixView
+) -> tuple[int, Hashable, PartSplit | None, str, tuple[str, bool] | None]:
+    """What the owner runs on a view's matrices besides the shape: Newton–Schulz's steps,
+    coefficients, the parts it cuts each matrix into (with their lr scales) and method, and
+    the rule's step after it (NorMuon's row normalization, which reads the orientation), so
+    that a stack holds matrices of one rule. Groups loaded from a checkpoint saved before
+    ``ns_method`` or ``rule`` existed lack the key: its default."""
     coefficients = group["coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
     parts = view.part_split(group["adjust_lr"])
-    return (group["ns_steps"], coefficients, parts, group.get("ns_method", "auto"))
+    rule = group.get("rule", "muon")
+    after = None if rule == "muon" else (rule, view.transposed)
+    return (group["ns_steps"], coefficients, parts, group.get("ns_method", "auto"), after)
 
 
 def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tensor:
@@ -208,6 +214,16 @@ class MuonPhase:
         )
         self.grads = LocalGrads(self.shards, self.state)
         self.state.bind(state, self._momenta(state))
+        # NorMuon's per-row second moments; their all-reduce runs among the exchange peers.
+        self.row_moments = row_moments(
+            [e.view for e in entries],
+            self._views_of,
+            self.groups,
+            [(b, m.stacks) for b, m in zip(plan.buckets, self.maps, strict=True)],
+            self.peers,
+            self.device,
+        )
+        self.row_moments.bind(self._moment_tensors(state))
         # Per matrix of every stack, its tensor, and the sum of its result (finite exactly
         # when the result is), so a step tests and flags every result at once instead of
         # once per stack.
@@ -232,9 +248,14 @@ class MuonPhase:
     def _momenta(self, state: dict[torch.Tensor, dict[str, Any]]) -> list[torch.Tensor]:
         return [local(state[p]["momentum_buffer"]) for p in self.params]
 
+    def _moment_tensors(self, state: dict[torch.Tensor, dict[str, Any]]) -> dict[int, torch.Tensor]:
+        return {j: state[self.params[j]][STATE_KEY] for j in self.row_moments.spans}
+
     def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Point at the momentum buffers and Magma scores (again after a state load)."""
+        """Point at the momentum buffers, Magma scores and NorMuon moments (again after a
+        state load)."""
         self.state.bind(state, self._momenta(state))
+        self.row_moments.bind(self._moment_tensors(state))
         self.io.bind()
 
     def _scalars_and_forms(
@@ -296,6 +317,7 @@ class MuonPhase:
             self.transaction.begin()
         else:
             self._advance_state(store_all=False)
+        self.row_moments.start()
         run_tasks(
             (bucket_task(b, m, self) for b, m in zip(self.plan.buckets, self.maps, strict=True)),
             self.settings.max_inflight,
@@ -308,6 +330,7 @@ class MuonPhase:
             self.scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=False)
             self._advance_state(store_all=True)
             self.io.write(pieces, updates, key=key, unchecked=True)
+        self.row_moments.finish(self.scalars.keep_of)
 
     def _advance_state(self, store_all: bool) -> None:
         """Momentum (one foreach pass per coefficient; with ``store_all`` also of the
@@ -354,12 +377,13 @@ class MuonPhase:
 
     def orthogonalize(self, stack: torch.Tensor, spec: StackSpec) -> torch.Tensor:
         mask_stack_(stack, self._dropped_of_stack[spec.index])
-        steps, coefficients, parts, method = cast(
-            tuple[int, Coefficients, PartSplit | None, str], spec.ns_key
+        steps, coefficients, parts, method, _ = cast(
+            tuple[int, Coefficients, PartSplit | None, str, object], spec.ns_key
         )
+        rows = self.row_moments.stacks.get(spec.index)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return newton_schulz(
+        def run(x: torch.Tensor, part: int | None = None) -> torch.Tensor:
+            result = newton_schulz(
                 x,
                 steps=steps,
                 coefficients=coefficients,
@@ -367,6 +391,7 @@ class MuonPhase:
                 backend=self.settings.backend,
                 method=method,
             )
+            return result if rows is None else self.row_moments.normalize(result, rows, part)
 
         try:
             result = run(stack) if parts is None else parts.orthogonalize(stack, run)

@@ -26,9 +26,12 @@ from muon_dist.routing import (
     ALGORITHMS,
     format_routing_table,
     group_param_names,
+    matrix_views,
     named_params,
     routing_entries,
 )
+from muon_dist.row_moments import STATE_KEY as ROW_MOMENT
+from muon_dist.row_moments import row_count
 from muon_dist.settings import ExecutionSettings
 from muon_dist.step_runner import StepRunner
 from muon_dist.step_scalars import NS_NORM_LIMIT
@@ -60,6 +63,13 @@ class Muon(torch.optim.Optimizer):
     where :math:`s` is ``adjust_lr``'s scale of the whole matrix (never a shard's) and
     :math:`q`, Magma's score per matrix, an EMA (``magma_beta``) of
     :math:`(1 + \cos(M, G)) / 2`. Other parameters take torch's AdamW.
+
+    With ``rule="normuon"`` (NorMuon, Li et al. 2025; per group or for all Muon groups,
+    :func:`muon_dist.update_rule.normuon_update_`), :math:`O` is then normalized by
+    output row: :math:`v \leftarrow \beta_2 v + (1-\beta_2)\,\mathrm{mean}_{cols}(O \odot O)`,
+    :math:`\hat O = O / (\sqrt{v} + \epsilon)` rescaled to :math:`\|O\|_F`, and
+    :math:`\hat O` replaces :math:`O` above; :math:`v` is one fp32 entry per output row of
+    every matrix (``state[p]["row_second_moment"]``), exact on every layout.
 
     Groups carry ``"algorithm": "muon" | "adamw"``; a group without it is split, >=2-D
     parameters to Muon and the rest to AdamW. Muon parameters may be plain tensors or
@@ -114,6 +124,12 @@ class Muon(torch.optim.Optimizer):
         magma (bool, default False): damp each matrix's update by how well its gradient
             agrees with its momentum (Magma-lite).
         magma_beta (float, default 0.9): EMA coefficient of Magma's score.
+        rule (str, default "muon"): the update rule of Muon groups, ``"muon"`` or
+            ``"normuon"`` (per group as ``"rule"``).
+        normuon_beta2 (float, default 0.95): NorMuon's EMA coefficient :math:`\beta_2` of
+            the row second moments.
+        normuon_eps (float, default 1e-8): NorMuon's :math:`\epsilon`, added to
+            :math:`\sqrt{v}` (> 0).
         cautious_wd (bool, default False): decay only weights whose sign the update shares.
         qk_clip (sequence of QKClip, default ()): MuonClip: rescale attention query and
             key heads whose logits exceed tau after each step (:mod:`muon_dist.qk_clip`).
@@ -159,6 +175,9 @@ class Muon(torch.optim.Optimizer):
         nonfinite: str = "raise",
         magma: bool = False,
         magma_beta: float = 0.9,
+        rule: str = "muon",
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
         cautious_wd: bool = False,
         qk_clip: Sequence[QKClip] = (),
         max_logits: MaxLogitTracker | None = None,
@@ -196,6 +215,9 @@ class Muon(torch.optim.Optimizer):
             "transposed": False,
             "magma": magma,
             "magma_beta": magma_beta,
+            "rule": rule,
+            "normuon_beta2": normuon_beta2,
+            "normuon_eps": normuon_eps,
             "cautious_wd": cautious_wd,
         }
         self._defaults_by_algorithm: dict[str, dict[str, Any]] = {
@@ -305,6 +327,9 @@ class Muon(torch.optim.Optimizer):
                 if group["magma"]:
                     count = matrix_count(group, p, name)
                     state["magma_score"] = torch.ones(count, device=local(p).device)
+                if group["rule"] == "normuon":
+                    rows = row_count(matrix_views(p.shape, group, name))
+                    state[ROW_MOMENT] = torch.zeros(rows, device=local(p).device)
             else:
                 state["step"] = torch.tensor(0.0, device=local(p).device)
                 state["exp_avg"] = torch.zeros_like(p)
@@ -332,6 +357,11 @@ class Muon(torch.optim.Optimizer):
             for i, p in enumerate(params)
             if "magma_score" in state_dict["state"].get(i, {})
         }
+        moments = {
+            p: state_dict["state"][i][ROW_MOMENT]
+            for i, p in enumerate(params)
+            if ROW_MOMENT in state_dict["state"].get(i, {})
+        }
         momenta: dict[torch.Tensor, torch.Tensor] = {}
         for i, (name, group, p) in enumerate(named_params(self.param_groups)):
             saved = state_dict["state"].get(i, {}).get("momentum_buffer")
@@ -357,6 +387,8 @@ class Muon(torch.optim.Optimizer):
         # step on the host; scores stay fp32 and steps live with the fused AdamW's tensors.
         for p, score in scores.items():
             self.state[p]["magma_score"] = score.to(local(p).device, torch.float32, copy=True)
+        for p, moment in moments.items():
+            self.state[p][ROW_MOMENT] = moment.to(local(p).device, torch.float32, copy=True)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 for p in group["params"]:

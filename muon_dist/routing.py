@@ -58,16 +58,17 @@ class PartSplit:
     scales: tuple[float, ...]
 
     def orthogonalize(
-        self, stack: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
+        self, stack: torch.Tensor, fn: Callable[[torch.Tensor, int], torch.Tensor]
     ) -> torch.Tensor:
-        """``fn`` on each part of a ``[k, rows, cols]`` stack, scaled, reassembled in place."""
+        """``fn(part, j)`` on each part ``j`` of a ``[k, rows, cols]`` stack, handed over as
+        ``[k, output rows, inputs]``; scaled, reassembled in place."""
         x = stack if self.axis == 1 else stack.transpose(1, 2)
         k, out_dim, in_dim = x.shape
         x = x.reshape(k, self.groups, out_dim // self.groups, in_dim)
         results, offset = [], 0
-        for size, scale in zip(self.sizes, self.scales, strict=True):
+        for j, (size, scale) in enumerate(zip(self.sizes, self.scales, strict=True)):
             part = x[:, :, offset : offset + size].reshape(k, self.groups * size, in_dim)
-            result = fn(part)
+            result = fn(part, j)
             result = result * scale if scale != 1.0 else result
             results.append(result.reshape(k, self.groups, size, in_dim))
             offset += size

@@ -28,6 +28,9 @@ from muon_dist.kernels.availability import triton_available
 if TYPE_CHECKING:
     from muon_dist.flat import Span
 
+# The update rules of Muon groups (a group's "rule"): the reference of each is below.
+RULES = ("muon", "normuon")
+
 # Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
 # an EMA of (1 + cos(momentum, gradient)) / 2 over steps, started at 1 (no damping).
 MAGMA_MIN_SCALE = 0.1
@@ -79,6 +82,61 @@ def muon_update_(
         keep=keep,
         decay=None if cautious else decay_factor(rate),
         cautious=rate if cautious else None,
+    )
+
+
+def normuon_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum: torch.Tensor,
+    second_moment: torch.Tensor,
+    orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    lr: torch.Tensor,
+    weight_decay: torch.Tensor,
+    beta: float,
+    nesterov: bool,
+    scale: float,
+    keep: torch.Tensor,
+    beta2: float,
+    eps: float,
+    transposed: bool = False,
+) -> None:
+    """One NorMuon step of one matrix, in place: the reference for its distributed form.
+
+    NorMuon (Li et al. 2025, arXiv 2510.05491, Algorithm 1) keeps Muon's momentum and
+    orthogonalization, then normalizes each output row (neuron) of ``O = NS(·)``, an
+    ``m x n`` matrix (``transposed``: stored ``[in, out]``, so its columns are the rows)::
+
+        v ← β₂·v + (1 − β₂)·mean_cols(O ⊙ O)            (v: one entry per row, fp32)
+        Ô = O / (√v + ε)                                  (row i divided by √v_i + ε)
+        W ← W·(1 − η·λ) − η·scale·(‖O‖_F / ‖Ô‖_F)·Ô
+
+    The paper's step ``η̂ = 0.2·η·√(mn) / ‖Ô‖_F`` sets the update's RMS; here ``Ô`` is
+    rescaled to ``‖O‖_F`` and the group's ``adjust_lr`` applies as for Muon, so lr and
+    ``adjust_lr`` keep their meaning across the two rules; with ``adjust_lr="rms_norm"``
+    and an orthogonal ``O`` (``‖O‖_F = √min(m, n)``) the two steps are the same.
+    ``second_moment`` (shape ``[m]``) advances only where ``keep``.
+    """
+    advanced = advance_momentum(grad, momentum, beta)
+    store_momentum_(momentum, advanced, keep)
+    ortho = orthogonalize(momentum_input(grad, advanced, nesterov_mix(beta, nesterov)))
+    ortho = torch.where(keep, ortho, 0.0)
+    rows = ortho.mT if transposed else ortho
+    squares = row_squares(rows)
+    advanced_moment = second_moment_next(
+        second_moment, squares, beta2, (1.0 - beta2) / rows.shape[-1]
+    )
+    # The normalized update travels in Newton–Schulz's dtype, as Muon's does.
+    normalized = normalize_rows(rows, squares, advanced_moment, eps).to(ortho.dtype)
+    torch.where(keep, advanced_moment, second_moment, out=second_moment)
+    kept = keep.float()
+    post_orthogonalize_(
+        param,
+        normalized.mT if transposed else normalized,
+        step=step_size(lr, kept, torch.tensor(-scale)),
+        keep=keep,
+        decay=decay_factor(decay_rate(lr, weight_decay, kept)),
     )
 
 
@@ -257,6 +315,47 @@ def magma_score_(
 def magma_damping(score: torch.Tensor) -> torch.Tensor:
     """Each matrix's factor on its step: ``MIN + (1 − MIN)·score``."""
     return MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score
+
+
+# -- NorMuon's row normalization --------------------------------------------------------
+# Written for one matrix ``[m, n]`` or a stack ``[k, m, n]`` alike (rows on the last but
+# one dimension): the reference and the owner's batched form run the same functions.
+
+
+def row_squares(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of squares in fp32, shape ``[..., m]``; summed over a matrix's
+    holders (each row counted once) they are the whole matrix's."""
+    return rows.float().square().sum(-1)
+
+
+def second_moment_next(
+    second_moment: torch.Tensor,
+    squares: torch.Tensor,
+    beta2: float | torch.Tensor,
+    weight: float | torch.Tensor,
+) -> torch.Tensor:
+    """``β₂·v + (1 − β₂)·squares / n``, with ``weight = (1 − β₂) / n``. Two products and a
+    sum, each rounded once, so every rank that computes it from the same values agrees
+    bitwise, whatever the layout of the vectors."""
+    return second_moment * beta2 + squares * weight
+
+
+def normalize_rows(
+    rows: torch.Tensor,
+    squares: torch.Tensor,
+    second_moment: torch.Tensor,
+    eps: float | torch.Tensor,
+) -> torch.Tensor:
+    """``O / (√v + ε)`` by rows, rescaled to ``O``'s Frobenius norm per matrix (fp32).
+
+    Both norms come from the row sums of squares: ``‖Ô‖² = Σᵢ squaresᵢ / (√vᵢ + ε)²``.
+    A zero matrix (dropped by the step) stays zero.
+    """
+    denom = second_moment.sqrt() + eps
+    before = squares.sum(-1, keepdim=True)
+    after = (squares / denom.square()).sum(-1, keepdim=True)
+    ratio = (before / after.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()
+    return rows.float() * (ratio / denom).unsqueeze(-1)
 
 
 # -- after Newton–Schulz ----------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from muon_dist.kernels.coefficients import resolve_coefficients
 from muon_dist.kernels.gram import METHODS as NS_METHODS
 from muon_dist.routing import ADJUST_LR, MUON_MODES, group_param_names, matrix_views
+from muon_dist.update_rule import RULES
 
 # Keys a group may hold besides its algorithm's options: bookkeeping of this optimizer and
 # the keys torch's lr schedulers add (an unknown key is a misspelling, never ignored).
@@ -140,6 +141,16 @@ def _validate_muon(group: dict[str, Any], where: str) -> None:
     for key in ("magma", "cautious_wd"):
         _flag(where, key, group[key])
     _in_unit(where, "magma_beta", group["magma_beta"])
+    if group["rule"] not in RULES:
+        raise ValueError(
+            f"{where}: rule={group['rule']!r} is not supported; choose one of {list(RULES)}"
+        )
+    _in_unit(where, "normuon_beta2", group["normuon_beta2"])
+    if _number(where, "normuon_eps", group["normuon_eps"]) <= 0.0:
+        raise ValueError(
+            f"{where}: normuon_eps={group['normuon_eps']!r} must be > 0 (e.g. 1e-8): it "
+            "keeps a row whose second moment is zero from dividing by zero"
+        )
 
 
 def _validate_params(group: dict[str, Any], index: int, where: str) -> None:

@@ -96,10 +96,16 @@ def _groups(case: Case, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
 
 
 def _reference(
-    ns_dtype: torch.dtype, case: Case, fulls: list[torch.Tensor], grads: list[list[torch.Tensor]]
+    ns_dtype: torch.dtype,
+    case: Case,
+    fulls: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    rule: str = "muon",
 ) -> list[torch.Tensor]:
     params = [f.clone() for f in fulls]
     moms = [torch.zeros_like(f) for f in fulls]
+    # NorMuon's second moment: one entry per row of each matrix (the reference's rows).
+    row_moments = [torch.zeros(f.numel() // f.shape[-1]) for f in fulls]
     adamw_params = [
         nn.Parameter(p) for p, s in zip(params, case.params, strict=True) if s.kind == "adamw"
     ]
@@ -109,7 +115,9 @@ def _reference(
         else None
     )
     for step_grads in grads:
-        for p, g, m, spec in zip(params, step_grads, moms, case.params, strict=True):
+        for p, g, m, v, spec in zip(
+            params, step_grads, moms, row_moments, case.params, strict=True
+        ):
             if spec.kind == "adamw":
                 continue
             hp = dict(MUON_SETS[spec.group])
@@ -118,7 +126,10 @@ def _reference(
                 matrices = (p.shape[0], p.shape[1], p.shape[2])
             elif spec.kind == "fused":
                 matrices = (FUSED_EXPERTS, p.shape[0] // FUSED_EXPERTS, p.shape[1])
-            reference_muon_step(p, g, m, matrices=matrices, ns_dtype=ns_dtype, **hp)
+            moment = v if rule == "normuon" else None
+            reference_muon_step(
+                p, g, m, matrices=matrices, ns_dtype=ns_dtype, row_moment=moment, **hp
+            )
         if adamw is not None:
             for ap, g in zip(
                 adamw_params,
@@ -157,6 +168,7 @@ def run_case(
     ns_dtype: torch.dtype,
     world_size: int,
     device: str = "cpu",
+    rule: str = "muon",
 ) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
     fulls = [torch.randn(s.shape, generator=gen).to(device, s.dtype) for s in case.params]
@@ -170,12 +182,13 @@ def run_case(
         comm_dtype=comm_dtype,
         ns_dtype=ns_dtype,
         replica_mode=case.replica_mode,
+        rule=rule,
         **case.extra,
     )
     for step_grads in grads:
         set_grads(params, step_grads)
         opt.step()
-    expected = _reference(ns_dtype, case, fulls, grads)
+    expected = _reference(ns_dtype, case, fulls, grads, rule)
     # fp32 parameters: max error relative to the update ("update") and to the parameter
     # ("param"), and the norm-wise relative error of the update ("update_fro"); bf16
     # parameters: relative to the parameter, since their decay and update round to bf16.
@@ -287,8 +300,10 @@ def parity_worker(
     comm_dtype: str,
     ns_dtype: str = "bfloat16",
     device: str = "cpu",
+    rule: str = "muon",
 ) -> dict[str, float]:
-    """Run the layout case ``name`` on this rank (gloo on CPU, or NCCL on ``"cuda"``)."""
+    """Run the layout case ``name`` on this rank (gloo on CPU, or NCCL on ``"cuda"``) under
+    the update ``rule`` of every Muon group."""
     (case,) = [c for c in cases_for(world_size) if c.name == name]
     comm, ns = getattr(torch, comm_dtype), getattr(torch, ns_dtype)
-    return run_case(case, comm, ns, world_size, device)
+    return run_case(case, comm, ns, world_size, device, rule)

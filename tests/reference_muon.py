@@ -47,12 +47,18 @@ def reference_muon_step(
     magma_score: torch.Tensor | None = None,
     magma_beta: float = 0.9,
     cautious_wd: bool = False,
+    row_moment: torch.Tensor | None = None,
+    normuon_beta2: float = 0.95,
+    normuon_eps: float = 1e-8,
 ) -> None:
     """Update ``param`` in place; ``matrices=(count, rows, cols)`` reshapes it (experts).
 
     ``magma_score`` (one entry per matrix, updated in place) turns on Magma-lite damping:
     score = EMA of (1 + cos(momentum, gradient)) / 2, update times 0.1 + 0.9 * score.
     ``cautious_wd`` decays only elements where the update and the weight share a sign.
+    ``row_moment`` (one entry per row of each matrix, updated in place) turns on NorMuon
+    (Li et al. 2025): v = beta2 * v + (1 - beta2) * mean over columns of O^2, the update
+    O / (sqrt(v) + eps) rescaled to the Frobenius norm of O.
     """
     # fp32 arithmetic throughout: a bf16 multiply would round the scalar itself to bf16.
     momentum_buffer.copy_(torch.add(grad.float(), momentum_buffer.float(), alpha=momentum))
@@ -69,6 +75,13 @@ def reference_muon_step(
         backend="torch",
         method=ns_method,
     )
+    if row_moment is not None:
+        o = ortho.float()
+        v = row_moment.view(count, rows)
+        v.copy_(normuon_beta2 * v + (1 - normuon_beta2) * o.square().mean(dim=2))
+        normalized = o / (v.sqrt() + normuon_eps).unsqueeze(2)
+        norms = o.norm(dim=(1, 2), keepdim=True) / normalized.norm(dim=(1, 2), keepdim=True)
+        ortho = (normalized * norms).to(ortho.dtype)
     if magma_score is not None:
         m = momentum_buffer.float().reshape(count, -1)
         g = grad.float().reshape(count, -1)

@@ -1,0 +1,181 @@
+"""NorMuon's per-row second moments on this rank, and the one all-reduce that keeps every
+holder's copy equal.
+
+Each NorMuon parameter keeps one fp32 vector (``state[p][STATE_KEY]``), replicated on every
+rank that holds a piece of it: the second moment of each output row of each of its
+matrices, matrix after matrix in the order of its views. The owner of a matrix sees the
+whole orthogonalized update, so it alone computes the rows' sums of squares, advances their
+moments for its own normalization (:func:`muon_dist.update_rule.normalize_rows`) and writes
+the sums into this step's vector over all NorMuon rows, zero elsewhere. After the buckets,
+one all-reduce among the exchange peers (each matrix has exactly one owner among them)
+gives every rank every row's sums, each added only to zeros and so bitwise the owner's;
+every rank then advances its copies by the same formula, where the step keeps the tensor.
+The state is thus exact and independent of the sharding, and a checkpoint of it resumes on
+any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from muon_dist.bucket_map import StackSpec
+from muon_dist.groups import Peers
+from muon_dist.plan import BucketPlan
+from muon_dist.routing import MatrixView
+from muon_dist.update_rule import normalize_rows, row_squares, second_moment_next
+
+STATE_KEY = "row_second_moment"
+
+
+def row_count(views: Sequence[MatrixView]) -> int:
+    """The length of a NorMuon parameter's state: the output rows of all its matrices."""
+    return sum(view.count * view.out_in[0] for view in views)
+
+
+@dataclass(frozen=True)
+class StackRows:
+    """Where the output rows of a stack's matrices lie in the vector of all NorMuon rows.
+
+    ``index`` is ``[k, m]``; ``transposed`` stacks hold them as columns; ``parts`` gives,
+    for a view whose matrices are cut into parts on the owner, each part's positions among
+    the ``m`` rows (the part's own rows, normalized as a matrix of their own)."""
+
+    index: torch.Tensor
+    transposed: bool
+    parts: tuple[torch.Tensor, ...] | None
+
+
+def part_rows(sizes: Sequence[int], groups: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each part's positions among a matrix's output rows, in the order
+    :meth:`muon_dist.routing.PartSplit.orthogonalize` hands the part's rows over."""
+    period = sum(sizes)
+    positions: list[torch.Tensor] = []
+    offset = 0
+    for size in sizes:
+        within = torch.arange(offset, offset + size)
+        starts = torch.arange(groups) * period
+        positions.append((starts[:, None] + within[None, :]).reshape(-1).to(device))
+        offset += size
+    return tuple(positions)
+
+
+class RowMoments:
+    """The NorMuon rows of one plan: their layout, per-row coefficients and this step's
+    sums of squares."""
+
+    def __init__(
+        self,
+        spans: dict[int, tuple[int, int]],
+        coefficients: tuple[list[float], list[float], list[float]],
+        stacks: dict[int, StackRows],
+        peers: Peers,
+        device: torch.device,
+    ) -> None:
+        self.spans = spans  # NorMuon tensor -> its rows [start, stop) in the vector
+        beta2, weight, eps = coefficients
+        self._beta2 = torch.tensor(beta2, dtype=torch.float32, device=device)
+        self._weight = torch.tensor(weight, dtype=torch.float32, device=device)  # (1 − β₂)/n
+        self._eps = torch.tensor(eps, dtype=torch.float32, device=device)
+        self.stacks = stacks
+        self._peers = peers
+        self._moments: dict[int, torch.Tensor] = {}
+        self._current = torch.zeros(0, device=device)
+        self._sums = torch.zeros(0, device=device)
+
+    def bind(self, moments: dict[int, torch.Tensor]) -> None:
+        """Point at the state vectors (again after a state load)."""
+        self._moments = moments
+
+    def start(self) -> None:
+        """This step's moments, side by side, and a zeroed vector for the owners' sums."""
+        if self.spans:
+            self._current = torch.cat([self._moments[j] for j in self.spans])
+            self._sums = torch.zeros_like(self._current)
+
+    def normalize(self, result: torch.Tensor, rows: StackRows, part: int | None) -> torch.Tensor:
+        """NorMuon's row normalization of an orthogonalized ``[k, ·, ·]`` stack (or of one
+        part of its matrices, already ``[k, rows, cols]`` by output rows), in its dtype;
+        records the rows' sums of squares for :meth:`finish`."""
+        index = rows.index
+        x = result
+        if part is not None and rows.parts is not None:
+            index = index[:, rows.parts[part]]
+        elif rows.transposed:
+            x = result.mT
+        squares = row_squares(x)
+        moment = second_moment_next(
+            self._current[index], squares, self._beta2[index], self._weight[index]
+        )
+        self._sums.index_copy_(0, index.reshape(-1), squares.reshape(-1))
+        normalized = normalize_rows(x, squares, moment, self._eps[index]).to(result.dtype)
+        if part is None and rows.transposed:
+            return normalized.mT.contiguous()
+        return normalized
+
+    def finish(self, keep_of: Sequence[torch.Tensor]) -> None:
+        """Complete the sums among the peers and advance every copy where kept."""
+        if not self.spans:
+            return
+        if self._peers.size > 1:
+            dist.all_reduce(self._sums, group=self._peers.group)
+        advanced = second_moment_next(self._current, self._sums, self._beta2, self._weight)
+        for j, (start, stop) in self.spans.items():
+            moment = self._moments[j]
+            torch.where(keep_of[j], advanced[start:stop], moment, out=moment)
+
+
+def row_moments(
+    views: Sequence[MatrixView],
+    views_of: Sequence[Sequence[int]],
+    groups: Sequence[dict[str, Any]],
+    stacks: Sequence[tuple[BucketPlan, Sequence[StackSpec]]],
+    peers: Peers,
+    device: torch.device,
+) -> RowMoments:
+    """Lay out the rows of the NorMuon tensors (``groups[j]["rule"] == "normuon"``) and
+    index every stack of their matrices. ``views`` are the plan's views, ``views_of`` each
+    tensor's, ``stacks`` each bucket's plan and stacks. β₂ and ε are read here, when
+    the step is built."""
+    spans: dict[int, tuple[int, int]] = {}
+    base_of_view: dict[int, int] = {}
+    beta2: list[float] = []
+    weight: list[float] = []
+    eps: list[float] = []
+    total = 0
+    for j, group in enumerate(groups):
+        if group["rule"] != "normuon":
+            continue
+        start = total
+        for i in views_of[j]:
+            out_dim, in_dim = views[i].out_in
+            count = views[i].count * out_dim
+            base_of_view[i] = total
+            beta2 += [float(group["normuon_beta2"])] * count
+            weight += [(1.0 - float(group["normuon_beta2"])) / in_dim] * count
+            eps += [float(group["normuon_eps"])] * count
+            total += count
+        spans[j] = (start, total)
+    indexed: dict[int, StackRows] = {}
+    for bucket, specs in stacks:
+        for spec in specs:
+            if spec.views[0] not in base_of_view:
+                continue
+            view = views[spec.views[0]]
+            out_dim = view.out_in[0]
+            rows = [
+                torch.arange(base + matrix * out_dim, base + (matrix + 1) * out_dim)
+                for block in (bucket.owned[b] for b in spec.blocks)
+                for base in (base_of_view[block.view],)
+                for matrix in range(block.start, block.stop)
+            ]
+            indexed[spec.index] = StackRows(
+                torch.stack(rows).to(device),
+                view.transposed,
+                None if view.parts is None else part_rows(*view.parts, device),
+            )
+    return RowMoments(spans, (beta2, weight, eps), indexed, peers, device)
