@@ -148,7 +148,7 @@ def row_moments(
     eps: list[float] = []
     total = 0
     for j, group in enumerate(groups):
-        if group["rule"] != "normuon":
+        if group.get("rule", "muon") != "normuon":
             continue
         start = total
         for i in views_of[j]:
