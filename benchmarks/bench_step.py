@@ -43,6 +43,7 @@ from muon_dist.kernels import BACKENDS, COEFFICIENT_SETS
 from muon_dist.kernels.gram import METHODS as NS_METHODS
 from muon_dist.plan import REPLICA_MODES, ns_cost
 from muon_dist.routing import matrix_view
+from muon_dist.update_rule import RULES
 
 LR = 0.02
 MOMENTUM = 0.95
@@ -347,13 +348,13 @@ def print_table(report: dict[str, Any]) -> None:
         f"shard rel {parity['shard_rel']:.2e} (tolerance {parity['tolerance']:.0e}) -> "
         f"{'OK' if parity['ok'] else 'FAIL'}",
         "",
-        f"{'method':<34} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}",
+        f"{'method':<40} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}",
     ]
     for row in report["methods"]:
         peaks = [p for p in row["peak_gib_per_rank"] if p is not None]
         peak = f"{max(peaks):9.2f}" if peaks else f"{'-':>9}"
         lines.append(
-            f"{row['name']:<34} {row['median_ms']:10.2f} {row['floor_multiple']:8.2f} "
+            f"{row['name']:<40} {row['median_ms']:10.2f} {row['floor_multiple']:8.2f} "
             f"{row['speedup_vs_allgather']:13.2f}x {peak}"
         )
     print("\n".join(lines), flush=True)
@@ -366,7 +367,11 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
     state = max(report["state_gib_per_rank"])
     rows = []
     for ns_method in report["options"]["ns_methods"]:
-        muon = next(m for m in report["methods"] if m.get("ns_method") == ns_method)
+        muon = next(
+            m
+            for m in report["methods"]
+            if m.get("ns_method") == ns_method and m.get("rule", "muon") == "muon"
+        )
         peaks = [p for p in muon["peak_gib_per_rank"] if p is not None]
         rows.append(
             {
@@ -424,6 +429,12 @@ def parse_args() -> argparse.Namespace:
         "standard); the first one is also checked against the all-gather baseline",
     )
     parser.add_argument(
+        "--rules",
+        default="muon",
+        help="comma-separated update rules to time muon_dist under (muon, normuon); the "
+        "parity check and the captured row run under muon",
+    )
+    parser.add_argument(
         "--no-cuda-graph", action="store_true", help="skip the captured muon_dist row on CUDA"
     )
     parser.add_argument("--ns-steps", type=int, default=5)
@@ -442,6 +453,10 @@ def parse_args() -> argparse.Namespace:
         if args.sweep_inflight
         else [args.max_inflight]
     )
+    args.rules = args.rules.split(",")
+    for rule in args.rules:
+        if rule not in RULES:
+            parser.error(f"--rules: {rule!r} is not one of {list(RULES)}")
     args.ns_methods = args.ns_methods.split(",")
     for method in args.ns_methods:
         if method not in NS_METHODS:
@@ -484,7 +499,9 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     if any(g["algorithm"] != "muon" for g in groups):
         raise RuntimeError("every preset parameter is a hidden matrix and must route to Muon")
 
-    def make_muon(max_inflight: int, ns_method: str, cuda_graph: bool = False) -> muon_dist.Muon:
+    def make_muon(
+        max_inflight: int, ns_method: str, cuda_graph: bool = False, rule: str = "muon"
+    ) -> muon_dist.Muon:
         return muon_dist.Muon(
             groups,
             lr=LR,
@@ -502,6 +519,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             replica_mode=args.replica_mode,
             cuda_graph=cuda_graph,
             graph_warmup=1,
+            rule=rule,
         )
 
     def make_baseline() -> AllGatherMuon:
@@ -533,12 +551,15 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     parity["ok"] = parity["update_rel"] <= PARITY_TOL
 
     methods = []
-    for ns_method in args.ns_methods:
-        for k in args.inflight:
-            log(f"timing muon_dist ns_method={ns_method} max_inflight={k}")
-            name = f"muon_dist {ns_method} inflight={k}"
-            make = functools.partial(make_muon, k, ns_method)
-            methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
+    for rule in args.rules:
+        for ns_method in args.ns_methods:
+            for k in args.inflight:
+                log(f"timing muon_dist rule={rule} ns_method={ns_method} max_inflight={k}")
+                prefix = "muon_dist" if rule == "muon" else f"muon_dist {rule}"
+                name = f"{prefix} {ns_method} inflight={k}"
+                make = functools.partial(make_muon, k, ns_method, rule=rule)
+                row = time_method(name, make, args, device)
+                methods.append({**row, "ns_method": ns_method, "rule": rule})
     if device.type == "cuda" and not args.no_cuda_graph:
         k, ns_method = args.inflight[0], args.ns_methods[0]
         log(f"timing muon_dist {ns_method} captured in a CUDA graph, max_inflight={k}")
@@ -570,6 +591,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
             key: getattr(args, key)
             for key in (
                 "backend",
+                "rules",
                 "ns_methods",
                 "comm_dtype",
                 "bucket_mb",

@@ -50,7 +50,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import muon_dist
 
-OPTIMIZERS = ("muon", "adamw")
+# "muon" and "normuon" are muon_dist.Muon under that update rule (AdamW for the rest).
+OPTIMIZERS = ("muon", "normuon", "adamw")
 # Swept on the default config, single process (same numbers as any world size), score = mean
 # loss of the last 10 of 300 steps; floor 1.927, unigram 5.410. AdamW alone, lr 3e-3 / 5e-3 /
 # 8e-3 / 1.2e-2: 2.0096 / 2.0063 / 2.0055 / 2.0109. Muon lr 0.02 / 0.03 / 0.05 / 0.08 (AdamW
@@ -142,7 +143,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="expert-parallel degree for --moe: experts split over EP groups of this many ranks",
     )
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas R, mesh (R, world / R)")
-    p.add_argument("--compare", action="store_true", help="run Muon then AdamW, plot both")
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        choices=OPTIMIZERS,
+        default=None,
+        metavar="OPTIMIZER",
+        help=f"run these optimizers one after another, plot them together (none named: all of"
+        f" {', '.join(OPTIMIZERS)})",
+    )
     p.add_argument(
         "--qk-clip",
         type=float,
@@ -157,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.compare is not None:
+        # In the order given, each once; a bare --compare runs them all.
+        args.compare = list(dict.fromkeys(args.compare)) or list(OPTIMIZERS)
     if args.ckpt_dir is None:
         args.ckpt_dir = args.out / "checkpoints"
     if args.ep < 1:
@@ -309,9 +321,10 @@ def qk_clip_options(model: nn.Module, tau: float | None) -> dict[str, Any]:
 
 
 def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """Muon (hidden matrices) + AdamW (the rest) via muon_dist, or plain AdamW everywhere."""
+    """Muon or NorMuon (hidden matrices) + AdamW (the rest) via muon_dist, or plain AdamW
+    everywhere."""
     betas = (0.9, 0.95)
-    if name == "muon":
+    if name in ("muon", "normuon"):
         groups = muon_dist.param_groups(
             model,
             lr=args.lr,
@@ -327,6 +340,7 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
             comm_dtype=dtypes[args.comm_dtype],
             ns_dtype=dtypes[args.ns_dtype],
             cuda_graph=args.cuda_graph,
+            rule=name,
             **qk_clip_options(model, args.qk_clip),
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -520,8 +534,8 @@ def train(
     opt = build_optimizer(optimizer_name, model, args)
     base_lrs = [group["lr"] for group in opt.param_groups]
     # A captured Muon step reads the gradient tensors in place: keep them (zeroed) between steps.
-    keep_grads = args.cuda_graph and optimizer_name == "muon"
-    if optimizer_name == "muon":
+    keep_grads = args.cuda_graph and optimizer_name != "adamw"
+    if optimizer_name != "adamw":
         log(env, "muon_dist routing table:\n" + opt.routing_table())  # type: ignore[attr-defined]
 
     ckpt_root = checkpoint_dir(args, optimizer_name)
@@ -670,7 +684,7 @@ def main(argv: list[str] | None = None) -> None:
                 "them, or remove the folder / choose another --ckpt-dir for a fresh run"
             )
         dist.barrier()
-        names = list(OPTIMIZERS) if args.compare else [args.optimizer]
+        names = args.compare if args.compare else [args.optimizer]
         results = {name: train(name, args, env, mesh, chain, stats) for name in names}
         for name, losses in results.items():
             summarize(name, losses, stats, env)

@@ -205,7 +205,7 @@ def test_moe_muon_beats_adamw(tmp_path: Path) -> None:
             "--moe", "--experts", "4", "--top-k", "2",
             "--dim", "48", "--layers", "2", "--heads", "2", "--vocab", "64",
             "--seq-len", "32", "--batch-size", "16", "--steps", "40",
-            "--compare", "--no-progress", "--out", str(out),
+            "--compare", "muon", "adamw", "--no-progress", "--out", str(out),
         ],
     )  # fmt: skip
     assert "experts.w1" in stdout and "expert_stack 4x[" in stdout, "routing table"
