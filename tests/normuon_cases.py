@@ -86,7 +86,9 @@ def matrices(spec: F) -> list[torch.Tensor]:
 
 def reference(
     spec_list: list[F], fulls: list[torch.Tensor], grads: list[list[torch.Tensor]]
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters after the steps, and each one's row second moments laid out as the
+    optimizer's state: output row after output row of the whole parameter."""
     params = [f.clone().reshape(-1) for f in fulls]
     moms = [torch.zeros_like(p) for p in params]
     cuts = [matrices(s) for s in spec_list]
@@ -101,7 +103,17 @@ def reference(
                 p2, m2 = p[index], m[index]
                 reference_muon_step(p2, g[index], m2, ns_dtype=torch.float32, row_moment=v, **hp)
                 p[index], m[index] = p2, m2
-    return [p.reshape(f.shape) for p, f in zip(params, fulls, strict=True)]
+    states = []
+    for spec, cut, vs in zip(spec_list, cuts, moments, strict=True):
+        state = torch.zeros(sum(v.numel() for v in vs))
+        for index, v in zip(cut, vs, strict=True):
+            first = index[:, 0]  # each output row's first element, by flat index
+            rows = (
+                first % spec.shape[1] if spec.options.get("transposed") else first // spec.shape[-1]
+            )
+            state[rows] = v
+        states.append(state)
+    return [p.reshape(f.shape) for p, f in zip(params, fulls, strict=True)], states
 
 
 def _distribute(layout: str, fulls: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
@@ -141,8 +153,11 @@ def run_layout(layout: str, world_size: int) -> float:
     for step_grads in grads:
         set_grads(params, step_grads)
         opt.step()
-    _assert_moments_agree([opt.state[p]["row_second_moment"] for p in params])
-    expected = reference(spec_list, fulls, grads)
+    moments = [opt.state[p]["row_second_moment"] for p in params]
+    _assert_moments_agree(moments)
+    expected, expected_moments = reference(spec_list, fulls, grads)
+    for moment, want in zip(moments, expected_moments, strict=True):
+        torch.testing.assert_close(moment, want, rtol=1e-5, atol=1e-9)
     worst = 0.0
     for p, ref, full in zip(params, expected, fulls, strict=True):
         change = (ref - full).abs().max().item()
