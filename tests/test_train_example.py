@@ -259,3 +259,14 @@ def test_expert_parallel_matches_fsdp_experts(tmp_path: Path) -> None:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
     ref_w, got_w = torch.load(tmp_path / "fsdp.pt"), torch.load(tmp_path / "ep2x2.pt")
     assert max_rel_diff(got_w, ref_w, list(ref_w)) < 1e-5
+
+
+def test_compare_runs_the_named_optimizers_on_the_same_data(tmp_path: Path) -> None:
+    """``--compare muon normuon``: both run from the same init and data, in one plot."""
+    out = tmp_path / "cmp"
+    launch(2, [*TINY, "--compare", "muon", "normuon", "--out", str(out)])
+    muon, normuon = losses(out, "muon"), losses(out, "normuon")
+    assert sorted(muon) == sorted(normuon) == list(range(1, 11))
+    assert muon[1] == normuon[1], "same init and data for both optimizers"
+    assert muon[10] != normuon[10], "NorMuon's rows are normalized: another trajectory"
+    assert (out / "loss.png").stat().st_size > 0
