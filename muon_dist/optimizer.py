@@ -21,12 +21,13 @@ from muon_dist.agreement import Agreement, Outcome
 from muon_dist.checks import (
     by_name,
     check_grad,
-    check_ranks_agree,
     check_saved_routing,
+    check_saved_state,
     matrix_count,
 )
+from muon_dist.consensus import agree, describe
 from muon_dist.cuda_graph import StepGraph
-from muon_dist.flat import zeros_like_flat
+from muon_dist.flat import own_copy, zeros_like_flat
 from muon_dist.groups import CommGroups, comm_groups
 from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
 from muon_dist.plan import build_plan, layout_of, local
@@ -40,7 +41,7 @@ from muon_dist.routing import (
     routing_entries,
 )
 from muon_dist.settings import ExecutionSettings
-from muon_dist.validation import check_group_keys, validate_group
+from muon_dist.validation import check_group_keys, check_unique_names, validate_group
 
 logger = logging.getLogger(__name__)
 
@@ -114,17 +115,23 @@ class Muon(torch.optim.Optimizer):
         graph_warmup: int = 2,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.settings = ExecutionSettings(
-            backend=backend,
-            comm_dtype=comm_dtype,
-            ns_dtype=ns_dtype,
-            bucket_bytes=bucket_bytes,
-            max_inflight=max_inflight,
-            replica_mode=replica_mode,
-            nonfinite=nonfinite,
-            cuda_graph=cuda_graph,
-            graph_warmup=graph_warmup,
-        )
+        # Anything refused on this rank only (a setting or option that differs across ranks)
+        # is agreed through the rank check below, so the other ranks raise too, at once.
+        refused: Exception | None = None
+        try:
+            self.settings = ExecutionSettings(
+                backend=backend,
+                comm_dtype=comm_dtype,
+                ns_dtype=ns_dtype,
+                bucket_bytes=bucket_bytes,
+                max_inflight=max_inflight,
+                replica_mode=replica_mode,
+                nonfinite=nonfinite,
+                cuda_graph=cuda_graph,
+                graph_warmup=graph_warmup,
+            )
+        except (ValueError, TypeError) as exc:
+            refused = exc
         muon_defaults: dict[str, Any] = {
             "algorithm": "muon",
             "lr": lr,
@@ -161,29 +168,18 @@ class Muon(torch.optim.Optimizer):
         # CyclicLR), which is Muon's; AdamW groups keep their betas. Groups get their own
         # algorithm's defaults in add_param_group, never these.
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-        groups = _split_by_algorithm(params, self._defaults_by_algorithm)
-        # A group refused on this rank only (options that differ across ranks) is agreed
-        # through the rank check below, so the other ranks raise too instead of waiting.
-        refused: ValueError | TypeError | None = None
-        try:
-            super().__init__(groups, defaults=defaults)
-        except (ValueError, TypeError) as exc:
-            refused = exc
-        self._comm = comm_groups(
-            [p for g in groups for p in g["params"]], replica_mode, process_group
-        )
-        try:
-            check_ranks_agree(
-                [] if refused else self.param_groups,
-                [f"refused: {refused}"] if refused else [repr(spec) for spec in qk_clip],
-                self._comm.rank,
-                self._comm.holders,
-            )
-        except RuntimeError:
-            if refused is None:
-                raise
-        if refused is not None:
-            raise refused
+        self._constructed = False  # add_param_group agrees on each later group by itself
+        groups: list[dict[str, Any]] = []
+        if refused is None:
+            try:
+                groups = _split_by_algorithm(params, self._defaults_by_algorithm)
+                super().__init__(groups, defaults=defaults)
+            except (ValueError, TypeError) as exc:
+                refused = exc
+        self._process_group = process_group
+        self._qk_lines = [repr(spec) for spec in qk_clip]
+        self._comm = self._agree(groups, refused, "construction")
+        self._constructed = True
         runner = self._step_runner()  # unsupported layouts fail here, not mid-training
         if cuda_graph and runner.device.type != "cuda":
             raise ValueError(
@@ -204,6 +200,40 @@ class Muon(torch.optim.Optimizer):
     # -- construction -------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group, checked as the constructor checks its groups; after construction,
+        agreed across the ranks that hold the parameters before anything changes."""
+        if not self._constructed:  # the constructor agrees on all its groups at once
+            self._add_group(self._checked_group(param_group))
+            return
+        group: dict[str, Any] | None = None
+        refused: Exception | None = None
+        try:
+            group = self._checked_group(param_group)
+        except (ValueError, TypeError) as exc:
+            refused = exc
+        self._comm = self._agree(
+            [*self.param_groups, *([] if group is None else [group])], refused, "add_param_group"
+        )
+        assert group is not None  # _agree raised the refusal otherwise
+        self._add_group(group)
+
+    def _agree(
+        self, groups: Sequence[dict[str, Any]], refused: Exception | None, when: str
+    ) -> CommGroups:
+        """The collectives' groups for ``groups``, after every rank that holds them agreed on
+        them (see :mod:`muon_dist.consensus`); raises on every rank otherwise."""
+        comm = comm_groups(
+            [p for g in groups for p in g["params"]],
+            "split" if refused else self.settings.replica_mode,
+            self._process_group,
+        )
+        entries = {} if refused else describe(groups, self.settings, self._qk_lines)
+        agree(entries, refused, comm.rank, comm.holders, when)
+        return comm
+
+    def _checked_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """``param_group`` with its algorithm's defaults filled in, every option, parameter
+        and name checked; nothing changes here."""
         algorithm = param_group.get("algorithm", "muon")
         if algorithm not in ALGORITHMS:
             raise ValueError(
@@ -213,10 +243,17 @@ class Muon(torch.optim.Optimizer):
         where = f"param group {len(self.param_groups)} ({algorithm})"
         other = "adamw" if algorithm == "muon" else "muon"
         check_group_keys(param_group, defaults_of, self._defaults_by_algorithm[other], where)
-        group = {**defaults_of, **param_group}
+        group = {**defaults_of, **param_group, "params": _param_list(param_group["params"])}
         validate_group(group, len(self.param_groups))
+        check_unique_names(self.param_groups, group)
         group.setdefault("steps", 0)
         group.setdefault("skipped_steps", 0)
+        return group
+
+    def _add_group(self, group: dict[str, Any]) -> None:
+        """Add a checked group and its state: momenta in one flat buffer per group, so the
+        step stores them in one pass."""
+        algorithm = group["algorithm"]
         # torch fills missing keys from ``defaults``, which are Muon's; this group already
         # holds its own algorithm's keys, and must not gain the other's.
         defaults, self.defaults = self.defaults, {}
@@ -226,7 +263,6 @@ class Muon(torch.optim.Optimizer):
             self.defaults = defaults
         self._runner = None
         names = group_param_names(group, len(self.param_groups) - 1)
-        # One buffer holds the group's momenta, so the step stores them in one pass.
         momenta = zeros_like_flat(group["params"]) if algorithm == "muon" else []
         for index, (p, name) in enumerate(zip(group["params"], names, strict=True)):
             state = self.state[p]
@@ -241,57 +277,92 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p)
 
     def state_dict(self) -> dict[str, Any]:
-        """The state, after reading the last step's outcome (see :meth:`check_finite`)."""
+        """The state, after reading the last step's outcome (see :meth:`check_finite`).
+
+        Momenta are copies: the optimizer keeps them as views of one flat buffer per group,
+        which torch cannot pickle as DTensors, so ``torch.save(opt.state_dict())`` works."""
         self.check_finite()
-        return super().state_dict()
+        saved = super().state_dict()
+        saved["state"] = {
+            key: {k: own_copy(v) if k == "momentum_buffer" else v for k, v in entry.items()}
+            for key, entry in saved["state"].items()
+        }
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by Muon, matching parameters by name, refusing one whose routing
-        no longer matches and checking every loaded option as the constructor does."""
+        """Load a state saved by Muon, matching parameters by name. Everything is checked
+        before anything is replaced (routing, group keys and options as the constructor
+        checks them, every state entry and tensor) and agreed across the ranks: on any
+        error, on any rank, the optimizer is as it was on every rank."""
         self.check_finite()  # the last step's outcome, before its step is rebuilt below
+        loaded: dict[str, Any] | None = None
+        refused: Exception | None = None
+        try:
+            loaded = self._checked_load(state_dict)
+        except (ValueError, TypeError, KeyError) as exc:
+            refused = exc
+        groups = [] if loaded is None else loaded["param_groups"]
+        self._agree(
+            [{**g, **saved, "params": g["params"]} for g, saved in zip(self.param_groups, groups)],
+            refused,
+            "load_state_dict",
+        )
+        assert loaded is not None  # _agree raised the refusal otherwise
+        before = (self.state, self.param_groups, self._runner)
+        try:
+            self._load(loaded)
+        except BaseException:
+            self.state, self.param_groups, self._runner = before
+            raise
+
+    def _checked_load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` arranged in this optimizer's order by name, every part checked."""
         check_saved_routing(state_dict, self.param_groups)
-        state_dict = by_name(state_dict, self.param_groups)
+        loaded = by_name(state_dict, self.param_groups)
         for index, (saved, group) in enumerate(
-            zip(state_dict["param_groups"], self.param_groups, strict=True)
+            zip(loaded["param_groups"], self.param_groups, strict=True)
         ):
+            algorithm = group["algorithm"]
+            other = "adamw" if algorithm == "muon" else "muon"
+            where = f"load_state_dict: saved param group {index} ({algorithm})"
+            check_group_keys(
+                saved,
+                self._defaults_by_algorithm[algorithm],
+                self._defaults_by_algorithm[other],
+                where,
+            )
             options = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
             validate_group({**group, **options}, index)
-        params = [p for g in self.param_groups for p in g["params"]]
-        scores = {
-            p: state_dict["state"][i]["magma_score"]
-            for i, p in enumerate(params)
-            if "magma_score" in state_dict["state"].get(i, {})
+        check_saved_state(loaded, self.param_groups)
+        return loaded
+
+    def _load(self, loaded: dict[str, Any]) -> None:
+        """Replace the state and groups with checked ``loaded`` ones (see load_state_dict)."""
+        momenta = {
+            p: self.state[p]["momentum_buffer"]
+            for g in self.param_groups
+            if g["algorithm"] == "muon"
+            for p in g["params"]
         }
-        momenta: dict[torch.Tensor, torch.Tensor] = {}
-        for i, (name, group, p) in enumerate(named_params(self.param_groups)):
-            saved = state_dict["state"].get(i, {}).get("momentum_buffer")
-            if group["algorithm"] != "muon" or saved is None:
-                continue
-            buffer = local(self.state[p]["momentum_buffer"])
-            if local(saved).shape != buffer.shape:
-                raise ValueError(
-                    f"load_state_dict: the momentum of {name!r} holds a local shard of shape "
-                    f"{tuple(local(saved).shape)}, where this rank's shard of the parameter is "
-                    f"{tuple(buffer.shape)}; load a state saved on the same mesh, or go "
-                    "through torch.distributed.checkpoint, which reshards"
-                )
-            momenta[p] = self.state[p]["momentum_buffer"]
-        super().load_state_dict(state_dict)
-        # Loaded values go into the group's buffer (see add_param_group), not beside it.
+        super().load_state_dict(loaded)
+        # Loaded values go into the group's buffer (see _add_group), not beside it.
         for p, buffer in momenta.items():
-            loaded = local(self.state[p]["momentum_buffer"])
-            if loaded.data_ptr() != local(buffer).data_ptr():
-                local(buffer).copy_(loaded)
+            loaded_momentum = local(self.state[p]["momentum_buffer"])
+            if loaded_momentum.data_ptr() != local(buffer).data_ptr():
+                local(buffer).copy_(loaded_momentum)
             self.state[p]["momentum_buffer"] = buffer
         # Optimizer.load_state_dict casts state to the parameter dtype and keeps AdamW's
         # step on the host; scores stay fp32 and steps live with the fused AdamW's tensors.
-        for p, score in scores.items():
-            self.state[p]["magma_score"] = score.to(local(p).device, torch.float32, copy=True)
         for group in self.param_groups:
-            if group["algorithm"] == "adamw":
-                for p in group["params"]:
-                    step = self.state[p]["step"]
-                    self.state[p]["step"] = step.to(local(p).device, torch.float32, copy=True)
+            for p in group["params"]:
+                state = self.state[p]
+                if "magma_score" in state:
+                    state["magma_score"] = state["magma_score"].to(
+                        local(p).device, torch.float32, copy=True
+                    )
+                if group["algorithm"] == "adamw":
+                    step = torch.as_tensor(state["step"])
+                    state["step"] = step.to(local(p).device, torch.float32, copy=True)
         # Optimizer.load_state_dict replaces the group dicts, which the step reads its
         # momentum, Nesterov and lr scale from: bind a step to the loaded groups.
         self._runner = None
@@ -656,7 +727,7 @@ def _split_by_algorithm(
 
     A group without an algorithm is split; each part keeps the keys the other algorithm's
     part alone reads out of it (a Muon part drops ``betas``, an AdamW part ``momentum``)."""
-    items = list(params)
+    items = _param_list(params)
     if not items:
         raise ValueError("Muon got an empty parameter list")
     if not isinstance(items[0], dict):
@@ -664,8 +735,7 @@ def _split_by_algorithm(
     groups: list[dict[str, Any]] = []
     for group in items:
         group = dict(group)
-        raw = group["params"]
-        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        raw = _param_list(group["params"])
         if raw and isinstance(raw[0], tuple):
             group["param_names"] = [name for name, _ in raw]
             raw = [p for _, p in raw]
@@ -686,3 +756,17 @@ def _split_by_algorithm(
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
     return groups
+
+
+def _param_list(params: Any) -> list[Any]:
+    """A list of parameters (or groups), in the order given; a set has none, so the ranks
+    would list its parameters in different orders, and is refused as torch refuses it."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            f"Muon takes parameters in an ordered collection, got a {type(params).__name__}: "
+            "a set's order differs between processes, so ranks would pair different tensors; "
+            "pass a list, e.g. list(model.named_parameters()) or muon_dist.param_groups(model)"
+        )
+    return list(params)

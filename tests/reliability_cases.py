@@ -238,7 +238,7 @@ def full_momentum_for_a_sharded_parameter_is_refused() -> None:
     state = opt.state_dict()
     state["state"][0] = {**state["state"][0], "momentum_buffer": torch.ones(full.shape)}
     before = opt.state[p]["momentum_buffer"].full_tensor()
-    with pytest.raises(ValueError, match=r"momentum of 'group0.param0' holds a local shard"):
+    with pytest.raises(ValueError, match=r"group0\.param0: the saved momentum holds a local shard"):
         opt.load_state_dict(state)
     assert torch.equal(opt.state[p]["momentum_buffer"].full_tensor(), before)
 
@@ -250,7 +250,10 @@ def option_refused_on_one_rank_raises_on_every_rank() -> None:
     if dist.get_rank() == 1:
         error, pattern = ValueError, r"param group 0 \(muon\): lr=nan is not finite"
     else:
-        error, pattern = RuntimeError, r"'refused: param group 0 \(muon\): lr=nan is not finite"
+        error, pattern = (
+            RuntimeError,
+            r"refused on another rank .* rank 1: ValueError: param group 0 \(muon\): lr=nan",
+        )
     with pytest.raises(error, match=pattern):
         muon_dist.Muon([{"params": [p], "algorithm": "muon", "lr": lr}])
 
