@@ -8,6 +8,7 @@ device-side agreement on gradients in :mod:`muon_dist.agreement`, capture in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -31,6 +32,7 @@ from muon_dist.flat import own_copy, zeros_like_flat
 from muon_dist.groups import CommGroups, comm_groups
 from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
 from muon_dist.plan import build_plan, layout_of, local
+from muon_dist.rebind import follow_params, storage
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.routing import (
     ALGORITHMS,
@@ -41,7 +43,12 @@ from muon_dist.routing import (
     routing_entries,
 )
 from muon_dist.settings import ExecutionSettings
-from muon_dist.validation import check_group_keys, check_unique_names, validate_group
+from muon_dist.validation import (
+    check_group_keys,
+    check_step_values,
+    check_unique_names,
+    validate_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +57,10 @@ logger = logging.getLogger(__name__)
 NS_NORM_LIMIT = 1.8e19 / 1.02
 # Group entries that a captured step does not read from the group: the lr is staged into
 # device memory every step, the rest is bookkeeping. Any other change is captured anew.
+# State tensors a load copies into rather than replaces.
+_OWN_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+# Device types whose autocast the step turns off (those torch knows that can be enabled).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
 _NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
 
 
@@ -338,31 +349,34 @@ class Muon(torch.optim.Optimizer):
 
     def _load(self, loaded: dict[str, Any]) -> None:
         """Replace the state and groups with checked ``loaded`` ones (see load_state_dict)."""
-        momenta = {
-            p: self.state[p]["momentum_buffer"]
-            for g in self.param_groups
-            if g["algorithm"] == "muon"
-            for p in g["params"]
+        # Loaded values go into this optimizer's own tensors (momenta are views of one
+        # buffer per group, see _add_group), never shared with the dict they came from.
+        own = {
+            p: {k: v for k, v in state.items() if k in _OWN_TENSORS}
+            for p, state in self.state.items()
+        }
+        # Optimizer.load_state_dict casts state to the parameter dtype; scores stay fp32.
+        params = [p for g in self.param_groups for p in g["params"]]
+        scores = {
+            p: loaded["state"][i]["magma_score"]
+            for i, p in enumerate(params)
+            if "magma_score" in loaded["state"][i]
         }
         super().load_state_dict(loaded)
-        # Loaded values go into the group's buffer (see _add_group), not beside it.
-        for p, buffer in momenta.items():
-            loaded_momentum = local(self.state[p]["momentum_buffer"])
-            if loaded_momentum.data_ptr() != local(buffer).data_ptr():
-                local(buffer).copy_(loaded_momentum)
-            self.state[p]["momentum_buffer"] = buffer
-        # Optimizer.load_state_dict casts state to the parameter dtype and keeps AdamW's
-        # step on the host; scores stay fp32 and steps live with the fused AdamW's tensors.
+        for p, tensors in own.items():
+            for key, mine in tensors.items():
+                value = local(self.state[p][key])
+                if value.data_ptr() != local(mine).data_ptr():
+                    local(mine).copy_(value)
+                self.state[p][key] = mine
+        # It keeps AdamW's step on the host; steps live with the fused AdamW's tensors.
+        for p, score in scores.items():
+            self.state[p]["magma_score"] = score.to(local(p).device, torch.float32, copy=True)
         for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if "magma_score" in state:
-                    state["magma_score"] = state["magma_score"].to(
-                        local(p).device, torch.float32, copy=True
-                    )
-                if group["algorithm"] == "adamw":
-                    step = torch.as_tensor(state["step"])
-                    state["step"] = step.to(local(p).device, torch.float32, copy=True)
+            if group["algorithm"] == "adamw":
+                for p in group["params"]:
+                    step = torch.as_tensor(self.state[p]["step"])
+                    self.state[p]["step"] = step.to(local(p).device, torch.float32, copy=True)
         # Optimizer.load_state_dict replaces the group dicts, which the step reads its
         # momentum, Nesterov and lr scale from: bind a step to the loaded groups.
         self._runner = None
@@ -406,21 +420,41 @@ class Muon(torch.optim.Optimizer):
         ``"skip_step"`` keeps everything as it was instead.
         """
         loss = None
+        refusal: Exception | None = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except Exception as exc:  # agreed in the step, so no other rank waits for it
+                refusal = exc
         self.check_finite()
+        try:
+            check_step_values(self.param_groups)
+            self._follow_params()
+        except (TypeError, ValueError) as exc:
+            refusal = refusal or exc
         runner = self._step_runner()
-        failure = runner.run(self.param_groups)
+        with _autocast_off():
+            failure = runner.run(self.param_groups, refusal)
         runner.agreement.queued(self.param_groups[0]["steps"] + 1)
-        for group in self.param_groups:
-            group["steps"] += 1
+        if failure is None or (failure is runner.crash() and self.settings.nonfinite == "raise"):
+            for group in self.param_groups:  # a refused step changed nothing: not counted
+                group["steps"] += 1
         if failure is not None:
             runner.agreement.discard()
             raise failure
         if runner.agreement.on_host:
             self.check_finite()
         return loss
+
+    def _follow_params(self) -> None:
+        """Rebuild the step when a parameter got new storage since it was built (see
+        :mod:`muon_dist.rebind`), its state moved along where its dtype or device changed."""
+        if self._runner is None or storage(self._runner.params) == self._runner.storage:
+            return
+        logger.info("muon_dist.Muon: parameter storage changed; rebuilding the step")
+        follow_params(self.param_groups, self.state)
+        self._runner = None
 
     def check_finite(self) -> None:
         """Read the last step's outcome and apply the ``nonfinite`` policy to it.
@@ -435,8 +469,27 @@ class Muon(torch.optim.Optimizer):
         if outcome is not None:
             self._report(outcome)
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "muon_dist.Muon cannot be pickled or deep-copied: it is bound to its parameters, "
+            "their process groups and device buffers. Copy its state instead: build a Muon "
+            "on the copied model and load this one's state, "
+            "new_opt.load_state_dict(opt.state_dict()) (torch.save(opt.state_dict()) works, "
+            "as does torch.distributed.checkpoint)"
+        )
+
+    def _uncount(self) -> None:
+        """Take back the step count of a step that changed nothing (see :meth:`step`)."""
+        for group in self.param_groups:
+            group["steps"] -= 1
+
     def _report(self, outcome: Outcome) -> None:
         step = outcome.step
+        skip = self.settings.nonfinite == "skip_step"
+        if outcome.failed_rank is not None or (outcome.crashed_rank is not None and skip):
+            self._uncount()
+        elif not skip and (outcome.nonfinite_grads or outcome.overflowing_grads):
+            self._uncount()
         if outcome.crashed_rank is not None:
             kept = (
                 "parameters and state were left as they were on every rank"
@@ -452,8 +505,9 @@ class Muon(torch.optim.Optimizer):
         if outcome.failed_rank is not None:
             raise RuntimeError(
                 f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
-                "refused its inputs and raised an error naming them; parameters and state "
-                "were left as they were on every rank; fix that rank's inputs"
+                "refused its inputs (gradients or options) or whose closure raised, and "
+                "raised that error there; parameters and state were left as they were on "
+                "every rank; fix that rank's inputs"
             )
         if outcome.nonfinite_grads:
             reason = f"non-finite gradient in {', '.join(outcome.nonfinite_grads)}"
@@ -504,6 +558,7 @@ class _StepRunner:
         self.settings = settings
         named = list(named_params(groups))
         self.params = [p for _, _, p in named]
+        self.storage = storage(self.params)  # where the bound views point (rebind.py)
         self.device = local(self.params[0]).device
         group_index = {id(g): i for i, g in enumerate(groups)}
         entries: list[MuonEntry] = []
@@ -598,40 +653,49 @@ class _StepRunner:
             grads.append(unwrapped)
         return grads
 
-    def run(self, groups: Sequence[dict[str, Any]]) -> Exception | None:
-        """Queue one step. A rank that refuses its inputs (a gradient of the wrong layout,
-        a sparse one, a missing one under capture) still takes part in the step's agreement,
-        with every gradient absent and its failure flagged, so every rank leaves everything
-        as it was and learns of the failure; it returns its error for the caller to raise.
+    def run(
+        self, groups: Sequence[dict[str, Any]], refusal: Exception | None = None
+    ) -> Exception | None:
+        """Queue one step. A rank that refuses its inputs (``refusal``: options or a closure
+        that raised; a gradient of the wrong layout, a sparse one, a missing one under
+        capture) still takes part in the step's agreement, with every gradient absent and
+        its failure flagged, so every rank leaves everything as it was and learns of the
+        failure; it returns its error for the caller to raise.
         """
-        failure: Exception | None = None
-        try:
-            grads = self._local_grads()
-            if self.graph is not None:
-                _check_captured(grads)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            failure = exc
-            grads = [None] * len(self.params)
-        values = [float(g["lr"]) for g in groups] + [float(g["weight_decay"]) for g in groups]
-        values += [0.0 if g is None else 1.0 for g in grads]
-        limits = [_norm_limit(g) for g in groups]
-        values += [limits[g] for g in self._group_of]
-        values.append(0.0 if failure is None else float(self.rank + 1))
+        failure = refusal
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        if failure is None:
+            try:
+                grads = self._local_grads()
+                if self.graph is not None:
+                    _check_captured(grads)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                failure = exc
+                grads = [None] * len(self.params)
+        if failure is None:
+            values = [float(g["lr"]) for g in groups] + [float(g["weight_decay"]) for g in groups]
+            values += [0.0 if g is None else 1.0 for g in grads]
+            limits = [_norm_limit(g) for g in groups]
+            values += [limits[g] for g in self._group_of]
+            values.append(0.0)
+        else:  # the options may be what was refused: stage nothing read from them
+            values = [0.0] * (2 * len(groups) + len(self.params))
+            values += [math.inf] * len(self.params) + [float(self.rank + 1)]
         pinned = self.device.type == "cuda"
         staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
         self.hyper.copy_(staged, non_blocking=pinned)
         if self.graph is None or failure is not None:
             self._body(groups, grads)
-            return failure or self._crash()
+            return failure or self.crash()
 
         def body() -> None:
             self._body(groups, grads)
 
         key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
         self.graph.run(body, key, grads)
-        return self._crash()
+        return self.crash()
 
-    def _crash(self) -> Exception | None:
+    def crash(self) -> Exception | None:
         """The exception Newton–Schulz raised on this rank in the step just queued."""
         return None if self.muon is None else self.muon.error
 
@@ -770,3 +834,15 @@ def _param_list(params: Any) -> list[Any]:
             "pass a list, e.g. list(model.named_parameters()) or muon_dist.param_groups(model)"
         )
     return list(params)
+
+
+def _autocast_off() -> contextlib.ExitStack[None]:
+    """Autocast disabled for every device type where it is on: the step's dtypes are its
+    settings' (``ns_dtype``, ``comm_dtype``), never an enclosing autocast region's."""
+    stack = contextlib.ExitStack()
+    for device_type in _AUTOCAST_DEVICES:
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
+            device_type
+        ):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack

@@ -121,23 +121,29 @@ def _flag(where: str, key: str, value: Any) -> None:
 def validate_group(group: dict[str, Any], index: int) -> None:
     """Check every option of a full group (its algorithm's defaults filled in)."""
     where = f"param group {index} ({group['algorithm']})"
-    _at_least(where, "lr", group["lr"], 0.0)
-    _at_least(where, "weight_decay", group["weight_decay"], 0.0)
-    if group["algorithm"] == "adamw":
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"{where}: betas={betas!r} must be a pair (beta1, beta2)")
-        _in_unit(where, "betas[0]", betas[0])
-        _in_unit(where, "betas[1]", betas[1])
-        _at_least(where, "eps", group["eps"], 0.0)
-    else:
+    _check_step_options(group, where)
+    if group["algorithm"] == "muon":
         _validate_muon(group, where)
     _validate_params(group, index, where)
 
 
+def _check_step_options(group: dict[str, Any], where: str) -> None:
+    """The options a scheduler or the user may change between steps."""
+    _at_least(where, "lr", group["lr"], 0.0)
+    _at_least(where, "weight_decay", group["weight_decay"], 0.0)
+    if group["algorithm"] == "muon":
+        _in_unit(where, "momentum", group["momentum"])
+        _flag(where, "nesterov", group["nesterov"])
+        return
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas={betas!r} must be a pair (beta1, beta2)")
+    _in_unit(where, "betas[0]", betas[0])
+    _in_unit(where, "betas[1]", betas[1])
+    _at_least(where, "eps", group["eps"], 0.0)
+
+
 def _validate_muon(group: dict[str, Any], where: str) -> None:
-    _in_unit(where, "momentum", group["momentum"])
-    _flag(where, "nesterov", group["nesterov"])
     if group["adjust_lr"] not in ADJUST_LR:
         raise ValueError(
             f"{where}: adjust_lr={group['adjust_lr']!r} is not supported; choose one of {ADJUST_LR}"
@@ -211,3 +217,11 @@ def check_unique_names(groups: Sequence[dict[str, Any]], group: dict[str, Any]) 
                 "[(f'tower_a.{n}', p) for n, p in tower_a.named_parameters()]"
             )
         seen[name] = index
+
+
+def check_step_values(groups: Sequence[dict[str, Any]]) -> None:
+    """The options a scheduler or the user may change between steps, checked at each step
+    (a few comparisons per group): ``momentum=1.0`` or a NaN lr is refused by name before
+    anything changes, instead of surfacing as an overflow or a non-finite result."""
+    for index, group in enumerate(groups):
+        _check_step_options(group, f"param group {index} ({group['algorithm']})")
