@@ -189,7 +189,7 @@ class Muon(torch.optim.Optimizer):
                 refused = exc
         self._process_group = process_group
         self._qk_lines = [repr(spec) for spec in qk_clip]
-        self._comm = self._agree(groups, refused, "construction")
+        self._comm = self._agree([] if refused else self.param_groups, refused, "construction")
         self._constructed = True
         runner = self._step_runner()  # unsupported layouts fail here, not mid-training
         if cuda_graph and runner.device.type != "cuda":

@@ -142,7 +142,7 @@ def gradient_placements_are_checked_on_every_rank() -> None:
         error, pattern = ValueError, r"attn\.wo: gradient placements \(Shard\(dim=1\),\)"
     else:
         p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)], src_data_rank=None)
-        error, pattern = RuntimeError, r"step 2 failed on rank 0, which refused its inputs"
+        error, pattern = RuntimeError, r"step 1 failed on rank 0, which refused its inputs"
     with pytest.raises(error, match=pattern):
         opt.step()
     assert torch.equal(p.full_tensor(), full)
