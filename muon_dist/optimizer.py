@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.agreement import Agreement, Outcome
@@ -486,10 +487,13 @@ class Muon(torch.optim.Optimizer):
     def _report(self, outcome: Outcome) -> None:
         step = outcome.step
         skip = self.settings.nonfinite == "skip_step"
-        if outcome.failed_rank is not None or (outcome.crashed_rank is not None and skip):
-            self._uncount()
-        elif not skip and (outcome.nonfinite_grads or outcome.overflowing_grads):
-            self._uncount()
+        if (
+            outcome.failed_rank is not None
+            or outcome.disagreement is not None
+            or (outcome.crashed_rank is not None and skip)
+            or (not skip and (outcome.nonfinite_grads or outcome.overflowing_grads))
+        ):
+            self._uncount()  # nothing changed: not a step
         if outcome.crashed_rank is not None:
             kept = (
                 "parameters and state were left as they were on every rank"
@@ -501,6 +505,13 @@ class Muon(torch.optim.Optimizer):
                 f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
                 "Newton–Schulz or the read or write of an update raised an exception (raised "
                 f"there, with its traceback); {kept}"
+            )
+        if outcome.failed_rank is None and outcome.disagreement is not None:
+            raise RuntimeError(
+                f"muon_dist.Muon step {step}: the ranks disagree: {outcome.disagreement}; "
+                "parameters and state were left as they were on every rank. Set options "
+                "identically on every rank (a scheduler stepped on a rank's own loss, e.g. "
+                "ReduceLROnPlateau, needs the loss averaged over ranks first)"
             )
         if outcome.failed_rank is not None:
             raise RuntimeError(
@@ -600,7 +611,12 @@ class _StepRunner:
             logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
             self.muon = MuonStep(plan, entries, state, settings, len(groups), comm)
         self.agreement = Agreement(
-            [name for name, _, _ in named], muon_positions, self.device, comm.holders
+            [name for name, _, _ in named],
+            muon_positions,
+            self.device,
+            comm.holders,
+            groups,
+            [i for i, p in enumerate(self.params) if _held_whole(p)],
         )
         # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
         self._adamw_members: dict[int, list[int]] = {}
@@ -612,7 +628,11 @@ class _StepRunner:
         self._group_of = [group_index[id(group)] for _, group, _ in named]
         self.rank = comm.rank
         # lr and weight decay per group | presence and norm limit per parameter | failure
-        self.hyper = torch.zeros(2 * len(groups) + 2 * len(self.params) + 1, device=self.device)
+        # | what the agreement compares across ranks (Agreement.stage)
+        self.hyper = torch.zeros(
+            2 * len(groups) + 2 * len(self.params) + 1 + self.agreement.stage_size,
+            device=self.device,
+        )
         # AdamW reads its lr from device memory on CUDA (fused AdamW takes a tensor lr).
         self._lr_views = list(self.hyper[: len(groups)].unbind(0))
         self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
@@ -678,9 +698,11 @@ class _StepRunner:
             limits = [_norm_limit(g) for g in groups]
             values += [limits[g] for g in self._group_of]
             values.append(0.0)
+            values += self.agreement.stage(groups, self.rank)
         else:  # the options may be what was refused: stage nothing read from them
             values = [0.0] * (2 * len(groups) + len(self.params))
             values += [math.inf] * len(self.params) + [float(self.rank + 1)]
+            values += [0.0] * self.agreement.stage_size
         pinned = self.device.type == "cuda"
         staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
         self.hyper.copy_(staged, non_blocking=pinned)
@@ -846,3 +868,9 @@ def _autocast_off() -> contextlib.ExitStack[None]:
         ):
             stack.enter_context(torch.autocast(device_type, enabled=False))
     return stack
+
+
+def _held_whole(p: torch.Tensor) -> bool:
+    """Whether every rank holding ``p`` holds all of it (a plain replica, or a DTensor
+    replicated on every mesh dim): its gradients must then agree across ranks."""
+    return not isinstance(p, DTensor) or all(isinstance(x, Replicate) for x in p.placements)

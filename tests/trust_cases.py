@@ -232,6 +232,57 @@ def closure_raising_on_one_rank_is_agreed() -> None:
     assert not torch.equal(_full(p), before)
 
 
+def _changed_on_rank_1(key: str, value: object, pattern: str, sharded: bool) -> None:
+    """``key`` set to ``value`` on rank 1 between steps: the next step fails on every rank
+    naming it, changes nothing and is not counted; set back, the step runs."""
+    p = _sharded((8, 6), 14) if sharded else nn.Parameter(torch.randn(8, 6))
+    bias = nn.Parameter(torch.zeros(6))
+    opt = muon_dist.Muon(
+        [{"params": [p], "param_names": ["w"]}, {"params": [bias], "param_names": ["b"]}]
+    )
+    _set_grads([p, bias], 15)
+    opt.step()
+    group = opt.param_groups[0 if key != "betas" else 1]
+    original = group[key]
+    if _rank() == 1:
+        group[key] = value
+    before = (_full(p).clone(), bias.detach().clone())
+    with pytest.raises(RuntimeError, match=r"step 2: the ranks disagree: " + pattern):
+        opt.step()
+    assert torch.equal(_full(p), before[0]) and torch.equal(bias.detach(), before[1])
+    assert [g["steps"] for g in opt.param_groups] == [1, 1]
+    group[key] = original
+    opt.step()
+    assert not torch.equal(_full(p), before[0])
+
+
+def scheduler_values_are_agreed_every_step() -> None:
+    ranks = r".*ranks by their options: \[0\] \| \[1\]"
+    _changed_on_rank_1("lr", 0.01, r"param group 0 lr ranges from 0\.01.* to 0\.02" + ranks, True)
+    _changed_on_rank_1("momentum", 0.9, r"param group 0 momentum ranges from 0\.9", False)
+    _changed_on_rank_1("nesterov", False, r"param group 0 nesterov ranges from 0 to 1", True)
+    _changed_on_rank_1("betas", (0.8, 0.95), r"param group 1 betas\[0\] ranges", False)
+    _changed_on_rank_1("ns_steps", 3, r"group options other than the step values" + ranks, True)
+
+
+def replicas_with_different_gradients_fail_the_step() -> None:
+    torch.manual_seed(16)
+    w, v = nn.Parameter(torch.randn(8, 6)), nn.Parameter(torch.randn(6, 4))
+    opt = muon_dist.Muon([("w", w), ("v", v)])
+    before = (w.detach().clone(), v.detach().clone())
+    w.grad = torch.randn(8, 6, generator=torch.Generator().manual_seed(_rank()))
+    v.grad = torch.ones(6, 4)
+    with pytest.raises(RuntimeError, match=r"the gradient of w, held whole on every rank"):
+        opt.step()
+    assert torch.equal(w.detach(), before[0]) and torch.equal(v.detach(), before[1])
+    w.grad = torch.ones(8, 6)  # averaged: equal everywhere
+    opt.step()
+    gathered: list[torch.Tensor | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, w.detach())
+    assert all(torch.equal(g, w.detach()) for g in gathered if g is not None)
+    assert not torch.equal(w.detach(), before[0])
+
+
 CASES: dict[str, Callable[[], None]] = {
     case.__name__: case
     for case in (
@@ -245,6 +296,8 @@ CASES: dict[str, Callable[[], None]] = {
         load_state_dict_is_agreed,
         fsdp_state_dict_round_trips_through_torch_save,
         closure_raising_on_one_rank_is_agreed,
+        scheduler_values_are_agreed_every_step,
+        replicas_with_different_gradients_fail_the_step,
     )
 }
 
