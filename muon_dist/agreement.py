@@ -87,7 +87,10 @@ def step_values(groups: Sequence[dict[str, Any]]) -> list[float]:
 def options_digest(groups: Sequence[dict[str, Any]]) -> float:
     """A digest of every option of every group (not the parameters), >= 1."""
     text = repr(
-        [sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names")) for g in groups]
+        [
+            sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names"))
+            for g in groups
+        ]
     )
     return float((zlib.crc32(text.encode()) & _DIGEST_BITS) + 1)
 
@@ -223,9 +226,7 @@ class Agreement:
         self.found_inf.clamp_(max=1.0)
         if self._compared.numel():
             # max + (-min) > 0 where ranks differ; -inf + -inf where no rank has a value.
-            spread = torch.cat(
-                [self._values + self._negated, self._norms + self._negated_norms]
-            )
+            spread = torch.cat([self._values + self._negated, self._norms + self._negated_norms])
             differs = (spread > 0).any() | (self._digests.amax() > self._digests.amin())
             torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
         self.ns_bad.zero_()
@@ -306,7 +307,9 @@ class Agreement:
         low_norms = -compared[2 * k + slots + r :]
         parts = [
             f"{label} ranges from {low:.7g} to {high:.7g}"
-            for label, high, low in zip(self.labels, largest.tolist(), smallest.tolist(), strict=True)
+            for label, high, low in zip(
+                self.labels, largest.tolist(), smallest.tolist(), strict=True
+            )
             if high > low
         ]
         if digests.max() > digests.min() and not parts:
@@ -321,7 +324,10 @@ class Agreement:
         differing = [
             n
             for n, high, low in zip(
-                (self.names[i] for i in self.replicated), norms.tolist(), low_norms.tolist(), strict=True
+                (self.names[i] for i in self.replicated),
+                norms.tolist(),
+                low_norms.tolist(),
+                strict=True,
             )
             if high > low
         ]

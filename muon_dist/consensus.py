@@ -108,7 +108,9 @@ def agree(
     raise RuntimeError(_difference(every, holders.ranks, rank, when))
 
 
-def _difference(every: Sequence[dict[str, str] | None], ranks: Sequence[int], rank: int, when: str) -> str:
+def _difference(
+    every: Sequence[dict[str, str] | None], ranks: Sequence[int], rank: int, when: str
+) -> str:
     """The message naming the first keys whose values differ across ranks."""
     keys: dict[str, None] = {}
     for entries in every:

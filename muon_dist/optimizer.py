@@ -33,8 +33,8 @@ from muon_dist.flat import own_copy, zeros_like_flat
 from muon_dist.groups import CommGroups, comm_groups
 from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
 from muon_dist.plan import build_plan, layout_of, local
-from muon_dist.rebind import follow_params, storage
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
+from muon_dist.rebind import follow_params, storage
 from muon_dist.routing import (
     ALGORITHMS,
     format_routing_table,
@@ -182,15 +182,16 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         self._constructed = False  # add_param_group agrees on each later group by itself
         groups: list[dict[str, Any]] = []
-        if refused is None:
-            try:
-                groups = _split_by_algorithm(params, self._defaults_by_algorithm)
+        try:
+            groups = _split_by_algorithm(params, self._defaults_by_algorithm)
+            if refused is None:
                 super().__init__(groups, defaults=defaults)
-            except (ValueError, TypeError) as exc:
-                refused = exc
+        except (ValueError, TypeError) as exc:
+            refused = refused or exc
         self._process_group = process_group
         self._qk_lines = [repr(spec) for spec in qk_clip]
-        self._comm = self._agree([] if refused else self.param_groups, refused, "construction")
+        # The ranks holding the parameters agree, also where this rank refused them.
+        self._comm = self._agree(groups if refused else self.param_groups, refused, "construction")
         self._constructed = True
         runner = self._step_runner()  # unsupported layouts fail here, not mid-training
         if cuda_graph and runner.device.type != "cuda":
@@ -224,7 +225,7 @@ class Muon(torch.optim.Optimizer):
         except (ValueError, TypeError) as exc:
             refused = exc
         self._comm = self._agree(
-            [*self.param_groups, *([] if group is None else [group])], refused, "add_param_group"
+            [*self.param_groups, group or param_group], refused, "add_param_group"
         )
         assert group is not None  # _agree raised the refusal otherwise
         self._add_group(group)
@@ -234,8 +235,9 @@ class Muon(torch.optim.Optimizer):
     ) -> CommGroups:
         """The collectives' groups for ``groups``, after every rank that holds them agreed on
         them (see :mod:`muon_dist.consensus`); raises on every rank otherwise."""
+        params = [p for g in groups for p in _param_list(g.get("params", []))]
         comm = comm_groups(
-            [p for g in groups for p in g["params"]],
+            [p for p in params if isinstance(p, torch.Tensor)],
             "split" if refused else self.settings.replica_mode,
             self._process_group,
         )
@@ -313,9 +315,13 @@ class Muon(torch.optim.Optimizer):
             loaded = self._checked_load(state_dict)
         except (ValueError, TypeError, KeyError) as exc:
             refused = exc
-        groups = [] if loaded is None else loaded["param_groups"]
         self._agree(
-            [{**g, **saved, "params": g["params"]} for g, saved in zip(self.param_groups, groups)],
+            self.param_groups
+            if loaded is None
+            else [
+                {**g, **saved, "params": g["params"]}
+                for g, saved in zip(self.param_groups, loaded["param_groups"], strict=True)
+            ],
             refused,
             "load_state_dict",
         )
@@ -858,14 +864,12 @@ def _param_list(params: Any) -> list[Any]:
     return list(params)
 
 
-def _autocast_off() -> contextlib.ExitStack[None]:
+def _autocast_off() -> contextlib.ExitStack[bool | None]:
     """Autocast disabled for every device type where it is on: the step's dtypes are its
     settings' (``ns_dtype``, ``comm_dtype``), never an enclosing autocast region's."""
     stack = contextlib.ExitStack()
     for device_type in _AUTOCAST_DEVICES:
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(
-            device_type
-        ):
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
     return stack
 

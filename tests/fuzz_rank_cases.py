@@ -25,7 +25,10 @@ def _params() -> list[tuple[str, nn.Parameter]]:
         nn.Parameter(distribute_tensor(torch.randn(6, 4, generator=gen), mesh, [Shard(0)]))
         for _ in range(2)
     ]
-    plain = [nn.Parameter(torch.randn(5, 3, generator=gen)), nn.Parameter(torch.randn(4, generator=gen))]
+    plain = [
+        nn.Parameter(torch.randn(5, 3, generator=gen)),
+        nn.Parameter(torch.randn(4, generator=gen)),
+    ]
     return list(zip(NAMES, [*shards, *plain], strict=True))
 
 
@@ -34,9 +37,7 @@ def _grads(params: list[nn.Parameter], seed: int) -> None:
     for p in params:
         grad = torch.randn(p.shape, generator=gen)
         p.grad = (
-            distribute_tensor(grad, p.device_mesh, p.placements)
-            if isinstance(p, DTensor)
-            else grad
+            distribute_tensor(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
         )
 
 

@@ -36,9 +36,7 @@ def _grads(params: list[torch.Tensor], seed: int) -> None:
 
 def _snapshot(opt: muon_dist.Muon) -> tuple[list[dict[str, Any]], dict[Any, dict[str, Any]]]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    state = {
-        p: {k: v.detach().clone() for k, v in s.items()} for p, s in opt.state.items()
-    }
+    state = {p: {k: v.detach().clone() for k, v in s.items()} for p, s in opt.state.items()}
     return copy.deepcopy(groups), state
 
 
@@ -61,7 +59,9 @@ def test_colliding_param_names_are_refused_at_construction() -> None:
         muon_dist.Muon(muon_dist.param_groups(a) + muon_dist.param_groups(b))
     opt = muon_dist.Muon(list(a.named_parameters()))
     with pytest.raises(ValueError, match=r"'1\.bias' is used twice"):
-        opt.add_param_group({"params": [b[1].bias], "param_names": ["1.bias"], "algorithm": "adamw"})
+        opt.add_param_group(
+            {"params": [b[1].bias], "param_names": ["1.bias"], "algorithm": "adamw"}
+        )
     assert len(opt.param_groups) == 2
 
 

@@ -55,7 +55,9 @@ def _refused_on_rank_1(build: Callable[[], object], own: type[Exception], patter
         with pytest.raises(own, match=pattern):
             build()
     else:
-        with pytest.raises(RuntimeError, match=r"(?s)refused on another rank .*rank 1: \w+: .*" + pattern):
+        with pytest.raises(
+            RuntimeError, match=r"(?s)refused on another rank .*rank 1: \w+: .*" + pattern
+        ):
             build()
 
 
@@ -156,7 +158,8 @@ def load_state_dict_is_agreed() -> None:
     other = {**saved, "param_groups": [{**saved["param_groups"][0], "lr": 0.1 * (1 + _rank())}]}
     _expect_everywhere(
         lambda: opt.load_state_dict(other),
-        r"(?s)load_state_dict: the ranks disagree.*param group 0 lr: ranks \[0\]: 0\.1; ranks \[1\]: 0\.2",
+        r"(?s)load_state_dict: the ranks disagree.*"
+        r"param group 0 lr: ranks \[0\]: 0\.1; ranks \[1\]: 0\.2",
     )
     broken = {**saved, "state": {0: {"momentum_buffer": saved["state"][0]["momentum_buffer"]}}}
     if _rank() == 1:
@@ -165,7 +168,9 @@ def load_state_dict_is_agreed() -> None:
         momentum = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
         broken = {**saved, "state": {0: {"momentum_buffer": momentum}}}
     _refused_on_rank_1(
-        lambda: opt.load_state_dict(broken), ValueError, r"p: saved momentum_buffer holds non-finite"
+        lambda: opt.load_state_dict(broken),
+        ValueError,
+        r"p: saved momentum_buffer holds non-finite",
     )
     assert torch.equal(opt.state[p]["momentum_buffer"].full_tensor(), before)
     assert opt.param_groups[0]["lr"] == 0.02
