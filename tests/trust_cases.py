@@ -31,13 +31,13 @@ def _sharded(shape: tuple[int, ...], seed: int) -> nn.Parameter:
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
 
 def _set_grads(params: list[nn.Parameter], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for p in params:
-        grad = torch.randn(p.shape, generator=gen)
+        grad = torch.randn(p.shape, generator=gen).to(p.dtype)
         if isinstance(p, DTensor):
             p.grad = distribute_tensor(grad, p.device_mesh, p.placements)
         else:
@@ -211,6 +211,35 @@ def fsdp_state_dict_round_trips_through_torch_save() -> None:
         assert torch.equal(_full(a), _full(b))
 
 
+def _bf16_step(module: nn.Module, opt: muon_dist.Muon) -> list[torch.Tensor]:
+    _set_grads(list(module.parameters()), 23)
+    opt.step()
+    return [_full(p).clone() for p in module.parameters()]
+
+
+def sharded_module_cast_after_construction_keeps_training() -> None:
+    """``module.to(torch.bfloat16)`` on sharded (DTensor) parameters after construction: the
+    step follows the new storage and dtype, as a fresh optimizer loaded with the state."""
+    module = nn.Module()
+    module.w, module.v = _sharded((8, 6), 20), _sharded((6, 4), 21)
+    opt = muon_dist.Muon(list(module.named_parameters()), comm_dtype=torch.float32)
+    _set_grads(list(module.parameters()), 22)
+    opt.step()
+    module.to(torch.bfloat16)
+    before = [_full(p).clone() for p in module.parameters()]
+    twin = nn.Module()
+    twin.w, twin.v = (
+        nn.Parameter(distribute_tensor(full, p.device_mesh, p.placements))
+        for full, p in zip(before, module.parameters(), strict=True)
+    )
+    twin_opt = muon_dist.Muon(list(twin.named_parameters()), comm_dtype=torch.float32)
+    twin_opt.load_state_dict(opt.state_dict())
+    after, expected = _bf16_step(module, opt), _bf16_step(twin, twin_opt)
+    for a, b, old in zip(after, expected, before, strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+        assert not torch.equal(a, old), "the step left a matrix where it was"
+
+
 # -- steps ------------------------------------------------------------------------------
 
 
@@ -300,6 +329,7 @@ CASES: dict[str, Callable[[], None]] = {
         add_param_group_is_agreed,
         load_state_dict_is_agreed,
         fsdp_state_dict_round_trips_through_torch_save,
+        sharded_module_cast_after_construction_keeps_training,
         closure_raising_on_one_rank_is_agreed,
         scheduler_values_are_agreed_every_step,
         replicas_with_different_gradients_fail_the_step,
