@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from muon_dist.plan import local
 from muon_dist.routing import group_param_names, matrix_views, named_params
+from muon_dist.tensors import local
 
 # Group keys that decide a Muon parameter's matrix views: a saved state built under other
 # values holds momenta of other matrices, so loading it is refused.

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from muon_dist.groups import Peers
-from muon_dist.plan import local
 from muon_dist.routing import named_params
 from muon_dist.settings import ExecutionSettings
+from muon_dist.tensors import local
 
 # Differing keys named in an error, at most.
 _SHOWN = 3

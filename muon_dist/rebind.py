@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from muon_dist.flat import zeros_like_flat
-from muon_dist.plan import local
+from muon_dist.tensors import local
 
 
 def storage(params: Sequence[torch.Tensor]) -> list[int]:
