@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from muon_dist.groups import Peers
 from muon_dist.routing import named_params
 from muon_dist.settings import ExecutionSettings
-from muon_dist.tensors import local
 
 # Differing keys named in an error, at most.
 _SHOWN = 3
@@ -39,10 +38,9 @@ def describe(
     """Everything that decides a step, as text: the settings, each group's options, each
     parameter by position (name, shape, dtype, placements, mesh) and ``extra`` lines.
 
-    A parameter every rank holds whole (a plain tensor or a replicated DTensor) also shows
-    a fingerprint of its values: replicas must start equal, and same-shape parameters
-    listed in another order on another rank (a ``set``, a reordered list without names)
-    differ there.
+    A plain tensor (a replica on every rank) also shows a fingerprint of its values:
+    replicas must start equal, and same-shape parameters listed in another order on another
+    rank (a reordered list without names) differ there.
     """
     entries = {f"setting {f.name}": repr(getattr(settings, f.name)) for f in fields(settings)}
     for index, group in enumerate(groups):
@@ -52,12 +50,9 @@ def describe(
     for position, (name, _, p) in enumerate(named_params(groups)):
         if isinstance(p, DTensor):
             where = f"{tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}"
-            whole = all(isinstance(x, Replicate) for x in p.placements)
         else:
-            where, whole = "plain", True
+            where = f"plain values {_fingerprint(p)}"
         line = f"{name!r} {tuple(p.shape)} {p.dtype} {where}"
-        if whole:
-            line += f" values {_fingerprint(local(p))}"
         entries[f"parameter {position}"] = line
     for index, line in enumerate(extra):
         entries[f"extra {index}"] = line

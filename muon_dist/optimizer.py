@@ -480,10 +480,13 @@ class Muon(torch.optim.Optimizer):
 
         The principle: every rank reaches the same outcome (the same exception, or the same
         successful update), and a step that fails leaves parameters and optimizer state as
-        they were. Options were checked at construction and load; here each rank checks its
-        gradients against their parameters, then all ranks agree on the device, in the
-        step's one all-reduce, which gradients exist, which are non-finite or too large to
-        normalise, and whether some rank refused its inputs. Any of these makes every rank
+        they were. Options were checked and agreed at construction and load; here each rank
+        checks the options a scheduler changes, whether a parameter's storage moved (then
+        the step is rebuilt) and its gradients against their parameters, then all ranks
+        agree on the device, in the step's one all-reduce, which gradients exist, which are
+        non-finite or too large to normalise, whether replicas' gradients and every rank's
+        options are alike, and whether some rank refused its inputs or its closure raised.
+        Any of these makes every rank
         keep everything as it was, without a host branch and so also in a captured step. A
         rank that refused its inputs raises its error here; the others raise
         ``RuntimeError`` naming it, and a bad gradient raises ``FloatingPointError`` (or is

@@ -21,11 +21,15 @@ from muon_dist.tensors import local
 
 
 def storage(params: Sequence[torch.Tensor]) -> list[int]:
-    """Where each parameter's local tensor starts in memory now."""
+    """Where each parameter's local tensor starts in memory now: a pointer read per
+    parameter, past ``__torch_function__`` (about 0.1 µs each)."""
     return [
-        (p._local_tensor if isinstance(p, DTensor) else p).data_ptr()  # no dispatch
+        _data_ptr(p._local_tensor if isinstance(p, DTensor) else p)  # no dispatch
         for p in params
     ]
+
+
+_data_ptr = torch._C.TensorBase.data_ptr
 
 
 def follow_params(groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, Any]) -> None:

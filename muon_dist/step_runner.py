@@ -83,7 +83,7 @@ class StepRunner:
             self.device,
             comm.holders,
             groups,
-            [i for i, p in enumerate(self.params) if _held_whole(p)],
+            [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
         )
         self.muon = self._muon_phase(entries, state, settings, len(groups), comm)
         # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
@@ -271,7 +271,11 @@ def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
         )
 
 
-def _held_whole(p: torch.Tensor) -> bool:
-    """Whether every rank holding ``p`` holds all of it (a plain replica, or a DTensor
-    replicated on every mesh dim): its gradients must then agree across ranks."""
-    return not isinstance(p, DTensor) or all(isinstance(x, Replicate) for x in p.placements)
+def _held_whole(p: torch.Tensor, holders: int) -> bool:
+    """Whether each of the ``holders`` ranks holds all of ``p`` (a plain replica, or a
+    DTensor replicated on every dim of a mesh over all of them): its gradients must then
+    agree across ranks."""
+    if not isinstance(p, DTensor):
+        return True
+    whole = all(isinstance(x, Replicate) for x in p.placements)
+    return whole and p.device_mesh.size() == holders

@@ -1,7 +1,7 @@
 """Distributed fuzz: random per-rank perturbations of options, settings, parameter order and
 names end either in identical results on every rank or in an error on every rank.
 
-Hypothesis draws what each of 2 gloo ranks changes (at construction, or between two steps);
+Hypothesis draws what each of 2 or 3 gloo ranks changes (at construction, or between two steps);
 the ranks run it through the session's pool (tests/dist_harness.py), each reporting its
 result or its error. Where what the ranks were given differs, every rank must raise; where
 it is the same, they must all succeed alike or all raise. A hang fails on the pool's timeout.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 from dist_harness import run_distributed
 from fuzz_rank_cases import NAMES, fuzz_worker
@@ -63,15 +64,17 @@ def _effective(spec: dict[str, Any]) -> str:
     return repr((first, second, bool(spec.get("reverse")), spec.get("rename", {})))
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @settings(
-    max_examples=25,
+    max_examples=20,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(spec=st.lists(RANK, min_size=2, max_size=2))
-def test_perturbed_ranks_agree_or_all_raise(spec: list[dict[str, Any]]) -> None:
-    results = run_distributed(2, fuzz_worker, spec, timeout=60)
+@given(data=st.data())
+def test_perturbed_ranks_agree_or_all_raise(world_size: int, data: st.DataObject) -> None:
+    spec = data.draw(st.lists(RANK, min_size=world_size, max_size=world_size), label="spec")
+    results = run_distributed(world_size, fuzz_worker, spec, timeout=60)
     kinds = {kind for kind, _ in results}
     assert len(kinds) == 1, f"ranks ended differently: {results} for {spec}"
     if len({_effective(s) for s in spec}) > 1:
