@@ -47,23 +47,33 @@ def describe(
         for key in sorted(group):
             if key not in ("params", "param_names"):
                 entries[f"param group {index} {key}"] = repr(group[key])
-    for position, (name, _, p) in enumerate(named_params(groups)):
+    named = list(named_params(groups))
+    prints = _fingerprints([p for _, _, p in named if not isinstance(p, DTensor)])
+    for position, (name, _, p) in enumerate(named):
         if isinstance(p, DTensor):
             where = f"{tuple(p.placements)} on mesh {tuple(p.device_mesh.shape)}"
         else:
-            where = f"plain values {_fingerprint(p)}"
-        line = f"{name!r} {tuple(p.shape)} {p.dtype} {where}"
-        entries[f"parameter {position}"] = line
+            where = f"plain values {prints.pop(0)}"
+        entries[f"parameter {position}"] = f"{name!r} {tuple(p.shape)} {p.dtype} {where}"
     for index, line in enumerate(extra):
         entries[f"extra {index}"] = line
     return entries
 
 
-def _fingerprint(t: torch.Tensor) -> str:
-    """Sum and sum of squares in fp64: equal on replicas, different for other values."""
-    values = t.detach().double()
-    pair = torch.stack([values.sum(), values.square().sum()]).tolist()
-    return f"{pair[0]:.17g}/{pair[1]:.17g}"
+def _fingerprints(tensors: list[torch.Tensor]) -> list[str]:
+    """Per tensor, its sum and 2-norm in fp64 (no fp64 copy of it), read with one host
+    copy: equal on replicas, different for other values."""
+    if not tensors:
+        return []
+    with torch.no_grad():
+        sums = [torch.sum(t, dtype=torch.float64) for t in tensors]
+        norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float64)
+        vectors = [torch.stack([a, b]) for a, b in zip(sums, norms, strict=True)]
+        if len({v.device for v in vectors}) == 1:
+            pairs = torch.stack(vectors).tolist()
+        else:
+            pairs = [v.tolist() for v in vectors]
+    return [f"{a:.17g}/{b:.17g}" for a, b in pairs]
 
 
 def agree(
