@@ -486,15 +486,16 @@ class Muon(torch.optim.Optimizer):
         agree on the device, in the step's one all-reduce, which gradients exist, which are
         non-finite or too large to normalise, whether replicas' gradients and every rank's
         options are alike, and whether some rank refused its inputs or its closure raised.
-        Any of these makes every rank
-        keep everything as it was, without a host branch and so also in a captured step. A
-        rank that refused its inputs raises its error here; the others raise
-        ``RuntimeError`` naming it, and a bad gradient raises ``FloatingPointError`` (or is
-        skipped), where the host reads the outcome (see the class docstring). An exception
-        from Newton–Schulz on one rank is agreed the same way, through the all-reduce of
-        the result flags. What is not agreed: any other exception inside one rank's step,
-        or a rank that dies; the others then wait in the next collective until the process
-        group's timeout raises there (see the README's Reliability section). Under
+        Any of these makes every rank keep everything as it was, without a host branch and
+        so also in a captured step. A rank that refused its inputs raises its error here;
+        the others raise ``RuntimeError`` naming it, and a bad gradient raises
+        ``FloatingPointError`` (or is skipped), where the host reads the outcome (see the
+        class docstring). A refused step is not counted in ``steps``. An exception from
+        Newton–Schulz on one rank is agreed the same way, through the all-reduce of the
+        result flags. What is not agreed: any other exception inside one rank's step, a
+        rank that skips ``step()``, or a rank that dies; the others then wait in the next
+        collective until the process group's timeout raises there (see the README's
+        Reliability section). Under
         ``nonfinite="raise"`` a non-finite Newton–Schulz result of finite inputs, or its
         exception, is raised on every rank after the rest of the update was applied;
         ``"skip_step"`` keeps everything as it was instead.
