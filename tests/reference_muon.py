@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from reordered_products import ReorderedProducts
+
 from muon_dist.kernels import newton_schulz
 
 
@@ -59,16 +61,17 @@ def reference_muon_step(
     update = torch.add(grad, momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     count, rows, cols = matrices if matrices is not None else (1, *param.shape)
     stack = update.reshape(count, rows, cols)
-    # One call for the whole stack, as single-device Muon on a 3-D expert weight makes: on
-    # GPUs cuBLAS may round a batched bf16 GEMM differently from single ones.
-    ortho = newton_schulz(
-        stack,
-        steps=ns_steps,
-        coefficients=coefficients,
-        dtype=ns_dtype,
-        backend="torch",
-        method=ns_method,
-    )
+    # One call for the whole stack, as single-device Muon on a 3-D expert weight makes, with
+    # its products summed in another order than this machine's kernels (reordered_products).
+    with ReorderedProducts():
+        ortho = newton_schulz(
+            stack,
+            steps=ns_steps,
+            coefficients=coefficients,
+            dtype=ns_dtype,
+            backend="torch",
+            method=ns_method,
+        )
     if magma_score is not None:
         m = momentum_buffer.float().reshape(count, -1)
         g = grad.float().reshape(count, -1)
