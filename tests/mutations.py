@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from parity_cases import PRECISIONS, cases_for, run_case
 
 from muon_dist import comm, plan, routing

@@ -312,10 +312,6 @@ def parity_violations(err: dict[str, float], exact: bool) -> list[str]:
     return broken
 
 
-def is_exact(comm_dtype: torch.dtype, ns_dtype: torch.dtype) -> bool:
-    return comm_dtype == ns_dtype == torch.float32
-
-
 def case_names(world_size: int) -> list[str]:
     return [case.name for case in cases_for(world_size)]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from reordered_products import ReorderedProducts
 
 from muon_dist.kernels import newton_schulz
@@ -37,6 +36,7 @@ def reference_muon_step(
     momentum_buffer: torch.Tensor,
     *,
     lr: float,
+    ns_dtype: torch.dtype,
     momentum: float = 0.95,
     nesterov: bool = True,
     weight_decay: float = 0.0,
@@ -45,12 +45,14 @@ def reference_muon_step(
     coefficients: str = "quintic",
     ns_method: str = "auto",
     matrices: tuple[int, int, int] | None = None,
-    ns_dtype: torch.dtype = torch.bfloat16,
     magma_score: torch.Tensor | None = None,
     magma_beta: float = 0.9,
     cautious_wd: bool = False,
 ) -> None:
     """Update ``param`` in place; ``matrices=(count, rows, cols)`` reshapes it (experts).
+
+    ``ns_dtype`` is the Newton–Schulz dtype: float32 to compare exactly, bfloat16 to compare
+    within bf16 rounding (parity_cases.BF16_UPDATE), never exactly.
 
     ``magma_score`` (one entry per matrix, updated in place) turns on Magma-lite damping:
     score = EMA of (1 + cos(momentum, gradient)) / 2, update times 0.1 + 0.9 * score.

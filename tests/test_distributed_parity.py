@@ -1,7 +1,8 @@
 """The sharded step equals single-device Muon on every supported layout (gloo, CPU).
 
-One test per (world size, layout, precision: fp32 or bf16 communication and Newton–Schulz); each world size's cases run in one
-process group that stays up for the session (dist_harness).
+One test per (world size, layout, precision): fp32 communication and Newton–Schulz compared
+exactly, bf16 within bf16 rounding (parity_cases.BF16_UPDATE). Each world size's cases run in
+one process group that stays up for the session (dist_harness).
 """
 
 from __future__ import annotations
