@@ -17,22 +17,17 @@ import pytest
 import torch
 from dist_harness import pool
 from parity_cases import (
-    BF16_UPDATE,
-    EXACT,
     PRECISIONS,
     case_names,
     parity_violations,
     parity_worker,
+    update_tolerance,
 )
 from repo_paths import benchmark_tables
 
 pytestmark = pytest.mark.gpu
 
-# precision -> how the table states its criterion
-CRITERIA = {
-    "fp32": f"update rel (norm-wise) ≤ {EXACT:g}",
-    "bf16": f"update rel (norm-wise) ≤ {BF16_UPDATE:g}",
-}
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 CASES = [
     pytest.param(world_size, name, precision, id=f"w{world_size}-{name}-{precision}")
     for world_size in (1, 2, 3, 4)
@@ -61,8 +56,8 @@ def _parity_table(request: pytest.FixtureRequest) -> Iterator[None]:
         rows.append(
             {
                 "GPUs": str(world_size),
-                "comm / Newton–Schulz dtype": f"{precision} / {precision}",
-                "criterion": CRITERIA[precision],
+                "comm / Newton–Schulz dtype": " / ".join(SHORT[d] for d in PRECISIONS[precision]),
+                "criterion": f"update rel (norm-wise) ≤ {update_tolerance(precision):g}",
                 "layouts passed": f"{sum(ok for _, ok in layouts.values())}/{len(layouts)}",
                 "worst (layout)": f"{layouts[worst][0]:.2e} ({worst})",
             }
@@ -79,9 +74,8 @@ def test_sharded_step_matches_single_device_on_nccl(
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     results = pool(world_size, "nccl").run(gpu_parity_worker, name, precision)
-    exact = precision == "fp32"
     worst = max(err["update_fro"] for err in results)
-    ok = not any(parity_violations(err, exact) for err in results)
+    ok = not any(parity_violations(err, precision) for err in results)
     RESULTS.setdefault((world_size, precision), {})[name] = (worst, ok)
     for rank, err in enumerate(results):
-        assert not parity_violations(err, exact), f"rank {rank}: {err}"
+        assert not parity_violations(err, precision), f"rank {rank}: {err}"

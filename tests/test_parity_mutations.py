@@ -18,6 +18,6 @@ def test_bf16_comparison_fails_on_injected_defect(defect: str) -> None:
     results = run_distributed(2, mutated_parity_worker, "fsdp", "bf16", defect)
     assert any(r["hits"] for r in results), f"{defect} never reached the step: its seam moved"
     for rank, result in enumerate(results):
-        assert parity_violations(result["errors"], exact=False), (
+        assert parity_violations(result["errors"], "bf16"), (
             f"rank {rank}: {defect} passed the bf16 comparison: {result['errors']}"
         )
