@@ -44,7 +44,8 @@ EXACT = 1e-5
 # lr·scale multiplies the update and its error alike and cancels, and three steps add both.
 # Measured worst, norm-wise: 3.0e-3 (0.77u: shard1, tp_fsdp) against the reference's float64
 # sums on CPU; issue 23 saw 3.1e-4 to 1.4e-3 (largest element) on Intel AMX. 2.5u = 1e-2
-# leaves 3x headroom, and a defect that moves 1% of an update fails it (test_parity_mutations).
+# leaves 3x headroom, and any defect that moves more than 1% of an update (norm-wise) fails
+# it: test_parity_mutations shows a wrong shard offset, lr scale, transposed or dropped piece do.
 BF16_UPDATE = 1e-2
 
 # A bf16 parameter rounds at each decay, momentum and update: its update is mostly rounding,
