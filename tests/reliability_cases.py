@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from parity_cases import Case, P, run_case
+from parity_cases import PRECISIONS, Case, P, run_case
 from reference_muon import reference_muon_step
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -50,7 +50,9 @@ def nonfinite_on_one_rank_skips_everywhere() -> None:
 
 def gradient_on_some_ranks_only_counts_as_zero() -> None:
     full, p = _sharded((9, 5), 1)
-    opt = muon_dist.Muon([{"params": [p], "algorithm": "muon"}], comm_dtype=torch.float32)
+    opt = muon_dist.Muon(
+        [{"params": [p], "algorithm": "muon"}], comm_dtype=torch.float32, ns_dtype=torch.float32
+    )
     grad = torch.randn(9, 5, generator=torch.Generator().manual_seed(2))
     p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)], src_data_rank=None)
     rows = grad.chunk(2)[0].shape[0]  # rank 0's shard
@@ -60,7 +62,7 @@ def gradient_on_some_ranks_only_counts_as_zero() -> None:
     expected_grad = grad.clone()
     expected_grad[rows:] = 0
     ref = full.clone()
-    reference_muon_step(ref, expected_grad, torch.zeros_like(ref), lr=0.02)
+    reference_muon_step(ref, expected_grad, torch.zeros_like(ref), lr=0.02, ns_dtype=torch.float32)
     torch.testing.assert_close(p.full_tensor(), ref, rtol=0, atol=1e-6)
 
 
@@ -301,8 +303,9 @@ def edge_shape_case() -> Case:
     )
 
 
-def edge_worker(rank: int, world_size: int, comm: str) -> dict[str, float]:
-    return run_case(edge_shape_case(), getattr(torch, comm), torch.bfloat16, world_size)
+def edge_worker(rank: int, world_size: int, precision: str) -> dict[str, float]:
+    comm, ns = PRECISIONS[precision]
+    return run_case(edge_shape_case(), getattr(torch, comm), getattr(torch, ns), world_size)
 
 
 def long_run_worker(rank: int, world_size: int, steps: int) -> dict[str, Any]:
@@ -314,7 +317,9 @@ def long_run_worker(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     replicated = [nn.Parameter(f.clone()) for f in fulls]
     sharded = [nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
     opt = muon_dist.Muon(
-        [{"params": replicated + sharded, "algorithm": "muon"}], comm_dtype=torch.float32
+        [{"params": replicated + sharded, "algorithm": "muon"}],
+        comm_dtype=torch.float32,
+        ns_dtype=torch.float32,
     )
     refs = [f.clone() for f in fulls]
     moms = [torch.zeros_like(f) for f in fulls]
@@ -326,7 +331,7 @@ def long_run_worker(rank: int, world_size: int, steps: int) -> dict[str, Any]:
             p.grad = distribute_tensor(g, mesh, [Shard(0)])
         opt.step()
         for r, g, m in zip(refs, grads, moms, strict=True):
-            reference_muon_step(r, g, m, lr=0.02)
+            reference_muon_step(r, g, m, lr=0.02, ns_dtype=torch.float32)
     for p in replicated:
         gathered = [torch.empty_like(p.detach()) for _ in range(world_size)]
         dist.all_gather(gathered, p.detach())
