@@ -29,7 +29,14 @@ from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import newton_schulz
 from muon_dist.muon_state import MuonState
 from muon_dist.piece_io import LocalGrads, PieceForms, PieceIO
-from muon_dist.plan import Plan, covers_exactly, local_pieces, local_rows, placement_of
+from muon_dist.plan import (
+    Plan,
+    covers_exactly,
+    local_pieces,
+    local_rows,
+    mesh_coords,
+    placement_of,
+)
 from muon_dist.routing import MatrixView, PartSplit
 from muon_dist.row_moments import STATE_KEY, row_moments
 from muon_dist.runtime import run_tasks
@@ -89,6 +96,18 @@ def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tenso
         inside = (rows >= start) & (rows < stop)
         matrices[inside] = e.first_matrix + (rows[inside] - start) // e.view.dim0_step
     return matrices.to(local(first.param).device)
+
+
+def _primary_owner(entry: MuonEntry, comm: CommGroups, replica_mode: str) -> bool:
+    """Whether the matrices of a view this rank owns are their primary copies: always, but
+    under ``replica_mode="redundant"``, where each replica has an owner, only in the first
+    replica (coordinate 0 on every replicated mesh dim)."""
+    if replica_mode != "redundant":
+        return True
+    placement = placement_of(entry.param, entry.name, entry.view, comm.holders.ranks)
+    coord = mesh_coords(placement).get(comm.rank)
+    replicated = [d for d, tensor_dim in enumerate(placement.shard_dims) if tensor_dim is None]
+    return coord is not None and all(coord[d] == 0 for d in replicated)
 
 
 def _bucket_maps(plan: Plan, peers: Peers) -> list[BucketMap]:
@@ -214,13 +233,14 @@ class MuonPhase:
         )
         self.grads = LocalGrads(self.shards, self.state)
         self.state.bind(state, self._momenta(state))
-        # NorMuon's per-row second moments; their all-reduce runs among the exchange peers.
+        # NorMuon's per-row second moments; their all-reduce runs among the holders.
         self.row_moments = row_moments(
             [e.view for e in entries],
+            [_primary_owner(e, comm, settings.replica_mode) for e in entries],
             self._views_of,
             self.groups,
             [(b, m.stacks) for b, m in zip(plan.buckets, self.maps, strict=True)],
-            self.peers,
+            comm.holders,
             self.device,
         )
         self.row_moments.bind(self._moment_tensors(state))

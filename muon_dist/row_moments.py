@@ -4,12 +4,14 @@ holder's copy equal.
 Each NorMuon parameter keeps one fp32 vector (``state[p][STATE_KEY]``), replicated on every
 rank that holds a piece of it: the second moment of each output row of each of its
 matrices, matrix after matrix in the order of its views. The owner of a matrix sees the
-whole orthogonalized update, so it alone computes the rows' sums of squares, advances their
-moments for its own normalization (:func:`muon_dist.update_rule.normalize_rows`) and writes
-the sums into this step's vector over all NorMuon rows, zero elsewhere. After the buckets,
-one all-reduce among the exchange peers (each matrix has exactly one owner among them)
-gives every rank every row's sums, each added only to zeros and so bitwise the owner's;
-every rank then advances its copies by the same formula, where the step keeps the tensor.
+whole orthogonalized update, so it computes the rows' sums of squares and advances their
+moments for its own normalization (:func:`muon_dist.update_rule.normalize_rows`). One owner
+per matrix, its primary one, writes the sums into this step's vector over all NorMuon rows,
+zero elsewhere: under ``replica_mode="redundant"`` each replica has an owner, and only the
+first replica's (coordinate 0 on the replicated mesh dims) counts. After the buckets, one
+all-reduce among the holders gives every rank every row's sums, each added only to zeros
+and so bitwise the primary owner's; every rank then advances its copies by the same
+formula, where the step keeps the tensor.
 The state is thus exact and independent of the sharding, and a checkpoint of it resumes on
 any world size.
 """
@@ -43,11 +45,13 @@ class StackRows:
 
     ``index`` is ``[k, m]``; ``transposed`` stacks hold them as columns; ``parts`` gives,
     for a view whose matrices are cut into parts on the owner, each part's positions among
-    the ``m`` rows (the part's own rows, normalized as a matrix of their own)."""
+    the ``m`` rows (the part's own rows, normalized as a matrix of their own); ``primary``
+    (``[k, 1]``, None where all are) marks the matrices whose sums this rank reports."""
 
     index: torch.Tensor
     transposed: bool
     parts: tuple[torch.Tensor, ...] | None
+    primary: torch.Tensor | None
 
 
 def part_rows(sizes: Sequence[int], groups: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -111,14 +115,15 @@ class RowMoments:
         moment = second_moment_next(
             self._current[index], squares, self._beta2[index], self._weight[index]
         )
-        self._sums.index_copy_(0, index.reshape(-1), squares.reshape(-1))
+        reported = squares if rows.primary is None else torch.where(rows.primary, squares, 0.0)
+        self._sums.index_copy_(0, index.reshape(-1), reported.reshape(-1))
         normalized = normalize_rows(x, squares, moment, self._eps[index]).to(result.dtype)
         if part is None and rows.transposed:
             return normalized.mT.contiguous()
         return normalized
 
     def finish(self, keep_of: Sequence[torch.Tensor]) -> None:
-        """Complete the sums among the peers and advance every copy where kept."""
+        """Complete the sums among the holders and advance every copy where kept."""
         if not self.spans:
             return
         if self._peers.size > 1:
@@ -131,6 +136,7 @@ class RowMoments:
 
 def row_moments(
     views: Sequence[MatrixView],
+    primary: Sequence[bool],
     views_of: Sequence[Sequence[int]],
     groups: Sequence[dict[str, Any]],
     stacks: Sequence[tuple[BucketPlan, Sequence[StackSpec]]],
@@ -138,9 +144,10 @@ def row_moments(
     device: torch.device,
 ) -> RowMoments:
     """Lay out the rows of the NorMuon tensors (``groups[j]["rule"] == "normuon"``) and
-    index every stack of their matrices. ``views`` are the plan's views, ``views_of`` each
-    tensor's, ``stacks`` each bucket's plan and stacks. β₂ and ε are read here, when
-    the step is built."""
+    index every stack of their matrices. ``views`` are the plan's views, ``primary`` whether
+    this rank is the primary owner of each view's matrices it owns, ``views_of`` each
+    tensor's views, ``stacks`` each bucket's plan and stacks, ``peers`` the holders. β₂ and ε
+    are read here, when the step is built."""
     spans: dict[int, tuple[int, int]] = {}
     base_of_view: dict[int, int] = {}
     beta2: list[float] = []
@@ -167,15 +174,20 @@ def row_moments(
                 continue
             view = views[spec.views[0]]
             out_dim = view.out_in[0]
+            blocks = [bucket.owned[b] for b in spec.blocks]
             rows = [
                 torch.arange(base + matrix * out_dim, base + (matrix + 1) * out_dim)
-                for block in (bucket.owned[b] for b in spec.blocks)
+                for block in blocks
                 for base in (base_of_view[block.view],)
                 for matrix in range(block.start, block.stop)
+            ]
+            flags = [
+                primary[block.view] for block in blocks for _ in range(block.start, block.stop)
             ]
             indexed[spec.index] = StackRows(
                 torch.stack(rows).to(device),
                 view.transposed,
                 None if view.parts is None else part_rows(*view.parts, device),
+                None if all(flags) else torch.tensor(flags, device=device).view(-1, 1),
             )
     return RowMoments(spans, (beta2, weight, eps), indexed, peers, device)
