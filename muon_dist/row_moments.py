@@ -75,16 +75,19 @@ class RowMoments:
     def __init__(
         self,
         spans: dict[int, tuple[int, int]],
-        coefficients: tuple[list[float], list[float], list[float]],
+        groups: dict[int, dict[str, Any]],
+        in_dims: list[float],
         stacks: dict[int, StackRows],
         peers: Peers,
         device: torch.device,
     ) -> None:
         self.spans = spans  # NorMuon tensor -> its rows [start, stop) in the vector
-        beta2, weight, eps = coefficients
-        self._beta2 = torch.tensor(beta2, dtype=torch.float32, device=device)
-        self._weight = torch.tensor(weight, dtype=torch.float32, device=device)  # (1 − β₂)/n
-        self._eps = torch.tensor(eps, dtype=torch.float32, device=device)
+        self._groups = groups  # NorMuon tensor -> its group, whose β₂ and ε each step reads
+        self._in_dims = torch.tensor(in_dims, dtype=torch.float32, device=device)
+        self._beta2 = torch.zeros_like(self._in_dims)
+        self._weight = torch.zeros_like(self._in_dims)  # (1 − β₂) / n
+        self._eps = torch.zeros_like(self._in_dims)
+        self._read: dict[int, tuple[float, float]] = {}
         self.stacks = stacks
         self._peers = peers
         self._moments: dict[int, torch.Tensor] = {}
@@ -95,8 +98,22 @@ class RowMoments:
         """Point at the state vectors (again after a state load)."""
         self._moments = moments
 
+    def _read_coefficients(self) -> None:
+        """Each row's β₂, weight and ε from its group, rewritten in place (so a captured
+        step reads them) only where a group's values changed, e.g. by a scheduler."""
+        for j, group in self._groups.items():
+            values = (float(group["normuon_beta2"]), float(group["normuon_eps"]))
+            if self._read.get(j) == values:
+                continue
+            start, stop = self.spans[j]
+            self._beta2[start:stop].fill_(values[0])
+            torch.div(1.0 - values[0], self._in_dims[start:stop], out=self._weight[start:stop])
+            self._eps[start:stop].fill_(values[1])
+            self._read[j] = values
+
     def start(self) -> None:
         """This step's moments, side by side, and a zeroed vector for the owners' sums."""
+        self._read_coefficients()
         if self.spans:
             self._current = torch.cat([self._moments[j] for j in self.spans])
             self._sums = torch.zeros_like(self._current)
@@ -146,13 +163,10 @@ def row_moments(
     """Lay out the rows of the NorMuon tensors (``groups[j]["rule"] == "normuon"``) and
     index every stack of their matrices. ``views`` are the plan's views, ``primary`` whether
     this rank is the primary owner of each view's matrices it owns, ``views_of`` each
-    tensor's views, ``stacks`` each bucket's plan and stacks, ``peers`` the holders. β₂ and ε
-    are read here, when the step is built."""
+    tensor's views, ``stacks`` each bucket's plan and stacks, ``peers`` the holders."""
     spans: dict[int, tuple[int, int]] = {}
     base_of_view: dict[int, int] = {}
-    beta2: list[float] = []
-    weight: list[float] = []
-    eps: list[float] = []
+    in_dims: list[float] = []
     total = 0
     for j, group in enumerate(groups):
         if group.get("rule", "muon") != "normuon":
@@ -162,9 +176,7 @@ def row_moments(
             out_dim, in_dim = views[i].out_in
             count = views[i].count * out_dim
             base_of_view[i] = total
-            beta2 += [float(group["normuon_beta2"])] * count
-            weight += [(1.0 - float(group["normuon_beta2"])) / in_dim] * count
-            eps += [float(group["normuon_eps"])] * count
+            in_dims += [float(in_dim)] * count
             total += count
         spans[j] = (start, total)
     indexed: dict[int, StackRows] = {}
@@ -190,4 +202,5 @@ def row_moments(
                 None if view.parts is None else part_rows(*view.parts, device),
                 None if all(flags) else torch.tensor(flags, device=device).view(-1, 1),
             )
-    return RowMoments(spans, (beta2, weight, eps), indexed, peers, device)
+    normuon_groups = {j: groups[j] for j in spans}
+    return RowMoments(spans, normuon_groups, in_dims, indexed, peers, device)

@@ -149,3 +149,36 @@ def test_load_refuses_state_saved_under_the_other_rule() -> None:
     _, normuon_opt = _trained(torch.float32, "normuon")
     with pytest.raises(ValueError, match="row_second_moment"):
         muon_opt.load_state_dict(normuon_opt.state_dict())
+
+
+def test_a_changed_beta2_is_read_at_the_next_step() -> None:
+    """A group's ``normuon_beta2`` changed between steps (as a scheduler would) takes effect,
+    exactly as the single-matrix rule with the new value."""
+    start, grads = _inputs((12, 8), 2)
+    weight = nn.Parameter(start.clone())
+    opt = muon_dist.Muon(
+        [{"params": [weight], "lr": LR, "momentum": BETA, "weight_decay": WD}],
+        rule="normuon",
+        normuon_beta2=BETA2,
+        ns_dtype=torch.float32,
+        comm_dtype=torch.float32,
+    )
+    ref, ref_m, ref_v = start.clone(), torch.zeros(12, 8), torch.zeros(12)
+    for beta2, grad in zip((BETA2, 0.5), grads, strict=True):
+        opt.param_groups[0]["normuon_beta2"] = beta2
+        weight.grad = grad.clone()
+        opt.step()
+        reference_muon_step(
+            ref,
+            grad,
+            ref_m,
+            lr=LR,
+            momentum=BETA,
+            weight_decay=WD,
+            ns_dtype=torch.float32,
+            row_moment=ref_v,
+            normuon_beta2=beta2,
+            normuon_eps=EPS,
+        )
+    torch.testing.assert_close(opt.state[weight]["row_second_moment"], ref_v, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(weight.detach(), ref, rtol=1e-5, atol=1e-6)
