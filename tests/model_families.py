@@ -36,6 +36,17 @@ COMMON = {
 }
 
 
+_TOKENS = {k: COMMON[k] for k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")}
+# Families whose configs name their dimensions differently: only the token ids are shared.
+_OWN_DIMENSIONS = ("gpt2", "gpt_bigcode", "dbrx")
+_GPT2 = {"n_embd": HIDDEN, "n_layer": 2, "n_head": HEADS, "n_positions": 64}
+_SHARED_MOE = {
+    "num_experts": EXPERTS,
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 48,
+}
+
+
 def _configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
     import transformers as hf
 
@@ -82,6 +93,109 @@ def _configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
         "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, {}),
         "gemma": (hf.GemmaConfig, hf.GemmaForCausalLM, {}),
         "gemma3": (hf.Gemma3TextConfig, hf.Gemma3ForCausalLM, {}),
+        "llama4": (
+            hf.Llama4TextConfig,
+            hf.Llama4ForCausalLM,
+            {
+                "intermediate_size_mlp": 48,
+                "num_local_experts": EXPERTS,
+                "num_experts_per_tok": 1,
+                "moe_layers": [1],
+                "no_rope_layers": [1, 1],
+            },
+        ),
+        "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel, _GPT2),
+        "gpt_neox": (hf.GPTNeoXConfig, hf.GPTNeoXForCausalLM, {}),
+        "gpt_bigcode": (
+            hf.GPTBigCodeConfig,
+            hf.GPTBigCodeForCausalLM,
+            {**_GPT2, "multi_query": True},
+        ),
+        "dbrx": (
+            hf.DbrxConfig,
+            hf.DbrxForCausalLM,
+            {
+                "d_model": HIDDEN,
+                "n_layers": 2,
+                "n_heads": HEADS,
+                "max_seq_len": 64,
+                "attn_config": {"kv_n_heads": KV_HEADS, "rope_theta": 10000.0},
+                "ffn_config": {"ffn_hidden_size": 24, "moe_num_experts": EXPERTS, "moe_top_k": 2},
+            },
+        ),
+        "qwen2_moe": (
+            hf.Qwen2MoeConfig,
+            hf.Qwen2MoeForCausalLM,
+            {**moe, **_SHARED_MOE},
+        ),
+        "qwen3_next": (
+            hf.Qwen3NextConfig,
+            hf.Qwen3NextForCausalLM,
+            {
+                **moe,
+                **_SHARED_MOE,
+                "layer_types": ["linear_attention", "full_attention"],
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 8,
+                "linear_value_head_dim": 8,
+            },
+        ),
+        "mamba2": (
+            hf.Mamba2Config,
+            hf.Mamba2ForCausalLM,
+            {"num_heads": 8, "head_dim": 8, "state_size": 16, "n_groups": 1, "expand": 2},
+        ),
+        "jamba": (
+            hf.JambaConfig,
+            hf.JambaForCausalLM,
+            {
+                **moe,
+                "num_experts": EXPERTS,
+                "attn_layer_period": 2,
+                "attn_layer_offset": 1,
+                "expert_layer_period": 2,
+                "expert_layer_offset": 1,
+                "mamba_d_state": 8,
+                "mamba_dt_rank": 8,
+                "use_mamba_kernels": False,
+            },
+        ),
+        "vit": (
+            hf.ViTConfig,
+            hf.ViTForImageClassification,
+            {"image_size": 16, "patch_size": 4, "num_labels": 3},
+        ),
+        "whisper": (
+            hf.WhisperConfig,
+            hf.WhisperForConditionalGeneration,
+            {
+                "d_model": HIDDEN,
+                "encoder_layers": 1,
+                "decoder_layers": 1,
+                "encoder_attention_heads": HEADS,
+                "decoder_attention_heads": HEADS,
+                "encoder_ffn_dim": 48,
+                "decoder_ffn_dim": 48,
+                "num_mel_bins": 8,
+                "max_source_positions": 16,
+                "decoder_start_token_id": 1,
+            },
+        ),
+        "modernbert": (hf.ModernBertConfig, hf.ModernBertForMaskedLM, {}),
+        "gemma3n": (
+            hf.Gemma3nTextConfig,
+            hf.Gemma3nForCausalLM,
+            {
+                "vocab_size_per_layer_input": 64,
+                "hidden_size_per_layer_input": 8,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "num_kv_shared_layers": 0,
+                "activation_sparsity_pattern": [0.0, 0.0],
+                "altup_num_inputs": 2,
+                "laurel_rank": 8,
+            },
+        ),
     }
 
 
@@ -96,6 +210,19 @@ FAMILIES = (
     "phi3",
     "gemma",
     "gemma3",
+    "llama4",
+    "gpt2",
+    "gpt_neox",
+    "gpt_bigcode",
+    "dbrx",
+    "qwen2_moe",
+    "qwen3_next",
+    "mamba2",
+    "jamba",
+    "vit",
+    "whisper",
+    "modernbert",
+    "gemma3n",
 )
 
 
@@ -103,7 +230,8 @@ def build(family: str) -> nn.Module:
     """The family's causal LM from its tiny config, with the same weights on every rank."""
     config_cls, model_cls, extra = _configs()[family]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**COMMON, **extra}))
+    base = _TOKENS if family in _OWN_DIMENSIONS else COMMON
+    model = model_cls(config_cls(**{**base, **extra}))
     model.config.use_cache = False
     return model
 
