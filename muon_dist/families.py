@@ -101,9 +101,11 @@ def _qwen3_next_qkvz(config: Any, out_dim: int, in_dim: int) -> tuple[ViewOption
     nk, nv, dk, dv = heads
     r = nv // nk
     why = "family rule qwen3_next: per key head q, k, v, z"
-    return _interleaved([dk, dk, r * dv, r * dv], out_dim, why) if out_dim == nk * (
-        2 * dk + 2 * r * dv
-    ) else None
+    return (
+        _interleaved([dk, dk, r * dv, r * dv], out_dim, why)
+        if out_dim == nk * (2 * dk + 2 * r * dv)
+        else None
+    )
 
 
 def _qwen3_next_ba(config: Any, out_dim: int, in_dim: int) -> tuple[ViewOptions, str] | None:
@@ -188,7 +190,9 @@ def titan_rule(
     if not per_kv or not head_dim:
         return None
     sizes = [per_kv[0] * head_dim[0], head_dim[0], head_dim[0]]
-    return _interleaved(sizes, out_dim, "family rule torchtitan FusedQKVLinear: per kv head q, k, v")
+    return _interleaved(
+        sizes, out_dim, "family rule torchtitan FusedQKVLinear: per kv head q, k, v"
+    )
 
 
 def suggests_fusion(name: str) -> bool:

@@ -19,6 +19,7 @@ from torch import nn
 
 from muon_dist.routes import Route, Router, embedding_and_head_ids
 from muon_dist.routing import ALGORITHMS, format_routing_table, normalize_fqn, routing_entries
+from muon_dist.structure import STATE_SPACE_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -230,3 +231,23 @@ def _check_matched(route_of: _Overrides, declared: _Declared, routes: Mapping[st
             f"overrides patterns {route_of.unmatched()} match no parameter (patterns are "
             f"searched in normalised names such as {list(routes)[:4]}); fix or remove them"
         )
+
+
+def algorithm_by_name(name: str, p: torch.Tensor) -> tuple[str, bool]:
+    """``(algorithm, expert stack)`` of a parameter known only by its name and shape, for
+    groups given to :class:`muon_dist.Muon` without ``"algorithm"``: the rules of
+    :func:`param_groups` that names and shapes alone can apply (embedding and head module
+    names, biases, vectors, state-space names, small matrices, 3-D stacks under an expert
+    module; other >2-D tensors to AdamW)."""
+    name = normalize_fqn(name)
+    module, _, leaf = name.rpartition(".")
+    if p.ndim < 2 or "bias" in re.split(r"[_\W]+", leaf) or leaf in STATE_SPACE_NAMES:
+        return "adamw", False
+    if any(re.search(pattern, module) for pattern in (*EMBEDDING_PATTERNS, *HEAD_PATTERNS)):
+        return "adamw", False
+    if min(p.shape[-2:]) < MIN_MATRIX_SIDE:
+        return "adamw", False
+    stacked = p.ndim == 3 and any(part in EXPERT_KEYS for part in module.split("."))
+    if p.ndim > 2 and not stacked:
+        return "adamw", False
+    return "muon", stacked

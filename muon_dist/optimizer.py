@@ -27,6 +27,7 @@ from muon_dist.checks import (
 )
 from muon_dist.cuda_graph import StepGraph
 from muon_dist.flat import zeros_like_flat
+from muon_dist.grouping import algorithm_by_name
 from muon_dist.groups import CommGroups, comm_groups
 from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
 from muon_dist.plan import build_plan, layout_of, local
@@ -654,14 +655,18 @@ def _split_by_algorithm(
 ) -> list[dict[str, Any]]:
     """Normalise the constructor's input to groups that each name their algorithm.
 
-    A group without an algorithm is split; each part keeps the keys the other algorithm's
-    part alone reads out of it (a Muon part drops ``betas``, an AdamW part ``momentum``)."""
+    A group without an algorithm is split: by name where its parameters are named
+    (``named_parameters()``, ``param_names``), as :func:`muon_dist.grouping.algorithm_by_name`
+    routes them, else >=2-D parameters to Muon and the rest to AdamW, with a warning (an
+    embedding or head would go to Muon). Each part keeps the keys the other algorithm's part
+    alone reads out of it (a Muon part drops ``betas``, an AdamW part ``momentum``)."""
     items = list(params)
     if not items:
         raise ValueError("Muon got an empty parameter list")
     if not isinstance(items[0], dict):
         items = [{"params": items}]
     groups: list[dict[str, Any]] = []
+    unnamed = False
     for group in items:
         group = dict(group)
         raw = group["params"]
@@ -674,15 +679,30 @@ def _split_by_algorithm(
             groups.append(group)
             continue
         names = group.get("param_names")
-        for algorithm, matrices in (("muon", True), ("adamw", False)):
-            chosen = [i for i, p in enumerate(raw) if (p.ndim >= 2) == matrices]
-            if not chosen:
-                continue
+        if names is not None:
+            routes = [algorithm_by_name(n, p) for n, p in zip(names, raw, strict=True)]
+        else:
+            unnamed = unnamed or any(p.ndim >= 2 for p in raw)
+            routes = [("muon" if p.ndim >= 2 else "adamw", False) for p in raw]
+        for route in dict.fromkeys(routes):
+            algorithm, stacked = route
+            chosen = [i for i, r in enumerate(routes) if r == route]
             other = "adamw" if algorithm == "muon" else "muon"
             foreign = set(defaults_by_algorithm[other]) - set(defaults_by_algorithm[algorithm])
             part = {k: v for k, v in group.items() if k not in foreign}
             part.update(algorithm=algorithm, params=[raw[i] for i in chosen])
+            if stacked:
+                part["experts"] = True
             if names is not None:
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
+    if unnamed:
+        logger.warning(
+            "muon_dist.Muon got parameters without names or 'algorithm' (as transformers' "
+            "Trainer passes them with optimizer_cls_and_kwargs=(Muon, ...)): every >= 2-D "
+            "parameter goes to Muon, embeddings and output heads included. Pass "
+            "muon_dist.param_groups(model), or model.named_parameters() to route by name; "
+            "with the Trainer, optimizer_cls_and_kwargs=(muon_dist.integrations.hf_trainer."
+            "MuonFactory, {...})"
+        )
     return groups

@@ -53,9 +53,7 @@ class Route:
 
 
 def _frozen(options: ViewOptions) -> tuple[tuple[str, Any], ...]:
-    return tuple(
-        sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())
-    )
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -160,7 +158,7 @@ class Router:
             stacks = [s for s in owner.parameters(recurse=False) if s.ndim == 3]
             if any(s.shape[0] == shape[0] for s in stacks):
                 return Route("adamw", "per-expert vector beside an expert stack", decay=False)
-        if is_conv(owner):
+        if owner is not None and is_conv(owner):
             return self._conv(owner, shape)
         if p.ndim > 2 and not self._stacked(name, shape):
             if self.muon_mode != "2d":
@@ -245,12 +243,15 @@ class Router:
             reasons = [r for r in reasons if not r.startswith("gate and up")] + [split[1]]
         elif guess is None and "split_sizes" not in options and suggests_fusion(name):
             guess = (
-                f"{_regex(name)} ({_shape_text(shape)}) is named like fused matrices but neither the "
-                f"config nor the family table splits it: orthogonalized whole; pass fused="
+                f"{_regex(name)} ({_shape_text(shape)}) is named like fused matrices but "
+                "neither the config nor the family table splits it: orthogonalized whole; pass "
+                "fused="
                 f"{{{_regex(name)!r}: {{'split_sizes': [...]}}}} (plus 'split_groups' for "
                 "interleaved parts), or {'split_sizes': [rows]} to keep it whole and silence this"
             )
-        return self._checked(name, shape, Route("muon", "; ".join(reasons), _frozen(options), guess=guess))
+        return self._checked(
+            name, shape, Route("muon", "; ".join(reasons), _frozen(options), guess=guess)
+        )
 
     def _checked(self, name: str, shape: tuple[int, ...], route: Route) -> Route:
         """AdamW instead for a matrix with a side below ``min_matrix_side``."""
@@ -294,7 +295,9 @@ class Router:
         config has experts."""
         if len(shape) != 3:
             return False
-        return self._expert(name) or (self.dims.experts is not None and shape[0] == self.dims.experts)
+        return self._expert(name) or (
+            self.dims.experts is not None and shape[0] == self.dims.experts
+        )
 
     def _stack_reason(self, name: str) -> str:
         if self._expert(name):

@@ -6,16 +6,13 @@ the same routing comes out on every rank.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -350,8 +347,8 @@ def format_routing_table(entries: Iterable[RouteEntry]) -> str:
     a reason column where the rows carry reasons (param_groups' audit)."""
     entries = list(entries)
     reasons = any(e.reason for e in entries)
-    rows = [("name", "shape", "algorithm", "matrix view", "lr scale", "params (M)")]
-    rows[0] += ("reason",) if reasons else ()
+    header = ("name", "shape", "algorithm", "matrix view", "lr scale", "params (M)")
+    rows: list[tuple[str, ...]] = [header + (("reason",) if reasons else ())]
     totals: dict[str, int] = {}
     for e in entries:
         shape = "x".join(str(s) for s in e.shape) or "scalar"

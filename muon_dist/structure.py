@@ -124,7 +124,8 @@ class ConfigDims:
             attention, mlp = bool(_ATTENTION_PATH.search(path)), bool(_MLP_PATH.search(path))
             if attention == mlp:
                 return None
-            found = {"attention" if attention else "mlp": found["attention" if attention else "mlp"]}
+            kept = "attention" if attention else "mlp"
+            found = {kept: found[kept]}
         if not found:
             return None
         sizes, text = next(iter(found.values()))

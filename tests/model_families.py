@@ -120,7 +120,7 @@ def _configs() -> dict[str, tuple[Any, Any, dict[str, Any]]]:
                 "n_layers": 2,
                 "n_heads": HEADS,
                 "max_seq_len": 64,
-                "attn_config": {"kv_n_heads": KV_HEADS, "rope_theta": 10000.0},
+                "attn_config": {"kv_n_heads": KV_HEADS, "rope_theta": 10000.0, "clip_qkv": 8.0},
                 "ffn_config": {"ffn_hidden_size": 24, "moe_num_experts": EXPERTS, "moe_top_k": 2},
             },
         ),
