@@ -146,14 +146,14 @@ class Router:
         """The AdamW route of a parameter that is not a hidden matrix, or None."""
         if "bias" in re.split(r"[_\W]+", leaf):
             return Route("adamw", "bias", decay=False)
+        if leaf in STATE_SPACE_NAMES and not isinstance(owner, nn.Linear):
+            return Route("adamw", f"state-space parameter ({leaf})", decay=False)
         if p.ndim < 2:
             return Route("adamw", "vector (norm, scale or gain)", decay=False)
         if id(p) in self.embedding_ids:
             return Route("adamw", "embedding")
         if id(p) in self.head_ids:
             return Route("adamw", "output head")
-        if leaf in STATE_SPACE_NAMES and not isinstance(owner, nn.Linear):
-            return Route("adamw", f"state-space parameter ({leaf})", decay=False)
         if self._expert(name) and p.ndim == 2 and owner is not None:
             stacks = [s for s in owner.parameters(recurse=False) if s.ndim == 3]
             if any(s.shape[0] == shape[0] for s in stacks):
@@ -177,6 +177,9 @@ class Router:
             return Route("adamw", f"{kind} (conv='adamw')")
         if isinstance(owner, nn.modules.conv._ConvTransposeNd):
             return Route("adamw", f"{kind}: stored [in, out/groups, *k], not flattened")
+        groups = getattr(owner, "groups", 1)
+        if groups != 1:  # depthwise or grouped: one small map per group, not one matrix
+            return Route("adamw", f"{kind} with groups={groups}: not one linear map")
         flat = (shape[0], math.prod(shape[1:]))
         if min(flat) < self.min_side:
             return Route("adamw", self._small(flat))
@@ -263,7 +266,10 @@ class Router:
     def _split(
         self, name: str, owner: nn.Module | None, out_dim: int, in_dim: int
     ) -> tuple[ViewOptions, str] | None:
-        """Fused parts from the family table, else from the config."""
+        """Fused parts from torch's attention module, the family table, or the config."""
+        if isinstance(owner, nn.MultiheadAttention) and name.endswith(".in_proj_weight"):
+            if out_dim == 3 * in_dim:
+                return {"split_sizes": [in_dim] * 3}, "nn.MultiheadAttention: q, k, v blocks"
         if self.known_layouts:
             if self.config is not None:
                 rule = family_rule(self.config, name, out_dim, in_dim)
