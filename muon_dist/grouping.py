@@ -139,6 +139,57 @@ def param_groups(
     option that settles each guess. The audit (every parameter, its view, lr scale and the
     reason) is logged at INFO, and printed (by rank 0) with ``report=True``.
     """
+    routes = route_model(
+        model,
+        expert_keys=expert_keys,
+        num_experts=num_experts,
+        head_patterns=head_patterns,
+        embedding_patterns=embedding_patterns,
+        overrides=overrides,
+        fused=fused,
+        known_layouts=known_layouts,
+        conv=conv,
+        min_matrix_side=min_matrix_side,
+        muon_mode=muon_options.get("muon_mode", "2d"),
+    )
+    buckets: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]] = {}
+    for name, (p, route) in routes.items():
+        params, names = buckets.setdefault(route.group_key(), ([], []))
+        params.append(p)
+        names.append(name)
+    groups = _groups(buckets, lr, adamw_lr, weight_decay, adamw_betas, adamw_eps, muon_options)
+    reasons = {name: route.reason for name, (_, route) in routes.items()}
+    audit = format_routing_table(routing_entries(groups, reasons))
+    guesses = list(dict.fromkeys(r.guess for _, r in routes.values() if r.guess is not None))
+    if guesses:
+        logger.warning(
+            "muon_dist.param_groups guessed %d routing(s) (parameter name regex, shape); check "
+            "them, and pass the option given to settle each:\n- %s",
+            len(guesses),
+            "\n- ".join(guesses),
+        )
+    logger.info("muon_dist routing:\n%s", audit)
+    if report and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(audit)
+    return groups
+
+
+def route_model(
+    model: nn.Module,
+    *,
+    expert_keys: Sequence[str] = EXPERT_KEYS,
+    num_experts: int | None = None,
+    head_patterns: Sequence[str] = HEAD_PATTERNS,
+    embedding_patterns: Sequence[str] = EMBEDDING_PATTERNS,
+    overrides: Override | None = None,
+    fused: Mapping[str, Mapping[str, Any]] | None = None,
+    known_layouts: bool = True,
+    conv: str = "adamw",
+    min_matrix_side: int = MIN_MATRIX_SIDE,
+    muon_mode: str = "2d",
+) -> dict[str, tuple[torch.Tensor, Route]]:
+    """Every trainable parameter of ``model`` by normalised name (a tied one under its first
+    name), with its route; the arguments are :func:`param_groups`' routing arguments."""
     route_of = _Overrides(overrides)
     declared = _Declared(fused)
     modules = {normalize_fqn(n): m for n, m in model.named_modules()}
@@ -151,40 +202,21 @@ def param_groups(
         conv=conv,
         min_matrix_side=min_matrix_side,
         known_layouts=known_layouts,
-        muon_mode=muon_options.get("muon_mode", "2d"),
+        muon_mode=muon_mode,
         embedding_ids=embeddings,
         head_ids=heads,
     )
-    routes: dict[str, Route] = {}
-    buckets: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]] = {}
-    seen: set[int] = set()  # a tied parameter is routed once, under its first name
+    routes: dict[str, tuple[torch.Tensor, Route]] = {}
+    seen: set[int] = set()
     for raw_name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
         name = normalize_fqn(raw_name)
         forced = route_of(name, p)
-        route = router.route(name, p, forced, declared(name) if p.ndim >= 2 else None)
-        routes[name] = route
-        params, names = buckets.setdefault(route.group_key(), ([], []))
-        params.append(p)
-        names.append(name)
-    _check_matched(route_of, declared, routes)
-    groups = _groups(buckets, lr, adamw_lr, weight_decay, adamw_betas, adamw_eps, muon_options)
-    reasons = {name: route.reason for name, route in routes.items()}
-    audit = format_routing_table(routing_entries(groups, reasons))
-    guesses = list(dict.fromkeys(r.guess for r in routes.values() if r.guess is not None))
-    if guesses:
-        logger.warning(
-            "muon_dist.param_groups guessed %d routing(s) (parameter name regex, shape); check "
-            "them, and pass the option given to settle each:\n- %s",
-            len(guesses),
-            "\n- ".join(guesses),
-        )
-    logger.info("muon_dist routing:\n%s", audit)
-    if report and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(audit)
-    return groups
+        routes[name] = (p, router.route(name, p, forced, declared(name) if p.ndim >= 2 else None))
+    _check_matched(route_of, declared, {name: route for name, (_, route) in routes.items()})
+    return routes
 
 
 def _groups(

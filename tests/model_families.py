@@ -885,3 +885,78 @@ def train_families(rank: int, world_size: int, families: tuple[str, ...]) -> dic
                     problems += check_first_update(n, before[n], full(p), grads[n], layout, lr)
         report[family] = {"losses": losses, "problems": problems, "routing": routing(groups)}
     return report
+
+
+# ---------------------------------------------------------------------------------------
+# The README's family table, rendered from the same models and routing the tests check
+
+_PLAIN = {
+    "muon": ("Linear [out, in]",),
+    "adamw": ("bias", "vector (norm, scale or gain)", "embedding", "output head"),
+}
+_TITLES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3-MoE",
+    "mixtral": "Mixtral",
+    "deepseek_v3": "DeepSeek-V3",
+    "gpt_oss": "GPT-OSS",
+    "phi3": "Phi-3",
+    "gemma": "Gemma",
+    "gemma3": "Gemma 3",
+    "llama4": "Llama 4",
+    "gpt2": "GPT-2",
+    "gpt_neox": "GPT-NeoX",
+    "gpt_bigcode": "GPT-BigCode",
+    "dbrx": "DBRX",
+    "qwen2_moe": "Qwen2-MoE",
+    "qwen3_next": "Qwen3-Next",
+    "mamba2": "Mamba2",
+    "jamba": "Jamba",
+    "vit": "ViT",
+    "whisper": "Whisper",
+    "modernbert": "ModernBERT",
+    "gemma3n": "Gemma 3n",
+}
+
+
+def family_rows(family: str) -> list[str]:
+    """The parameters of a family whose routing is not the plain default, one per name
+    within a layer: ``name``: view (lr scales) or AdamW — reason."""
+    model = build(family)
+    from muon_dist.grouping import route_model
+
+    routes = route_model(model, **options(family))
+    rows: dict[str, str] = {}
+    for e in muon_dist.routing.routing_entries(muon_dist.param_groups(model, **options(family))):
+        base = e.name.split("[")[0]
+        reason = routes[base][1].reason
+        if reason in _PLAIN[e.algorithm]:
+            continue
+        key = _LAYER.sub("", base)
+        if e.algorithm == "muon":
+            text = f"`{key}` {e.view.split(' ', 1)[1]}, lr ×{e.scale_text}"
+            if e.name != base:  # row blocks of a split 2-D weight: list them once
+                blocks = [
+                    f.view.split(" ", 1)[1]
+                    for f in muon_dist.routing.routing_entries(
+                        muon_dist.param_groups(model, **options(family))
+                    )
+                    if f.name.split("[")[0] == base
+                ]
+                text = f"`{key}` row blocks {' + '.join(blocks)}"
+        else:
+            text = f"`{key}` AdamW"
+        rows.setdefault(key, f"{text} — {reason}")
+    return list(rows.values())
+
+
+def family_table() -> str:
+    """The README's family table (between its ``table:families`` markers)."""
+    lines = ["| family | routed by structure or the family table (the rest: plain default) |"]
+    lines.append("| --- | --- |")
+    for family in FAMILIES:
+        rows = family_rows(family)
+        lines.append(f"| {_TITLES[family]} | {'<br>'.join(rows) or 'plain default'} |")
+    return "\n".join(lines)

@@ -66,3 +66,12 @@ def test_unknown_fused_name_warns_with_what_to_pass(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         muon_dist.param_groups(model, fused={r"wqkv\.weight$": {"split_sizes": [8, 8, 8]}})
     assert caplog.text == ""
+
+
+def test_readme_family_table_is_rendered_from_these_models() -> None:
+    from model_families import family_table
+    from repo_paths import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("<!-- table:families -->\n", 1)[1].split("\n<!-- /table:families -->")[0]
+    assert section == family_table(), "run: python tools/family_table.py"
