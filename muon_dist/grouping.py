@@ -265,21 +265,22 @@ def _check_matched(route_of: _Overrides, declared: _Declared, routes: Mapping[st
         )
 
 
-def algorithm_by_name(name: str, p: torch.Tensor) -> tuple[str, bool]:
+def algorithm_by_name(name: str, p: torch.Tensor, muon_mode: str) -> tuple[str, bool]:
     """``(algorithm, expert stack)`` of a parameter known only by its name and shape, for
     groups given to :class:`muon_dist.Muon` without ``"algorithm"``: the rules of
     :func:`param_groups` that names and shapes alone can apply (embedding and head module
-    names, biases, vectors, state-space names, small matrices, 3-D stacks under an expert
-    module; other >2-D tensors to AdamW)."""
+    names, biases, vectors, state-space names, small 2-D matrices, 3-D stacks under an
+    expert module; other >2-D tensors to AdamW unless ``muon_mode`` is "flat" or "slice",
+    which the caller chose for them)."""
     name = normalize_fqn(name)
     module, _, leaf = name.rpartition(".")
     if p.ndim < 2 or "bias" in re.split(r"[_\W]+", leaf) or leaf in STATE_SPACE_NAMES:
         return "adamw", False
     if any(re.search(pattern, module) for pattern in (*EMBEDDING_PATTERNS, *HEAD_PATTERNS)):
         return "adamw", False
-    if min(p.shape[-2:]) < MIN_MATRIX_SIDE:
-        return "adamw", False
     stacked = p.ndim == 3 and any(part in EXPERT_KEYS for part in module.split("."))
-    if p.ndim > 2 and not stacked:
+    if p.ndim > 2 and not stacked and muon_mode == "2d":
+        return "adamw", False
+    if p.ndim == 2 and min(p.shape) < MIN_MATRIX_SIDE:
         return "adamw", False
     return "muon", stacked

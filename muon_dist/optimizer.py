@@ -667,6 +667,7 @@ def _split_by_algorithm(
         items = [{"params": items}]
     groups: list[dict[str, Any]] = []
     unnamed = False
+    tensors: list[str] = []  # named >2-D parameters sent to AdamW
     for group in items:
         group = dict(group)
         raw = group["params"]
@@ -680,7 +681,13 @@ def _split_by_algorithm(
             continue
         names = group.get("param_names")
         if names is not None:
-            routes = [algorithm_by_name(n, p) for n, p in zip(names, raw, strict=True)]
+            mode = group.get("muon_mode", defaults_by_algorithm["muon"]["muon_mode"])
+            routes = [algorithm_by_name(n, p, mode) for n, p in zip(names, raw, strict=True)]
+            tensors += [
+                n
+                for n, p, r in zip(names, raw, routes, strict=True)
+                if p.ndim > 2 and r[0] == "adamw"
+            ]
         else:
             unnamed = unnamed or any(p.ndim >= 2 for p in raw)
             routes = [("muon" if p.ndim >= 2 else "adamw", False) for p in raw]
@@ -696,6 +703,13 @@ def _split_by_algorithm(
             if names is not None:
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
+    if tensors:
+        logger.warning(
+            "muon_dist.Muon routed %s (>2-D, neither convolutions nor expert stacks by name "
+            "alone) to AdamW; pass muon_mode='flat' or 'slice' to orthogonalize them, or build "
+            "groups with muon_dist.param_groups(model), which reads their modules",
+            ", ".join(tensors),
+        )
     if unnamed:
         logger.warning(
             "muon_dist.Muon got parameters without names or 'algorithm' (as transformers' "

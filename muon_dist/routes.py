@@ -11,7 +11,6 @@ for the interleavings structure cannot see; names last, and only as warnings.
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from muon_dist.families import family_rule, suggests_fusion, titan_rule
+from muon_dist.routing import normalize_fqn
 from muon_dist.structure import (
     STATE_SPACE_NAMES,
     ConfigDims,
@@ -29,6 +29,7 @@ from muon_dist.structure import (
     hf_config,
     is_conv,
     linear_shape,
+    matrix_sides,
 )
 
 CONV_CHOICES = ("adamw", "muon")
@@ -130,6 +131,12 @@ class Router:
             role = self._non_matrix(name, leaf, owner, p, shape)
             if role is not None:
                 return role
+        if forced == "muon" and owner is not None and is_conv(owner):
+            return Route(
+                "muon",
+                "override; convolution flattened [out, in*k]",
+                _frozen({"muon_mode": "flat"}),
+            )
         route = self._muon_view(name, owner, p, shape, declared)
         if forced == "muon":
             return Route("muon", f"override; {route.reason}", route.options)
@@ -180,7 +187,7 @@ class Router:
         groups = getattr(owner, "groups", 1)
         if groups != 1:  # depthwise or grouped: one small map per group, not one matrix
             return Route("adamw", f"{kind} with groups={groups}: not one linear map")
-        flat = (shape[0], math.prod(shape[1:]))
+        flat = matrix_sides(shape, "flat", stacked=False)
         if min(flat) < self.min_side:
             return Route("adamw", self._small(flat))
         reason = f"{kind} (conv='muon'), flattened [out, in*k]"
@@ -257,7 +264,10 @@ class Router:
         )
 
     def _checked(self, name: str, shape: tuple[int, ...], route: Route) -> Route:
-        """AdamW instead for a matrix with a side below ``min_matrix_side``."""
+        """AdamW instead for a matrix (per expert for stacks) with a side below
+        ``min_matrix_side``; other >2-D tensors are on Muon by the caller's ``muon_mode``."""
+        if len(shape) > 2 and not self._stacked(name, shape):
+            return route
         matrix = (shape[-2], shape[-1])
         if min(matrix) < self.min_side:
             return Route("adamw", self._small(matrix))
@@ -346,8 +356,6 @@ def embedding_and_head_ids(
     model: nn.Module, head_patterns: Sequence[str], embedding_patterns: Sequence[str]
 ) -> tuple[set[int], set[int]]:
     """Ids of parameters owned by embedding tables, and by output heads."""
-    from muon_dist.routing import normalize_fqn
-
     embeddings: set[int] = set()
     heads: set[int] = set()
     for mod_name, module in model.named_modules():

@@ -11,6 +11,7 @@ Everything here reads shapes, types and configs, never values, so every rank agr
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,17 @@ class Stacks:
         if len(first) > len(last) and last:
             return cls(True, frozenset(), h)
         return cls(None, frozenset(), h)
+
+
+def matrix_sides(shape: Sequence[int], muon_mode: str, stacked: bool) -> tuple[int, int]:
+    """The sides of each matrix Muon would see in a parameter of ``shape``: the last two of
+    a 2-D weight or a stack, ``[out, prod(rest)]`` flattened, or one matrix per leading
+    index ("slice")."""
+    if len(shape) == 2 or stacked:
+        return int(shape[-2]), int(shape[-1])
+    if muon_mode == "slice":
+        return int(shape[1]), math.prod(int(s) for s in shape[2:])
+    return int(shape[0]), math.prod(int(s) for s in shape[1:])
 
 
 def is_conv(module: nn.Module | None) -> bool:

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 from model_families import build
 
 import muon_dist
@@ -60,3 +61,14 @@ def test_groups_without_algorithm_route_by_name_or_warn(caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         muon_dist.Muon([{"params": list(model.parameters()), "weight_decay": 0.1}])
     assert "without names or 'algorithm'" in caplog.text and "MuonFactory" in caplog.text
+
+
+def test_named_tensors_without_algorithm_follow_muon_mode(caplog: pytest.LogCaptureFixture) -> None:
+    conv = torch.nn.Parameter(torch.randn(8, 3, 2, 2))
+    hidden = torch.nn.Parameter(torch.randn(8, 8))
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        where = _algorithms(muon_dist.Muon([("conv.weight", conv), ("fc.weight", hidden)]))
+    assert where == {"conv.weight": "adamw", "fc.weight": "muon"}
+    assert "routed conv.weight (>2-D" in caplog.text and "muon_mode='flat'" in caplog.text
+    flat = muon_dist.Muon([("conv.weight", conv)], muon_mode="flat")
+    assert _algorithms(flat) == {"conv.weight": "muon"}
