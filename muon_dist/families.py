@@ -14,11 +14,13 @@ family                     parameter                                 parts (per 
 GPT-OSS                    ``experts.gate_up_proj [E, H, 2I]``       gate, up alternate
 GPT-NeoX, Bloom            ``query_key_value [3 H, H]``              ``[heads, 3, d]``: q, k, v
                                                                      per head
+Falcon                     ``query_key_value``                       per head, per kv group, or
+                                                                     q heads then k, v
 DBRX                       ``experts.mlp.w2 [E F, H]``               stored ``[in, out]``
 Qwen3-Next                 ``self_attn.q_proj [2 Hq d, H]``          ``[heads, 2, d]``: q, gate
 Qwen3-Next                 ``linear_attn.in_proj_qkvz``              per key head: q, k, v, z
 Qwen3-Next                 ``linear_attn.in_proj_ba``                per key head: b, a
-Mamba2                     ``mixer.in_proj``                         z, x, B, C, dt
+Mamba2, Falcon-H1          ``in_proj``                               z, x, B, C, dt
 Mamba, FalconMamba, Jamba  ``in_proj [2 I, H]``, ``x_proj``          x, z halves; dt, B, C
 torchtitan                 ``qkv_linear.wqkv``, ``mlp1_weight_EGD``  per kv head q, k, v;
                                                                      gate, up alternate
@@ -40,8 +42,8 @@ Rule = Callable[[Any, int, int], tuple[ViewOptions, str] | None]
 
 # Name parts that suggest several matrices fused into one parameter.
 FUSED_HINT = re.compile(
-    r"gate_up|up_gate|qkv|w13|w1w3|w12|mlp1_weight|query_key_value|c_attn|(^|_)wi$|"
-    r"input_linear|in_proj|x_proj",
+    r"gate_up|up_gate|qkv|w13|w1w3|w12|mlp1_weight|query_key_value|c_attn|input_linear|"
+    r"in_proj|x_proj",
     re.IGNORECASE,
 )
 
@@ -116,17 +118,35 @@ def _qwen3_next_ba(config: Any, out_dim: int, in_dim: int) -> tuple[ViewOptions,
     return _interleaved([r, r], out_dim, "family rule qwen3_next: per key head b, a")
 
 
-def _mamba2_in(config: Any, out_dim: int, in_dim: int) -> tuple[ViewOptions, str] | None:
-    dims = [_int(config, n) for n in ("hidden_size", "num_heads", "n_groups", "state_size")]
-    expand = getattr(config, "expand", None)
-    if None in dims or not isinstance(expand, (int, float)):
+def _ssd_in_proj(heads_key: str, groups_key: str, state_key: str, family: str) -> Rule:
+    """Mamba2-style ``in_proj``: gate z and x (``inner`` each), B and C (``groups * state``
+    each), dt (one per head); ``inner`` is what the outputs leave for z and x."""
+
+    def rule(config: Any, out_dim: int, in_dim: int) -> tuple[ViewOptions, str] | None:
+        heads, groups, state = (_int(config, k) for k in (heads_key, groups_key, state_key))
+        if heads is None or groups is None or state is None:
+            return None
+        inner, odd = divmod(out_dim - 2 * groups * state - heads, 2)
+        if inner < 1 or odd:
+            return None
+        sizes = [inner, inner, groups * state, groups * state, heads]
+        return {"split_sizes": sizes}, f"family rule {family}: z, x, B, C, dt"
+
+    return rule
+
+
+def _falcon_qkv(config: Any, out_dim: int, in_dim: int) -> tuple[ViewOptions, str] | None:
+    heads = _int(config, "num_attention_heads")
+    if heads is None or in_dim % heads:
         return None
-    hidden, heads, groups, state = (int(d or 0) for d in dims)
-    inner = int(expand * hidden)
-    sizes = [inner, inner, groups * state, groups * state, heads]
-    if sum(sizes) != out_dim:
-        return None
-    return {"split_sizes": sizes}, "family rule mamba2: z, x, B, C, dt"
+    d = in_dim // heads
+    if getattr(config, "new_decoder_architecture", False):  # per kv group: r q heads, k, v
+        kv = _int(config, "num_kv_heads") or heads
+        why = "family rule falcon: per kv group q heads, k, v"
+        return _interleaved([heads // kv * d, d, d], out_dim, why) if heads % kv == 0 else None
+    if getattr(config, "multi_query", False):  # q heads, then one k and one v head
+        return {"split_sizes": [heads * d, d, d]}, "family rule falcon: q heads, k, v"
+    return _interleaved([d, d, d], out_dim, "family rule falcon: [heads, 3, d]")
 
 
 def _halves(config: Any, out_dim: int, in_dim: int) -> tuple[ViewOptions, str] | None:
@@ -155,7 +175,16 @@ _RULES: dict[str, tuple[tuple[str, Rule], ...]] = {
         (r"linear_attn\.in_proj_qkvz\.weight$", _qwen3_next_qkvz),
         (r"linear_attn\.in_proj_ba\.weight$", _qwen3_next_ba),
     ),
-    "mamba2": ((r"mixer\.in_proj\.weight$", _mamba2_in),),
+    "mamba2": (
+        (r"mixer\.in_proj\.weight$", _ssd_in_proj("num_heads", "n_groups", "state_size", "mamba2")),
+    ),
+    "falcon_h1": (
+        (
+            r"mamba\.in_proj\.weight$",
+            _ssd_in_proj("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "falcon_h1"),
+        ),
+    ),
+    "falcon": ((r"self_attention\.query_key_value\.weight$", _falcon_qkv),),
     "mamba": ((r"mixer\.in_proj\.weight$", _halves), (r"mixer\.x_proj\.weight$", _x_proj)),
     "falcon_mamba": (
         (r"mixer\.in_proj\.weight$", _halves),

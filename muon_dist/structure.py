@@ -42,6 +42,7 @@ _WIDTHS = (
     "ffn_hidden_size",
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
+    "shared_intermediate_size",
     "intermediate_size_mlp",
 )
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")

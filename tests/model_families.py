@@ -821,8 +821,17 @@ def layers(model: nn.Module) -> nn.ModuleList:
 def first_update_problems(family: str) -> list[str]:
     """One step of Muon (fp32) from random gradients, one process: every Muon parameter's
     update checked block by block (per expert, per part) against the family's forward."""
-    model = build(family)
-    groups = muon_dist.param_groups(model, **options(family))
+    return model_update_problems(
+        build(family), lambda name: true_layout(family, name), **options(family)
+    )
+
+
+def model_update_problems(
+    model: nn.Module, layout_of: Callable[[str], dict[str, Any]], **routing: Any
+) -> list[str]:
+    """:func:`first_update_problems` for any model, ``layout_of(name)`` giving how its
+    forward reads each parameter."""
+    groups = muon_dist.param_groups(model, **routing)
     lr = 0.02
     opt = muon_dist.Muon(groups, lr=lr, comm_dtype=torch.float32, ns_dtype=torch.float32)
     generator = torch.Generator().manual_seed(2)
@@ -833,10 +842,9 @@ def first_update_problems(family: str) -> list[str]:
     problems = []
     for name, group, p in muon_dist.routing.named_params(opt.param_groups):
         if group["algorithm"] == "muon":
-            layout = true_layout(family, name)
             grad = p.grad
             assert grad is not None
-            problems += check_first_update(name, before[name], p, grad, layout, lr)
+            problems += check_first_update(name, before[name], p, grad, layout_of(name), lr)
     return problems
 
 

@@ -15,6 +15,7 @@ from model_families import (
     build,
     expected,
     first_update_problems,
+    model_update_problems,
     options,
     routing,
     train_families,
@@ -75,3 +76,59 @@ def test_readme_family_table_is_rendered_from_these_models() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("<!-- table:families -->\n", 1)[1].split("\n<!-- /table:families -->")[0]
     assert section == family_table(), "run: python tools/family_table.py"
+
+
+# Falcon's fused QKV three ways (FalconAttention._split_heads) and Falcon-H1's mixer
+# (FalconH1Mixer: gate, x, B, C, dt): how each forward cuts the outputs.
+FALCON = {
+    "multi_query": ({"multi_query": True}, {"split_sizes": [32, 8, 8]}),
+    "per_head": ({"multi_query": False}, {"split_sizes": [8, 8, 8], "split_groups": 4}),
+    "new_architecture": (
+        {"new_decoder_architecture": True, "num_kv_heads": 2},
+        {"split_sizes": [16, 8, 8], "split_groups": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", FALCON)
+def test_falcon_fused_qkv_is_cut_as_its_forward_cuts_it(
+    variant: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import transformers as hf
+
+    extra, qkv = FALCON[variant]
+    config = hf.FalconConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, **extra
+    )
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        problems = model_update_problems(
+            hf.FalconForCausalLM(config),
+            lambda name: qkv if name.endswith("query_key_value.weight") else {},
+        )
+    assert problems == [] and "guessed" not in caplog.text
+
+
+def test_falcon_h1_mixer_projection_is_cut_into_z_x_b_c_dt() -> None:
+    import transformers as hf
+
+    config = hf.FalconH1Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_d_ssm=32,
+        mamba_n_heads=4,
+        mamba_d_head=8,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+    )
+    torch.manual_seed(0)
+    layout = {"split_sizes": [32, 32, 8, 8, 4]}
+    problems = model_update_problems(
+        hf.FalconH1ForCausalLM(config),
+        lambda name: layout if name.endswith("mamba.in_proj.weight") else {},
+    )
+    assert problems == []
