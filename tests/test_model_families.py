@@ -40,9 +40,14 @@ def test_first_update_is_orthogonal_per_part_and_expert(family: str) -> None:
     assert first_update_problems(family) == []
 
 
-# Dense, MoE ([E, out, in], [E, in, out], fused 2-D), Conv1D, interleaved and hybrid
-# state-space layouts, trained under FSDP2.
-TRAINED = ("qwen3_moe", "gpt_oss", "phi3", "llama4", "gpt2", "dbrx", "qwen3_next", "mamba2")
+# Under FSDP2: every causal LM family (a step takes well under a second each; starting the
+# ranks dominates). Not Jamba, ModernBERT, Gemma 3n: some of their blocks get a zero or
+# nearly zero first gradient, where comparing a block's update with Newton–Schulz of its
+# gradient is ill-conditioned (their blocks are checked with random gradients above); not
+# ViT and Whisper, whose inputs are images and audio.
+TRAINED = tuple(
+    f for f in FAMILIES if f not in ("jamba", "modernbert", "gemma3n", "vit", "whisper")
+)
 
 
 @pytest.mark.slow
