@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.groups import Peers
+from muon_dist.step_scalars import StepInputs
 
 # Per-parameter gradient verdicts; the all-reduce takes the worst (MAX) over ranks.
 TOO_LARGE = 1.0  # finite, but its norm would overflow Newton–Schulz's normalisation
@@ -62,8 +63,10 @@ class Agreement:
         self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
         self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
         self.keep_float = torch.zeros(len(muon_positions), device=device)
-        # non-finite results per Muon parameter | a rank whose Newton–Schulz raised (+ 1)
-        self.ns_bad = torch.zeros(len(muon_positions) + 1, device=device)
+        # Result flags, all-reduced together: per Muon parameter its non-finite
+        # Newton–Schulz results, and a rank whose own work of the step raised (rank + 1).
+        self._results = torch.zeros(len(muon_positions) + 1, device=device)
+        self.bad_results, self.crashed = self._results.split_with_sizes([len(muon_positions), 1])
         self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
         # verdicts | non-finite results | crashed rank + 1 | failed rank + 1 | found_inf
         self._report = torch.zeros(count + len(muon_positions) + 3, device=device)
@@ -84,20 +87,19 @@ class Agreement:
             )
         return cached
 
-    def decide(self, grads: Sequence[torch.Tensor | None], staged: torch.Tensor) -> None:
+    def decide(self, grads: Sequence[torch.Tensor | None], inputs: StepInputs) -> None:
         """Fill the flags for this step's local gradients and agree on them over all ranks.
 
-        ``staged`` (copied to the device by the caller with the step's hyper-parameters)
-        holds per parameter 1.0 where it has a local gradient, then per parameter the
-        largest gradient norm Newton–Schulz can normalise (inf for AdamW), then this rank's
-        failure (rank + 1, or 0). Norms are taken in fp64, so a finite gradient of any dtype
-        has a finite norm, and an overflow of the normalisation is told apart from a
-        non-finite entry. Zeroes the result flags.
+        ``inputs`` (staged by the caller) says per parameter whether it has a local
+        gradient and the largest gradient norm Newton–Schulz can normalise (inf for AdamW),
+        and this rank's failure (rank + 1, or 0). Norms are taken in fp64, so a finite
+        gradient of any dtype has a finite norm, and an overflow of the normalisation is
+        told apart from a non-finite entry. Zeroes the result flags.
         """
         count = len(self.names)
         verdict = self.flags[count : 2 * count]
-        self.flags[:count].copy_(staged[:count])
-        self.flags[-1:].copy_(staged[-1:])
+        self.flags[:count].copy_(inputs.present)
+        self.flags[-1:].copy_(inputs.failed)
         verdict.zero_()
         positions = tuple(i for i, g in enumerate(grads) if g is not None)
         if positions:
@@ -105,7 +107,7 @@ class Agreement:
             norms = torch.stack(
                 torch._foreach_norm([g for g in grads if g is not None], 2, dtype=torch.float64)
             )
-            limits = staged[count : 2 * count].index_select(0, index).double()
+            limits = inputs.norm_limit.index_select(0, index).double()
             bad = torch.where(
                 torch.isfinite(norms),
                 (norms > limits).to(verdict.dtype) * TOO_LARGE,
@@ -116,7 +118,7 @@ class Agreement:
             dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
         torch.amax(self.flags[count:], dim=0, out=self.found_inf)
         self.found_inf.clamp_(max=1.0)
-        self.ns_bad.zero_()
+        self._results.zero_()
         self._set_keep()
 
     def _set_keep(self) -> None:
@@ -124,13 +126,24 @@ class Agreement:
         torch.logical_and(present > 0, self.found_inf == 0, out=self.keep)
         self.keep_float.copy_(self.keep)
 
+    def count_bad_results(self, tensors: torch.Tensor, bad: torch.Tensor) -> None:
+        """Add ``bad`` (1.0 per non-finite result) to the Muon parameters ``tensors`` name."""
+        self.bad_results.index_add_(0, tensors, bad)
+
+    def record_failure(self, rank: int, tensors: torch.Tensor) -> None:
+        """Flag an exception of ``rank``'s own work on the Muon parameters ``tensors``: the
+        other ranks learn of it in :meth:`agree_on_results` instead of waiting in a
+        collective this rank never joins."""
+        self.crashed.fill_(float(rank + 1))
+        self._results.index_fill_(0, tensors, 1.0)
+
     def agree_on_results(self, skip: bool) -> None:
-        """All-reduce the non-finite Newton–Schulz flags; under ``skip`` they also set
-        ``found_inf`` and clear ``keep``, so the still-pending writes leave everything alone."""
+        """All-reduce the result flags; under ``skip`` they also set ``found_inf`` and
+        clear ``keep``, so the still-pending writes leave everything alone."""
         if self.holders.size > 1:
-            dist.all_reduce(self.ns_bad, op=dist.ReduceOp.MAX, group=self.holders.group)
+            dist.all_reduce(self._results, op=dist.ReduceOp.MAX, group=self.holders.group)
         if skip:
-            torch.maximum(self.found_inf, self.ns_bad.amax(), out=self.found_inf)
+            torch.maximum(self.found_inf, self._results.amax(), out=self.found_inf)
             self.found_inf.clamp_(max=1.0)
             self._set_keep()
 
@@ -139,7 +152,7 @@ class Agreement:
         count = len(self.names)
         report = self._report
         report[:count].copy_(self.flags[count : 2 * count])
-        report[count:-2].copy_(self.ns_bad)
+        report[count:-2].copy_(self._results)
         report[-2:-1].copy_(self.flags[-1:])
         report[-1:].copy_(self.found_inf.view(1))
         if self._event is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from muon_dist.plan import local
+from muon_dist.tensors import local
 
 ALIGN_BYTES = 16
 

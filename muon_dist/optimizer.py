@@ -1,60 +1,66 @@
 """The Muon optimizer: Muon for hidden matrices, AdamW for the rest, in one torch Optimizer.
 
-This module builds and validates groups and orchestrates a step; the update rule lives in
-:mod:`muon_dist.update_rule`, the Muon phase of a step in :mod:`muon_dist.muon_step`, the
-device-side agreement on gradients in :mod:`muon_dist.agreement`, capture in
-:mod:`muon_dist.cuda_graph`, and the rank and checkpoint checks in :mod:`muon_dist.checks`.
+This module is the torch-facing shell: construction, validation, param groups,
+``state_dict`` and hooks. What a step computes lives in :mod:`muon_dist.update_rule`; the
+step machinery in :mod:`muon_dist.step_runner` (and the Muon phase it runs,
+:mod:`muon_dist.muon_phase`), the device-side agreement on gradients in
+:mod:`muon_dist.agreement`, capture in :mod:`muon_dist.cuda_graph`, and the rank and
+checkpoint checks in :mod:`muon_dist.checks`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.adamw import adamw as adamw_update
 
-from muon_dist.agreement import Agreement, Outcome
-from muon_dist.checks import (
-    by_name,
-    check_grad,
-    check_ranks_agree,
-    check_saved_routing,
-    matrix_count,
-)
-from muon_dist.cuda_graph import StepGraph
+from muon_dist.agreement import Outcome
+from muon_dist.checks import by_name, check_ranks_agree, check_saved_routing, matrix_count
 from muon_dist.flat import zeros_like_flat
 from muon_dist.grouping import algorithm_by_name
-from muon_dist.groups import CommGroups, comm_groups
-from muon_dist.muon_step import MuonEntry, MuonStep, ns_key
-from muon_dist.plan import build_plan, layout_of, local
+from muon_dist.groups import comm_groups
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.routing import (
     ALGORITHMS,
     format_routing_table,
     group_param_names,
-    matrix_views,
     named_params,
     routing_entries,
 )
 from muon_dist.settings import ExecutionSettings
+from muon_dist.step_runner import StepRunner
+from muon_dist.step_scalars import NS_NORM_LIMIT
+from muon_dist.tensors import local
 from muon_dist.validation import check_group_keys, validate_group
 
 logger = logging.getLogger(__name__)
 
-# Newton–Schulz divides its input by the Frobenius norm, whose square overflows fp32 above
-# about 1.84e19 (3.4e38 ** 0.5); the limit leaves room for Polar Express's 1.02 factor.
-NS_NORM_LIMIT = 1.8e19 / 1.02
-# Group entries that a captured step does not read from the group: the lr is staged into
-# device memory every step, the rest is bookkeeping. Any other change is captured anew.
-_NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
-
 
 class Muon(torch.optim.Optimizer):
-    """Distributed Muon with AdamW for non-matrix parameters.
+    r"""Distributed Muon with AdamW for non-matrix parameters.
+
+    For each matrix :math:`W` of a Muon group (gradient :math:`G`, momentum :math:`M`,
+    Newton–Schulz :math:`\mathrm{NS}`), one step computes
+    (:func:`muon_dist.update_rule.muon_update_`)
+
+    .. math::
+        \begin{aligned}
+        M &\leftarrow \beta M + G \\
+        U &\leftarrow G + \beta M \ \text{(nesterov)} \quad\text{or}\quad M \\
+        O &\leftarrow \mathrm{NS}_{k}(U) \approx \text{the polar factor of } U \\
+        \eta &\leftarrow \mathrm{lr} \cdot s(\text{full shape})
+              \cdot \big(\text{magma}: 0.1 + 0.9\, q\big) \\
+        W &\leftarrow (1 - \mathrm{lr}\,\lambda)\, W - \eta\, O
+             \quad\text{or, cautious:}\quad W - \mathrm{lr}\,\lambda\,
+             [\operatorname{sign} O = \operatorname{sign} W] \odot W - \eta\, O
+        \end{aligned}
+
+    where :math:`s` is ``adjust_lr``'s scale of the whole matrix (never a shard's) and
+    :math:`q`, Magma's score per matrix, an EMA (``magma_beta``) of
+    :math:`(1 + \cos(M, G)) / 2`. Other parameters take torch's AdamW.
 
     Groups carry ``"algorithm": "muon" | "adamw"``; a group without it is split, >=2-D
     parameters to Muon and the rest to AdamW. Muon parameters may be plain tensors or
@@ -62,26 +68,72 @@ class Muon(torch.optim.Optimizer):
     gathered onto one owner rank each, orthogonalized there, and scattered back, so the
     update equals single-device Muon.
 
-    Per group, ``num_heads`` orthogonalizes each head's rows separately, ``split_sizes`` each
-    block of a fused weight (QKV, gate+up), ``magma=True`` damps each matrix's update by how
-    well its gradient agrees with its momentum, and ``cautious_wd=True`` decays only weights
-    whose sign the update shares. ``ns_method`` ("auto", "gram", "standard") picks the
-    Newton–Schulz iteration (see :func:`muon_dist.kernels.newton_schulz`). ``qk_clip`` (with
-    ``max_logits``) rescales attention query and key heads whose logits exceed tau after
-    each step (see :mod:`muon_dist.qk_clip`).
-
     The step never waits for the device. All ranks agree on the device which gradients
     exist and are finite; a parameter without a gradient on any rank is left alone, one
     without a gradient on some ranks takes a zero gradient there (Muon and AdamW alike), and
     a non-finite gradient anywhere leaves every parameter and all state as they were. The
     host learns of it later, where it reads the step's flags: with CUDA tensors at the next
     ``step()``, ``state_dict()`` or :meth:`check_finite`; with CPU tensors at the end of the
-    step itself. There ``nonfinite="raise"`` raises ``FloatingPointError`` naming the
-    parameters and the step, and ``"skip_step"`` counts the step in ``skipped_steps`` and
-    logs a warning. ``cuda_graph=True`` captures the whole step in a CUDA graph after
-    ``graph_warmup`` eager steps and replays it (see :mod:`muon_dist.cuda_graph`).
+    step itself.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs, or param-group dicts (as
+            :func:`muon_dist.param_groups` returns).
+        lr (float, default 0.02): Muon's learning rate.
+        momentum (float, default 0.95): Muon's momentum coefficient :math:`\beta`.
+        nesterov (bool, default True): feed :math:`G + \beta M` to Newton–Schulz, else
+            :math:`M`.
+        weight_decay (float, default 0.0): Muon's decoupled weight decay :math:`\lambda`.
+        adjust_lr (str | None, default "spectral_norm"): lr scale from the full matrix
+            shape: ``"spectral_norm"`` :math:`\sqrt{\max(1, rows/cols)}`, ``"rms_norm"``
+            :math:`0.2\sqrt{\max(rows, cols)}` (matches AdamW's update RMS), None: 1.
+        ns_steps (int, default 5): Newton–Schulz iterations.
+        coefficients (str | sequence, default "quintic"): ``"quintic"``, ``"keller"``,
+            ``"polar_express"`` or a list of ``(a, b, c)`` per iteration.
+        backend (str, default "auto"): Newton–Schulz kernels, ``"torch"``, ``"triton"``
+            (CUDA) or ``"auto"`` (Triton where measured faster); also picks the fused form
+            of the momentum and update passes.
+        ns_method (str, default "auto"): ``"standard"``, ``"gram"`` or ``"auto"`` (see
+            :func:`muon_dist.kernels.newton_schulz`).
+        comm_dtype (torch.dtype, default torch.bfloat16): dtype of gathers and scatters.
+        muon_mode (str, default "2d"): >2-D weights as ``"flat"`` ``[out, prod(rest)]``
+            or ``"slice"`` (one matrix per leading index); ``"2d"`` refuses them.
+        adamw_lr (float, default 3e-4): lr of AdamW groups.
+        adamw_betas (tuple, default (0.9, 0.95)): AdamW's betas.
+        adamw_eps (float, default 1e-8): AdamW's eps.
+        adamw_weight_decay (float, default 0.0): AdamW's weight decay.
+        bucket_bytes (int, default 128 MiB): gathered matrix bytes each owner handles per
+            bucket.
+        max_inflight (int, default 3): buckets in flight at once.
+        replica_mode (str, default "split"): HSDP replicas split the Newton–Schulz work
+            (``"split"``) or each redo it (``"redundant"``).
+        ns_dtype (torch.dtype, default torch.bfloat16): dtype Newton–Schulz runs in.
+        nonfinite (str, default "raise"): on a non-finite gradient, raise
+            ``FloatingPointError`` naming the parameters and the step, or ``"skip_step"``:
+            count it in ``skipped_steps`` and log a warning (a non-finite Newton–Schulz
+            result skips the step too).
+        magma (bool, default False): damp each matrix's update by how well its gradient
+            agrees with its momentum (Magma-lite).
+        magma_beta (float, default 0.9): EMA coefficient of Magma's score.
+        cautious_wd (bool, default False): decay only weights whose sign the update shares.
+        qk_clip (sequence of QKClip, default ()): MuonClip: rescale attention query and
+            key heads whose logits exceed tau after each step (:mod:`muon_dist.qk_clip`).
+        max_logits (MaxLogitTracker | None, default None): records the logits ``qk_clip``
+            reads.
+        cuda_graph (bool, default False): capture the whole step in one CUDA graph after
+            ``graph_warmup`` eager steps and replay it (:mod:`muon_dist.cuda_graph`).
+        graph_warmup (int, default 2): eager steps before the capture.
+        process_group (ProcessGroup | None, default None): the ranks holding plain-tensor
+            replicas, if not the world; DTensor parameters need none.
+
+    Per group also: ``experts`` (3-D expert stacks), ``num_experts`` (fused experts),
+    ``num_heads`` (orthogonalize each head's rows), ``split_sizes``, ``split_groups`` and
+    ``transposed`` (fused weights, ``[in, out]`` storage); the README's Options section
+    lists them all.
     """
 
+    # Long by design: the signature lists every option (documented in Args above) and the
+    # defaults below map each to its group key; the work is in _init_groups and _bind_step.
     def __init__(
         self,
         params: Iterable[Any],
@@ -157,14 +209,30 @@ class Muon(torch.optim.Optimizer):
                 "weight_decay": adamw_weight_decay,
             },
         }
-        self._runner: _StepRunner | None = None
+        self._runner: StepRunner | None = None
         # What torch reads: its schedulers scale "lr" and cycle "momentum" (OneCycleLR,
         # CyclicLR), which is Muon's; AdamW groups keep their betas. Groups get their own
         # algorithm's defaults in add_param_group, never these.
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         groups = _split_by_algorithm(params, self._defaults_by_algorithm)
-        # A group refused on this rank only (options that differ across ranks) is agreed
-        # through the rank check below, so the other ranks raise too instead of waiting.
+        self._init_groups(groups, defaults, replica_mode, process_group, qk_clip)
+        self._bind_step(cuda_graph, qk_clip, max_logits)
+        logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
+
+    # -- construction -------------------------------------------------------------------
+
+    def _init_groups(
+        self,
+        groups: list[dict[str, Any]],
+        defaults: dict[str, Any],
+        replica_mode: str,
+        process_group: dist.ProcessGroup | None,
+        qk_clip: Sequence[QKClip],
+    ) -> None:
+        """Add the groups and check that every rank built the same ones.
+
+        A group refused on this rank only (options that differ across ranks) is agreed
+        through the rank check, so the other ranks raise too instead of waiting."""
         refused: ValueError | TypeError | None = None
         try:
             super().__init__(groups, defaults=defaults)
@@ -185,7 +253,12 @@ class Muon(torch.optim.Optimizer):
                 raise
         if refused is not None:
             raise refused
-        runner = self._step_runner()  # unsupported layouts fail here, not mid-training
+
+    def _bind_step(
+        self, cuda_graph: bool, qk_clip: Sequence[QKClip], max_logits: MaxLogitTracker | None
+    ) -> None:
+        """Build the step (unsupported layouts fail here, not mid-training) and its hooks."""
+        runner = self.runner
         if cuda_graph and runner.device.type != "cuda":
             raise ValueError(
                 f"cuda_graph=True captures CUDA work, and these parameters are on "
@@ -198,11 +271,8 @@ class Muon(torch.optim.Optimizer):
                 qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
             )
             self.register_step_post_hook(
-                lambda opt, _args, _kwargs: clipper(opt._step_runner().agreement.found_inf)
+                lambda opt, _args, _kwargs: clipper(opt.runner.agreement.found_inf)
             )
-        logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
-
-    # -- construction -------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         algorithm = param_group.get("algorithm", "muon")
@@ -296,7 +366,7 @@ class Muon(torch.optim.Optimizer):
         # Optimizer.load_state_dict replaces the group dicts, which the step reads its
         # momentum, Nesterov and lr scale from: bind a step to the loaded groups.
         self._runner = None
-        self._step_runner()
+        _ = self.runner
 
     def routing_table(self) -> str:
         """Which parameter goes where, its matrix view and lr scale, as printable text."""
@@ -305,10 +375,13 @@ class Muon(torch.optim.Optimizer):
     def _named_params(self) -> dict[str, torch.Tensor]:
         return {name: p for name, _, p in named_params(self.param_groups)}
 
-    def _step_runner(self) -> _StepRunner:
-        """The plan, bound tensors and device buffers of a step; built once per group set."""
+    @property
+    def runner(self) -> StepRunner:
+        """The step machinery bound to the current groups (:mod:`muon_dist.step_runner`):
+        the plan and Muon phase, the agreement, the CUDA graph. Built on first use and again
+        after the groups change; for tools and tests that look inside a step."""
         if self._runner is None:
-            self._runner = _StepRunner(self.param_groups, self.state, self.settings, self._comm)
+            self._runner = StepRunner(self.param_groups, self.state, self.settings, self._comm)
         return self._runner
 
     # -- step ---------------------------------------------------------------------------
@@ -340,7 +413,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.check_finite()
-        runner = self._step_runner()
+        runner = self.runner
         failure = runner.run(self.param_groups)
         runner.agreement.queued(self.param_groups[0]["steps"] + 1)
         for group in self.param_groups:
@@ -363,291 +436,63 @@ class Muon(torch.optim.Optimizer):
             return
         outcome = self._runner.agreement.read()
         if outcome is not None:
-            self._report(outcome)
+            _apply_policy(outcome, self.settings.nonfinite, self.param_groups)
 
-    def _report(self, outcome: Outcome) -> None:
-        step = outcome.step
-        if outcome.crashed_rank is not None:
-            kept = (
-                "parameters and state were left as they were on every rank"
-                if self.settings.nonfinite == "skip_step"
-                else "under nonfinite='raise' the rest of the step was applied and the failed "
-                "matrices may be partly updated ('skip_step' leaves everything as it was)"
-            )
-            raise RuntimeError(
-                f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
-                "Newton–Schulz or the read or write of an update raised an exception (raised "
-                f"there, with its traceback); {kept}"
-            )
-        if outcome.failed_rank is not None:
-            raise RuntimeError(
-                f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
-                "refused its inputs and raised an error naming them; parameters and state "
-                "were left as they were on every rank; fix that rank's inputs"
-            )
-        if outcome.nonfinite_grads:
-            reason = f"non-finite gradient in {', '.join(outcome.nonfinite_grads)}"
-        elif outcome.overflowing_grads:
-            reason = (
-                f"gradient norm too large in {', '.join(outcome.overflowing_grads)} (finite, "
-                f"but above {NS_NORM_LIMIT:.2g}·(1 - momentum), where Newton–Schulz's "
-                "normalisation would overflow fp32)"
-            )
-        else:
-            reason = f"non-finite Newton–Schulz result for {', '.join(outcome.nonfinite_results)}"
-        if self.settings.nonfinite == "skip_step":
-            for group in self.param_groups:
-                group["skipped_steps"] += 1
-            logger.warning(
-                "muon_dist.Muon: skipped step %d (%s); %d skipped so far",
-                step,
-                reason,
-                self.param_groups[0]["skipped_steps"],
-            )
-            return
-        if outcome.nonfinite_grads or outcome.overflowing_grads:
-            raise FloatingPointError(
-                f"muon_dist.Muon step {step}: {reason}; parameters and state were left as "
-                "they were; fix the loss (or clip gradients) or pass nonfinite='skip_step' "
-                "to skip such steps"
-            )
-        raise FloatingPointError(
-            f"muon_dist.Muon step {step}: Newton–Schulz returned non-finite values for "
-            f"{', '.join(outcome.nonfinite_results)} although every gradient was finite; "
-            "either a momentum grew past a Frobenius norm of about 1.8e19 (lower the lr or "
-            "clip gradients) or a kernel or device failed (try backend='torch'); those "
-            "parameters were updated"
+
+def _apply_policy(outcome: Outcome, nonfinite: str, groups: list[dict[str, Any]]) -> None:
+    """Raise for a failed step, or count and log a skipped one (``nonfinite``)."""
+    step = outcome.step
+    if outcome.crashed_rank is not None:
+        kept = (
+            "parameters and state were left as they were on every rank"
+            if nonfinite == "skip_step"
+            else "under nonfinite='raise' the rest of the step was applied and the failed "
+            "matrices may be partly updated ('skip_step' leaves everything as it was)"
         )
-
-
-class _StepRunner:
-    """Everything a step repeats, built once: the Muon phase, the agreement, the staging of
-    this step's hyper-parameters into device memory, and the CUDA graph when enabled."""
-
-    def __init__(
-        self,
-        groups: Sequence[dict[str, Any]],
-        state: dict[torch.Tensor, dict[str, Any]],
-        settings: ExecutionSettings,
-        comm: CommGroups,
-    ) -> None:
-        self.settings = settings
-        named = list(named_params(groups))
-        self.params = [p for _, _, p in named]
-        self.device = local(self.params[0]).device
-        group_index = {id(g): i for i, g in enumerate(groups)}
-        entries: list[MuonEntry] = []
-        muon_positions: list[int] = []
-        for position, (name, group, p) in enumerate(named):
-            if group["algorithm"] != "muon":
-                continue
-            first = 0
-            for view in matrix_views(p.shape, group, name):
-                entries.append(
-                    MuonEntry(
-                        p,
-                        group,
-                        view,
-                        view.label(name),
-                        first,
-                        len(muon_positions),
-                        group_index[id(group)],
-                    )
-                )
-                first += view.count
-            muon_positions.append(position)
-        self.muon_positions = muon_positions
-        self.muon: MuonStep | None = None
-        if entries:
-            layouts = [
-                layout_of(e.param, e.name, e.view, comm.holders.ranks, ns_key(e.group, e.view))
-                for e in entries
-            ]
-            plan = build_plan(
-                layouts,
-                comm.rank,
-                comm.world_size,
-                bucket_bytes=settings.bucket_bytes,
-                itemsize=settings.comm_dtype.itemsize,
-                replica_mode=settings.replica_mode,
-                steps=[e.group["ns_steps"] for e in entries],
-            )
-            logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
-            self.muon = MuonStep(plan, entries, state, settings, len(groups), comm)
-        self.agreement = Agreement(
-            [name for name, _, _ in named], muon_positions, self.device, comm.holders
-        )
-        # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
-        self._adamw_members: dict[int, list[int]] = {}
-        for position, (_, group, _) in enumerate(named):
-            if group["algorithm"] == "adamw":
-                self._adamw_members.setdefault(group_index[id(group)], []).append(position)
-        self.group_count = len(groups)
-        self.names = [name for name, _, _ in named]
-        self._group_of = [group_index[id(group)] for _, group, _ in named]
-        self.rank = comm.rank
-        # lr and weight decay per group | presence and norm limit per parameter | failure
-        self.hyper = torch.zeros(2 * len(groups) + 2 * len(self.params) + 1, device=self.device)
-        # AdamW reads its lr from device memory on CUDA (fused AdamW takes a tensor lr).
-        self._lr_views = list(self.hyper[: len(groups)].unbind(0))
-        self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
-        self._grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
-            (None, None) for _ in self.params
-        ]
-        self.bind_state(state)
-
-    def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Point at the state tensors (again after a state load, which replaces them)."""
-        self.state = state
-        self._adamw_tensors = {
-            i: (
-                local(p),
-                local(state[p]["exp_avg"]),
-                local(state[p]["exp_avg_sq"]),
-                state[p]["step"],
-            )
-            for members in self._adamw_members.values()
-            for i in members
-            for p in (self.params[i],)
-        }
-        if self.muon is not None:
-            self.muon.bind_state(state)
-        if self.graph is not None:
-            self.graph.reset()
-
-    def _local_grads(self) -> list[torch.Tensor | None]:
-        """Local gradient shards; a gradient kept between steps is checked and unwrapped
-        only once."""
-        grads: list[torch.Tensor | None] = []
-        for index, p in enumerate(self.params):
-            grad = p.grad
-            source, unwrapped = self._grads[index]
-            if grad is not source:
-                unwrapped = None if grad is None else check_grad(self.names[index], p, grad)
-                self._grads[index] = (grad, unwrapped)
-            grads.append(unwrapped)
-        return grads
-
-    def run(self, groups: Sequence[dict[str, Any]]) -> Exception | None:
-        """Queue one step. A rank that refuses its inputs (a gradient of the wrong layout,
-        a sparse one, a missing one under capture) still takes part in the step's agreement,
-        with every gradient absent and its failure flagged, so every rank leaves everything
-        as it was and learns of the failure; it returns its error for the caller to raise.
-        """
-        failure: Exception | None = None
-        try:
-            grads = self._local_grads()
-            if self.graph is not None:
-                _check_captured(grads)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            failure = exc
-            grads = [None] * len(self.params)
-        values = [float(g["lr"]) for g in groups] + [float(g["weight_decay"]) for g in groups]
-        values += [0.0 if g is None else 1.0 for g in grads]
-        limits = [_norm_limit(g) for g in groups]
-        values += [limits[g] for g in self._group_of]
-        values.append(0.0 if failure is None else float(self.rank + 1))
-        pinned = self.device.type == "cuda"
-        staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
-        self.hyper.copy_(staged, non_blocking=pinned)
-        if self.graph is None or failure is not None:
-            self._body(groups, grads)
-            return failure or self._crash()
-
-        def body() -> None:
-            self._body(groups, grads)
-
-        key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
-        self.graph.run(body, key, grads)
-        return self._crash()
-
-    def _crash(self) -> Exception | None:
-        """The exception Newton–Schulz raised on this rank in the step just queued."""
-        return None if self.muon is None else self.muon.error
-
-    def _body(self, groups: Sequence[dict[str, Any]], grads: Sequence[torch.Tensor | None]) -> None:
-        """The device work of one step: everything a captured step replays."""
-        agreement = self.agreement
-        agreement.decide(grads, self.hyper[2 * self.group_count :])
-        skip = self.settings.nonfinite == "skip_step"
-        if self.muon is not None:
-            self.muon.run(
-                [grads[i] for i in self.muon_positions],
-                agreement.keep,
-                agreement.found_inf,
-                agreement.ns_bad,
-                self.hyper,
-                lambda: agreement.agree_on_results(skip),
-                transactional=skip,
-            )
-        for index, group in enumerate(groups):
-            if group["algorithm"] == "adamw":
-                self._adamw(group, index, grads)
-        agreement.publish()
-
-    def _adamw(
-        self, group: dict[str, Any], index: int, grads: Sequence[torch.Tensor | None]
-    ) -> None:
-        """AdamW for one group. A parameter without a local gradient takes a zero one where
-        another rank has a gradient, as a Muon parameter does, so replicas and step counts
-        stay equal: one launch each, skipped on the device where no rank has a gradient."""
-        members = self._adamw_members[index]
-        present = [i for i in members if grads[i] is not None]
-        if present:
-            self._adamw_launch(group, index, present, grads, self.agreement.found_inf)
-        for i in members:
-            if grads[i] is None:
-                skip = torch.maximum(self.agreement.found_inf, 1.0 - self.agreement.flags[i])
-                zero = torch.zeros_like(self._adamw_tensors[i][0])
-                self._adamw_launch(group, index, [i], {i: zero}, skip)
-
-    def _adamw_launch(
-        self,
-        group: dict[str, Any],
-        index: int,
-        members: Sequence[int],
-        grads: Sequence[torch.Tensor | None] | dict[int, torch.Tensor],
-        found_inf: torch.Tensor,
-    ) -> None:
-        tensors = self._adamw_tensors
-        beta1, beta2 = group["betas"]
-        cuda = self.device.type == "cuda"
-        adamw_update(
-            [tensors[i][0] for i in members],
-            [cast(torch.Tensor, grads[i]) for i in members],
-            [tensors[i][1] for i in members],
-            [tensors[i][2] for i in members],
-            [],
-            [tensors[i][3] for i in members],
-            fused=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=self._lr_views[index] if cuda else group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-            found_inf=found_inf,
-        )
-
-
-def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
-    missing = [i for i, g in enumerate(grads) if g is None]
-    if missing:
         raise RuntimeError(
-            f"cuda_graph=True: {len(missing)} parameters have no gradient this step; a "
-            "captured step reads every gradient tensor in place, so keep them between "
-            "steps with zero_grad(set_to_none=False), or use cuda_graph=False"
+            f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
+            "Newton–Schulz or the read or write of an update raised an exception (raised "
+            f"there, with its traceback); {kept}"
         )
-
-
-def _norm_limit(group: dict[str, Any]) -> float:
-    """The largest gradient norm a Muon parameter of ``group`` takes: its momentum stays
-    below ``norm / (1 - momentum)``, and Newton–Schulz's input must stay below
-    :data:`NS_NORM_LIMIT`. AdamW parameters have none."""
-    if group["algorithm"] != "muon":
-        return math.inf
-    return NS_NORM_LIMIT * (1.0 - float(group["momentum"]))
+    if outcome.failed_rank is not None:
+        raise RuntimeError(
+            f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
+            "refused its inputs and raised an error naming them; parameters and state "
+            "were left as they were on every rank; fix that rank's inputs"
+        )
+    if outcome.nonfinite_grads:
+        reason = f"non-finite gradient in {', '.join(outcome.nonfinite_grads)}"
+    elif outcome.overflowing_grads:
+        reason = (
+            f"gradient norm too large in {', '.join(outcome.overflowing_grads)} (finite, "
+            f"but above {NS_NORM_LIMIT:.2g}·(1 - momentum), where Newton–Schulz's "
+            "normalisation would overflow fp32)"
+        )
+    else:
+        reason = f"non-finite Newton–Schulz result for {', '.join(outcome.nonfinite_results)}"
+    if nonfinite == "skip_step":
+        for group in groups:
+            group["skipped_steps"] += 1
+        logger.warning(
+            "muon_dist.Muon: skipped step %d (%s); %d skipped so far",
+            step,
+            reason,
+            groups[0]["skipped_steps"],
+        )
+        return
+    if outcome.nonfinite_grads or outcome.overflowing_grads:
+        raise FloatingPointError(
+            f"muon_dist.Muon step {step}: {reason}; parameters and state were left as "
+            "they were; fix the loss (or clip gradients) or pass nonfinite='skip_step' "
+            "to skip such steps"
+        )
+    raise FloatingPointError(
+        f"muon_dist.Muon step {step}: Newton–Schulz returned non-finite values for "
+        f"{', '.join(outcome.nonfinite_results)} although every gradient was finite; "
+        "either a momentum grew past a Frobenius norm of about 1.8e19 (lower the lr or "
+        "clip gradients) or a kernel or device failed (try backend='torch'); those "
+        "parameters were updated"
+    )
 
 
 def _split_by_algorithm(

@@ -1,6 +1,6 @@
 """Where every matrix is orthogonalized and how its shards travel: pure functions, no comms.
 
-Each rank calls :func:`build_plan` with the same parameter layouts and gets the same global
+Each rank calls :func:`build_plan` with the same view placements and gets the same global
 decisions (owners, blocks, buckets); :func:`build_plan` then keeps the part that concerns
 the calling rank. Geometry follows DTensor's ``torch.chunk`` rule, which FSDP2 uses too, so
 uneven and empty shards need no special case.
@@ -27,8 +27,8 @@ REPLICA_MODES = ("split", "redundant")
 
 
 @dataclass(frozen=True)
-class ParamLayout:
-    """How one Muon parameter is laid out over ranks, and how it is viewed as matrices.
+class ViewPlacement:
+    """How one matrix view of a Muon parameter lies over ranks (its placement).
 
     ``shard_dims[i]`` is the tensor dim that mesh dim ``i`` shards, or None where it
     replicates; ``mesh_ranks`` lists the mesh's global ranks in row-major order.
@@ -48,21 +48,16 @@ class ParamLayout:
             raise ValueError(f"{self.name}: one placement per mesh dim is needed")
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def layout_of(
+def placement_of(
     param: torch.Tensor,
     name: str,
     view: MatrixView,
     ranks: Sequence[int],
     ns_key: Hashable = None,
-) -> ParamLayout:
+) -> ViewPlacement:
     """Read a parameter's mesh and placements; plain tensors count as replicated on ``ranks``."""
     if not isinstance(param, DTensor):
-        return ParamLayout(name, view, (len(ranks),), tuple(ranks), (None,), ns_key)
+        return ViewPlacement(name, view, (len(ranks),), tuple(ranks), (None,), ns_key)
     shard_dims: list[int | None] = []
     for placement in param.placements:
         if type(placement) is Shard:
@@ -76,7 +71,7 @@ def layout_of(
                 "and a strided shard is not a box); redistribute it before the optimizer"
             )
     mesh = param.device_mesh
-    return ParamLayout(
+    return ViewPlacement(
         name,
         view,
         tuple(mesh.shape),
@@ -112,31 +107,31 @@ def _adjacent_on_dim0(a: Box, b: Box) -> bool:
     return a[1:] == b[1:] and a[0][1] == b[0][0]
 
 
-def mesh_coords(layout: ParamLayout) -> dict[int, tuple[int, ...]]:
+def mesh_coords(placement: ViewPlacement) -> dict[int, tuple[int, ...]]:
     """Global rank -> coordinate in the parameter's mesh."""
-    coords = itertools.product(*(range(s) for s in layout.mesh_shape))
-    return dict(zip(layout.mesh_ranks, coords, strict=True))
+    coords = itertools.product(*(range(s) for s in placement.mesh_shape))
+    return dict(zip(placement.mesh_ranks, coords, strict=True))
 
 
-def local_boxes(layout: ParamLayout) -> dict[int, Box]:
+def local_boxes(placement: ViewPlacement) -> dict[int, Box]:
     """Global rank -> the box of the full parameter its local shard holds (torch.chunk rule)."""
     out: dict[int, Box] = {}
-    for rank, coord in mesh_coords(layout).items():
-        box = [(0, s) for s in layout.view.shape]
-        for mesh_dim, tensor_dim in enumerate(layout.shard_dims):
+    for rank, coord in mesh_coords(placement).items():
+        box = [(0, s) for s in placement.view.shape]
+        for mesh_dim, tensor_dim in enumerate(placement.shard_dims):
             if tensor_dim is None:
                 continue
             lo, hi = box[tensor_dim]
-            chunk = -(-(hi - lo) // layout.mesh_shape[mesh_dim])
+            chunk = -(-(hi - lo) // placement.mesh_shape[mesh_dim])
             start = min(lo + coord[mesh_dim] * chunk, hi)
             box[tensor_dim] = (start, min(start + chunk, hi))
         out[rank] = tuple(box)
     return out
 
 
-def local_rows(layout: ParamLayout, rank: int) -> tuple[int, int]:
+def local_rows(placement: ViewPlacement, rank: int) -> tuple[int, int]:
     """The dim-0 range of the full parameter in ``rank``'s local shard (empty off its mesh)."""
-    box = local_boxes(layout).get(rank)
+    box = local_boxes(placement).get(rank)
     return box[0] if box is not None else (0, 0)
 
 
@@ -154,7 +149,7 @@ def ns_cost(rows: int, cols: int, steps: int = 5) -> float:
 class Block:
     """Consecutive matrices of one parameter, orthogonalized together on one owner."""
 
-    param: int
+    view: int
     start: int
     stop: int
     owner: int
@@ -170,7 +165,7 @@ class Block:
 
 @dataclass
 class _Job:
-    param: int
+    view: int
     matrix: int
     part: tuple[int, ...]
     holders: dict[int, Box]
@@ -179,14 +174,16 @@ class _Job:
     owner: int = -1
 
 
-def _jobs(layouts: Sequence[ParamLayout], replica_mode: str, steps_of: Sequence[int]) -> list[_Job]:
+def _jobs(
+    placements: Sequence[ViewPlacement], replica_mode: str, steps_of: Sequence[int]
+) -> list[_Job]:
     jobs: list[_Job] = []
-    for p_index, layout in enumerate(layouts):
-        boxes = local_boxes(layout)
-        coords = mesh_coords(layout)
-        replica_dims = [i for i, d in enumerate(layout.shard_dims) if d is None]
-        view = layout.view
-        cost = ns_cost(view.rows, view.cols, steps_of[p_index])
+    for v_index, placement in enumerate(placements):
+        boxes = local_boxes(placement)
+        coords = mesh_coords(placement)
+        replica_dims = [i for i, d in enumerate(placement.shard_dims) if d is None]
+        view = placement.view
+        cost = ns_cost(view.rows, view.cols, steps_of[v_index])
         for matrix in range(view.count):
             mbox = view.box(matrix, matrix + 1)
             parts: dict[tuple[int, ...], dict[int, Box]] = defaultdict(dict)
@@ -201,7 +198,7 @@ def _jobs(layouts: Sequence[ParamLayout], replica_mode: str, steps_of: Sequence[
                 )
                 parts[key][rank] = piece
             for part, holders in sorted(parts.items()):
-                jobs.append(_Job(p_index, matrix, part, holders, tuple(sorted(holders)), cost))
+                jobs.append(_Job(v_index, matrix, part, holders, tuple(sorted(holders)), cost))
     return jobs
 
 
@@ -227,7 +224,7 @@ def assign_owners(jobs: Sequence[_Job]) -> dict[int, float]:
             current, rank = heapq.heappop(heap)
             counts[rank] += 1
             heapq.heappush(heap, (current + cost, rank))
-        members.sort(key=lambda j: (j.param, j.part, j.matrix))
+        members.sort(key=lambda j: (j.view, j.part, j.matrix))
         cursor = 0
         for rank in candidates:
             for job in members[cursor : cursor + counts[rank]]:
@@ -262,15 +259,15 @@ def _extend(old: list[tuple[int, Box]], new: list[tuple[int, Box]]) -> list[tupl
 
 
 def _blocks(
-    layouts: Sequence[ParamLayout], jobs: Sequence[_Job], max_block_bytes: int, itemsize: int
+    placements: Sequence[ViewPlacement], jobs: Sequence[_Job], max_block_bytes: int, itemsize: int
 ) -> list[Block]:
     """Owner-contiguous runs of matrices whose pieces all grow along dim 0 become one block."""
-    coords = [mesh_coords(layout) for layout in layouts]
+    coords = [mesh_coords(placement) for placement in placements]
     blocks: list[Block] = []
     last_part: tuple[int, ...] | None = None
-    for job in sorted(jobs, key=lambda j: (j.param, j.part, j.matrix)):
-        view = layouts[job.param].view
-        sources = _choose_sources(job, coords[job.param])
+    for job in sorted(jobs, key=lambda j: (j.view, j.part, j.matrix)):
+        view = placements[job.view].view
+        sources = _choose_sources(job, coords[job.view])
         returns = sorted((r, piece) for r, piece in job.holders.items() if r != job.owner)
         prev = blocks[-1] if blocks else None
         fits = prev is not None and (
@@ -280,7 +277,7 @@ def _blocks(
             prev is not None
             and fits
             and last_part == job.part
-            and (prev.param, prev.stop, prev.owner) == (job.param, job.matrix, job.owner)
+            and (prev.view, prev.stop, prev.owner) == (job.view, job.matrix, job.owner)
             and _grows(prev.sources, sources)
             and _grows(prev.returns, returns)
         ):
@@ -293,7 +290,7 @@ def _blocks(
             box = view.box(job.matrix, job.matrix + 1)
             blocks.append(
                 Block(
-                    job.param,
+                    job.view,
                     job.matrix,
                     job.matrix + 1,
                     job.owner,
@@ -317,7 +314,7 @@ def _buckets(blocks: Sequence[Block], bucket_bytes: int, itemsize: int) -> list[
     slot of its own.
     """
     queues: dict[int, deque[Block]] = {}
-    for block in sorted(blocks, key=lambda b: (-b.cost / (b.stop - b.start), b.param, b.start)):
+    for block in sorted(blocks, key=lambda b: (-b.cost / (b.stop - b.start), b.view, b.start)):
         queues.setdefault(block.owner, deque()).append(block)
     buckets: list[list[Block]] = []
     while any(queues.values()):
@@ -342,7 +339,7 @@ class LocalPiece:
     """A piece of this rank's local shard that is sent to, or received from, ``peer``."""
 
     peer: int
-    param: int
+    view: int
     slices: Slices
     shape: tuple[int, ...]
 
@@ -361,7 +358,7 @@ class BlockPiece:
 class OwnedBlock:
     """A block this rank orthogonalizes; ``own_slices`` maps its own shard into the block."""
 
-    param: int
+    view: int
     start: int
     stop: int
     shape: tuple[int, ...]
@@ -396,19 +393,19 @@ class Plan:
 
 
 def local_pieces(plan: Plan) -> tuple[dict[int, list[Slices]], dict[int, list[Slices]]]:
-    """Per layout, the pieces of this rank's local shard read as Newton–Schulz input, and
+    """Per view, the pieces of this rank's local shard read as Newton–Schulz input, and
     the pieces a result is written to, over the whole step."""
     reads: dict[int, list[Slices]] = defaultdict(list)
     writes: dict[int, list[Slices]] = defaultdict(list)
     for bucket in plan.buckets:
         for block in bucket.owned:
             if block.own_slices is not None:
-                reads[block.param].append(block.own_slices[0])
-                writes[block.param].append(block.own_slices[0])
+                reads[block.view].append(block.own_slices[0])
+                writes[block.view].append(block.own_slices[0])
         for piece in bucket.gather_sends:
-            reads[piece.param].append(piece.slices)
+            reads[piece.view].append(piece.slices)
         for piece in bucket.scatter_recvs:
-            writes[piece.param].append(piece.slices)
+            writes[piece.view].append(piece.slices)
     return reads, writes
 
 
@@ -446,32 +443,32 @@ def split_sizes(pieces: Sequence[LocalPiece] | Sequence[BlockPiece], world_size:
 
 def _rank_bucket(
     bucket: Sequence[Block],
-    layouts: Sequence[ParamLayout],
+    placements: Sequence[ViewPlacement],
     rank: int,
     boxes: Sequence[dict[int, Box]],
 ) -> BucketPlan:
     plan = BucketPlan(
-        names=tuple(sorted({layouts[b.param].name for b in bucket})),
+        names=tuple(sorted({placements[b.view].name for b in bucket})),
         communicates=any(b.crosses_ranks for b in bucket),
     )
     for block in bucket:
-        mine = boxes[block.param].get(rank)
+        mine = boxes[block.view].get(rank)
         if block.owner == rank:
             index = len(plan.owned)
-            view = layouts[block.param].view
+            view = placements[block.view].view
             own = intersect(mine, block.box) if mine is not None else None
             own_slices = None
             if own and mine is not None:
                 own_slices = (relative_slices(own, mine), relative_slices(own, block.box))
             plan.owned.append(
                 OwnedBlock(
-                    block.param,
+                    block.view,
                     block.start,
                     block.stop,
                     box_shape(block.box),
                     view.rows,
                     view.cols,
-                    layouts[block.param].ns_key,
+                    placements[block.view].ns_key,
                     own_slices,
                 )
             )
@@ -491,14 +488,14 @@ def _rank_bucket(
             if src == rank:
                 plan.gather_sends.append(
                     LocalPiece(
-                        block.owner, block.param, relative_slices(piece, mine), box_shape(piece)
+                        block.owner, block.view, relative_slices(piece, mine), box_shape(piece)
                     )
                 )
         for dst, piece in block.returns:
             if dst == rank:
                 plan.scatter_recvs.append(
                     LocalPiece(
-                        block.owner, block.param, relative_slices(piece, mine), box_shape(piece)
+                        block.owner, block.view, relative_slices(piece, mine), box_shape(piece)
                     )
                 )
     # Pack per peer; the stable sort keeps block order, which sender and receiver share.
@@ -507,7 +504,7 @@ def _rank_bucket(
     return plan
 
 
-def _by_stack(bucket: Sequence[Block], layouts: Sequence[ParamLayout]) -> list[Block]:
+def _by_stack(bucket: Sequence[Block], placements: Sequence[ViewPlacement]) -> list[Block]:
     """Each owner's blocks of a bucket with those of one stack (same matrix shape and
     Newton–Schulz schedule) next to each other, stacks in the order they first appear.
 
@@ -517,15 +514,15 @@ def _by_stack(bucket: Sequence[Block], layouts: Sequence[ParamLayout]) -> list[B
     first: dict[tuple[int, int, int, Hashable], int] = {}
     keys = []
     for block in bucket:
-        layout = layouts[block.param]
-        stack = (block.owner, layout.view.rows, layout.view.cols, layout.ns_key)
+        placement = placements[block.view]
+        stack = (block.owner, placement.view.rows, placement.view.cols, placement.ns_key)
         keys.append((block.owner, first.setdefault(stack, len(first))))
     order = sorted(range(len(bucket)), key=keys.__getitem__)
     return [bucket[i] for i in order]
 
 
 def build_plan(
-    layouts: Sequence[ParamLayout],
+    placements: Sequence[ViewPlacement],
     rank: int,
     world_size: int,
     *,
@@ -534,18 +531,18 @@ def build_plan(
     replica_mode: str = "split",
     steps: Sequence[int] | None = None,
 ) -> Plan:
-    """Decide owners, blocks and buckets for all layouts, and keep ``rank``'s share."""
+    """Decide owners, blocks and buckets for all placements, and keep ``rank``'s share."""
     if replica_mode not in REPLICA_MODES:
         raise ValueError(f"replica_mode={replica_mode!r}; choose one of {list(REPLICA_MODES)}")
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    steps_of = list(steps) if steps is not None else [5] * len(layouts)
-    jobs = _jobs(layouts, replica_mode, steps_of)
+    steps_of = list(steps) if steps is not None else [5] * len(placements)
+    jobs = _jobs(placements, replica_mode, steps_of)
     load = assign_owners(jobs)
-    blocks = _blocks(layouts, jobs, bucket_bytes, itemsize)
-    boxes = [local_boxes(layout) for layout in layouts]
+    blocks = _blocks(placements, jobs, bucket_bytes, itemsize)
+    boxes = [local_boxes(placement) for placement in placements]
     buckets = [
-        _rank_bucket(_by_stack(bucket, layouts), layouts, rank, boxes)
+        _rank_bucket(_by_stack(bucket, placements), placements, rank, boxes)
         for bucket in _buckets(blocks, bucket_bytes, itemsize)
     ]
     return Plan(rank, world_size, buckets, load, blocks)

@@ -20,8 +20,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from muon_dist.groups import Peers
-from muon_dist.plan import layout_of, local, local_rows
+from muon_dist.plan import local_rows, placement_of
 from muon_dist.routing import is_positive_int, matrix_view
+from muon_dist.tensors import local
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ class QKClipper:
         if index is None:
             index = len(self.tensors)
             self.tensors.append(tensor)
-            layout = layout_of(tensor, name, matrix_view(tensor.shape), self.holders.ranks)
+            layout = placement_of(tensor, name, matrix_view(tensor.shape), self.holders.ranks)
             self.rows.append(local_rows(layout, rank))
         return _Block(index, start, stop, heads)
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from muon_dist.update_rule import lr_scale as _shape_scale
+
 logger = logging.getLogger(__name__)
 
 Box = tuple[tuple[int, int], ...]
@@ -142,14 +144,6 @@ class MatrixView:
             cut = "+".join(str(s) for s in sizes)
             text += f" parts {cut}" + (f" x{groups} interleaved" if groups > 1 else "")
         return text
-
-
-def _shape_scale(out_dim: int, in_dim: int, adjust_lr: str | None) -> float:
-    if adjust_lr == "spectral_norm":
-        return math.sqrt(max(1.0, out_dim / in_dim))
-    if adjust_lr == "rms_norm":
-        return 0.2 * math.sqrt(max(out_dim, in_dim))
-    return 1.0
 
 
 def is_positive_int(value: Any) -> bool:

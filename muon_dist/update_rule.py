@@ -1,28 +1,37 @@
-"""The Muon update rule, written once, as functions of one matrix's tensors.
+"""The Muon update rule: what a step computes, written once.
 
-Before Newton–Schulz (:func:`pre_orthogonalize_`): advance the momentum, ``m ← β·m + g``,
-and write the orthogonalization input, ``g + μ·m`` (Nesterov) or ``m``. After it
-(:func:`post_orthogonalize_`): cautious or decoupled weight decay, then the scaled update,
-``W ← d·W + s·O``. Every scalar that follows the learning rate (``d``, ``s``, the cautious
-rate) and the ``keep`` flag are one-element tensors in device memory, so neither the rule
-nor a captured CUDA graph of it reads them on the host. Magma enters as a per-row ``s``
-(its damping per matrix), cautious decay as a sign mask.
+:func:`muon_update_` is the rule for one matrix, to be read against the algorithm
+(see :class:`muon_dist.Muon`); every other function here computes a part of it for many
+pieces at once, in torch (multi-tensor launches) or in a fused Triton pass, and the tests
+(``tests/test_update_rule.py``) check each of them against it. The rest of the step only
+decides how pieces are batched and moved, never what is computed.
 
-``keep`` is how the step obeys its agreement without a host branch: where it is 0 (no
-gradient on any rank, or a non-finite gradient somewhere) the momentum and the weights
-stay bitwise as they were, and the Newton–Schulz input is zero, which orthogonalizes to
-zero. Each function has a torch form and a fused Triton form computing the same formula
-in fp32; :func:`fused_form` is the one place that chooses between them.
+Every scalar that follows the learning rate (decay factor, cautious rate, step size) and
+the ``keep`` flag are tensors in device memory, so neither the rule nor a captured CUDA
+graph of it reads them on the host. ``keep`` is how a step obeys its agreement without a
+host branch: where it is 0 (no gradient on any rank, or a non-finite gradient somewhere)
+the momentum, the Magma score and the weights stay bitwise as they were, and the
+Newton–Schulz input is zero, which orthogonalizes to zero. :func:`fused_form` is the one
+place that chooses between the torch and the fused form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from muon_dist.flat import Span
 from muon_dist.kernels.availability import triton_available
+
+if TYPE_CHECKING:
+    from muon_dist.flat import Span
+
+# Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
+# an EMA of (1 + cos(momentum, gradient)) / 2 over steps, started at 1 (no damping).
+MAGMA_MIN_SCALE = 0.1
+MAGMA_EPS = 1e-12
 
 # Below this many elements the fused pass loses: a Triton launch costs about 20 us of CPU
 # against 12-18 us for torch's two kernels, and a small piece moves few bytes either way. On
@@ -31,18 +40,91 @@ from muon_dist.kernels.availability import triton_available
 FUSED_MIN_NUMEL = 1 << 21
 
 
-def fused_form(backend: str, *tensors: torch.Tensor) -> bool:
-    """Whether the fused Triton form runs on these tensors, under the optimizer's backend.
+def muon_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum: torch.Tensor,
+    orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    lr: torch.Tensor,
+    weight_decay: torch.Tensor,
+    beta: float,
+    nesterov: bool,
+    scale: float,
+    keep: torch.Tensor,
+    cautious: bool = False,
+    magma_score: torch.Tensor | None = None,
+    magma_beta: float = 0.9,
+) -> None:
+    """One Muon step of one matrix, in place: the reference for every form below.
 
-    "torch" never fuses; "triton" fuses every contiguous CUDA tensor; "auto" only those of
-    at least :data:`FUSED_MIN_NUMEL` elements, where the fused pass measured faster.
+    ``lr`` and ``weight_decay`` are fp32 device scalars and ``keep`` a bool one, as the
+    step holds them; ``scale`` is the lr scale of the full matrix shape (:func:`lr_scale`).
     """
-    first = tensors[0]
-    if backend == "torch" or not first.is_cuda:
-        return False
-    if backend == "auto" and first.numel() < FUSED_MIN_NUMEL:
-        return False
-    return all(t.shape == first.shape and t.is_contiguous() for t in tensors) and triton_available()
+    advanced = advance_momentum(grad, momentum, beta)
+    store_momentum_(momentum, advanced, keep)
+    ortho = orthogonalize(momentum_input(grad, advanced, nesterov_mix(beta, nesterov)))
+    kept = keep.float()
+    rate = decay_rate(lr, weight_decay, kept)
+    step = step_size(lr, kept, torch.tensor(-scale))
+    if magma_score is not None:
+        dot, mm, gg = magma_sums(advanced, grad).sum(1)
+        magma_score_(magma_score, dot, mm, gg, beta=magma_beta, keep=keep)
+        step = magma_damping(magma_score) * step
+    ortho = torch.where(keep, ortho, 0.0)
+    post_orthogonalize_(
+        param,
+        ortho,
+        step=step,
+        keep=keep,
+        decay=None if cautious else decay_factor(rate),
+        cautious=rate if cautious else None,
+    )
+
+
+# -- scalars ----------------------------------------------------------------------------
+
+
+def lr_scale(out_dim: int, in_dim: int, adjust_lr: str | None) -> float:
+    """Learning-rate multiplier of a matrix, from its full shape (never a shard's)."""
+    if adjust_lr == "spectral_norm":
+        return math.sqrt(max(1.0, out_dim / in_dim))
+    if adjust_lr == "rms_norm":
+        return 0.2 * math.sqrt(max(out_dim, in_dim))
+    return 1.0
+
+
+def nesterov_mix(beta: float, nesterov: bool) -> float | None:
+    """The weight of the momentum in Newton–Schulz's input ``g + mix·m``; None for ``m``."""
+    return beta if nesterov else None
+
+
+def decay_rate(lr: torch.Tensor, weight_decay: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``lr·wd`` where kept (1.0), 0 elsewhere: the cautious rate, or 1 − the decay factor."""
+    return lr * weight_decay * kept
+
+
+def decay_factor(rate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decoupled weight decay's factor ``1 − lr·wd``."""
+    return torch.sub(1.0, rate, out=out)
+
+
+def step_size(
+    lr: torch.Tensor,
+    kept: torch.Tensor,
+    neg_scale: torch.Tensor,
+    *,
+    index: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``−lr·scale`` where kept, 0 elsewhere; ``index`` picks per piece from per tensor."""
+    lr_kept = lr * kept
+    if index is not None:
+        lr_kept = lr_kept.index_select(0, index)
+    return torch.mul(lr_kept, neg_scale, out=out)
+
+
+# -- before Newton–Schulz ---------------------------------------------------------------
 
 
 def advance_momentum(
@@ -59,15 +141,19 @@ def advance_momenta(
     return torch._foreach_add(list(grads), list(momenta), alpha=beta)
 
 
+def momentum_input(grad: torch.Tensor, advanced: torch.Tensor, mix: float | None) -> torch.Tensor:
+    """Newton–Schulz's input from an advanced momentum: ``g + mix·m``, or ``m``."""
+    return advanced if mix is None else torch.add(grad, advanced, alpha=mix)
+
+
 def ns_inputs_(
     grads: Sequence[torch.Tensor],
     momenta: Sequence[torch.Tensor],
     outs: Sequence[torch.Tensor],
     mix: float | None,
 ) -> None:
-    """Write Newton–Schulz's inputs from advanced momenta into ``outs``: ``g + mix·m``, or
-    ``m`` when ``mix`` is None, computed in the momentum's dtype and cast on the copy; one
-    foreach launch per step of the formula, however many pieces."""
+    """:func:`momentum_input` of every piece into ``outs``, computed in the momentum's dtype
+    and cast on the copy; one foreach launch per step of the formula, however many pieces."""
     if mix is None:
         torch._foreach_copy_(list(outs), list(momenta))
     else:
@@ -142,6 +228,45 @@ def mask_stack_(stack: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
     return stack.masked_fill_(dropped.view(-1, 1, 1), 0.0)
 
 
+# -- Magma ------------------------------------------------------------------------------
+
+
+def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Per dim-0 row, ``[m·g, m·m, g·g]`` in fp32 (shape ``[3, rows]``); summed over a
+    matrix's rows (on every rank that holds some) they give its cosine."""
+    m, g = momentum.float(), grad.float()
+    dims = tuple(range(1, m.ndim))
+    return torch.stack([(m * g).sum(dims), m.square().sum(dims), g.square().sum(dims)])
+
+
+def magma_score_(
+    score: torch.Tensor,
+    dot: torch.Tensor,
+    mm: torch.Tensor,
+    gg: torch.Tensor,
+    *,
+    beta: float,
+    keep: torch.Tensor,
+) -> None:
+    """Advance each matrix's score, an EMA of ``(1 + cos(m, g)) / 2``, where ``keep``."""
+    cosine = (dot / (mm.sqrt() * gg.sqrt()).clamp_min(MAGMA_EPS)).clamp(-1.0, 1.0)
+    new = score * beta + (1.0 + cosine) / 2.0 * (1.0 - beta)
+    torch.where(keep, new, score, out=score)
+
+
+def magma_damping(score: torch.Tensor) -> torch.Tensor:
+    """Each matrix's factor on its step: ``MIN + (1 − MIN)·score``."""
+    return MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score
+
+
+# -- after Newton–Schulz ----------------------------------------------------------------
+
+
+def decay_(params: Sequence[torch.Tensor], factors: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    """Decoupled weight decay of whole tensors before their writes, one launch for all."""
+    torch._foreach_mul_(list(params), factors)  # type: ignore[arg-type]
+
+
 def post_orthogonalize_(
     param: torch.Tensor,
     update: torch.Tensor,
@@ -155,11 +280,12 @@ def post_orthogonalize_(
     """``param ← d·param + step·update``.
 
     ``decay`` is given where this write also applies the decoupled decay (otherwise it ran
-    over the whole tensor before); ``cautious`` is the rate of cautious decay, applied only
-    where the update and the weight share a sign. ``step`` is one element, or one per row
-    of ``param`` (Magma). Where ``keep`` is false the caller passes scalars with no effect
-    (decay 1, step and cautious rate 0) and a finite update (:func:`mask_stack_` makes it
-    zero), so the torch form needs no mask; the fused form also skips the write there.
+    over the whole tensor before, :func:`decay_`); ``cautious`` is the rate of cautious
+    decay, applied only where the update and the weight share a sign. ``step`` is one
+    element, or one per row of ``param`` (Magma). Where ``keep`` is false the caller passes
+    scalars with no effect (decay 1, step and cautious rate 0) and a finite update
+    (:func:`mask_stack_` makes it zero), so the torch form needs no mask; the fused form
+    also skips the write there.
     """
     if fused and decay is not None and cautious is None and step.numel() == 1:
         from muon_dist.kernels.triton_elementwise import decay_and_update_triton
@@ -172,3 +298,49 @@ def post_orthogonalize_(
     if decay is not None:
         param.mul_(decay)
     param.addcmul_(update, step)
+
+
+def drop_unkept(update: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The update where ``keep``, zero elsewhere: an update computed before the step was
+    agreed may be non-finite there, and a zero step would not cancel it."""
+    return torch.where(keep, update, 0.0)
+
+
+def updates_(
+    params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]
+) -> None:
+    """:func:`post_orthogonalize_` without decay for many pieces, one foreach launch."""
+    torch._foreach_addcmul_(list(params), list(updates), list(steps))
+
+
+def shared_step_updates_(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    step: torch.Tensor,
+    scratch: torch.Tensor,
+    scaled: Sequence[torch.Tensor],
+    ok: torch.Tensor | None = None,
+) -> None:
+    """``param += step·update`` for pieces that share one step: cast the updates into
+    ``scaled`` (views of ``scratch``, shaped like the params), scale, add; three launches
+    for all. With ``ok`` (the step's flag) the scaled updates are zeroed where it is false,
+    in one pass over ``scratch`` (see :func:`drop_unkept`)."""
+    torch._foreach_copy_(list(scaled), list(updates))
+    torch._foreach_mul_(list(scaled), step)
+    if ok is not None:
+        scratch.masked_fill_(ok.logical_not(), 0.0)
+    torch._foreach_add_(list(params), list(scaled))
+
+
+def fused_form(backend: str, *tensors: torch.Tensor) -> bool:
+    """Whether the fused Triton form runs on these tensors, under the optimizer's backend.
+
+    "torch" never fuses; "triton" fuses every contiguous CUDA tensor; "auto" only those of
+    at least :data:`FUSED_MIN_NUMEL` elements, where the fused pass measured faster.
+    """
+    first = tensors[0]
+    if backend == "torch" or not first.is_cuda:
+        return False
+    if backend == "auto" and first.numel() < FUSED_MIN_NUMEL:
+        return False
+    return all(t.shape == first.shape and t.is_contiguous() for t in tensors) and triton_available()

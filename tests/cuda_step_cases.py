@@ -81,7 +81,7 @@ def fsdp_capture_worker(rank: int, world_size: int) -> dict[str, object]:
             opt.zero_grad(set_to_none=False)
         for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
             worst = max(worst, (a.full_tensor() - b.full_tensor()).abs().max().item())
-    graph = runs[1][1]._step_runner().graph
+    graph = runs[1][1].runner.graph
     captured = graph is not None and graph.captured
     for _, opt in runs:
         opt.check_finite()

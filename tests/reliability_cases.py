@@ -72,7 +72,7 @@ def no_gradient_anywhere_is_left_alone() -> None:
 
 
 def nonfinite_result_on_one_rank_skips_everywhere() -> None:
-    import muon_dist.muon_step as optimizer_module
+    import muon_dist.muon_phase as optimizer_module
 
     fulls_params = [_sharded((10, 6), 4), _sharded((6, 10), 5)]
     params = [p for _, p in fulls_params]
@@ -178,9 +178,10 @@ def adamw_gradient_on_some_ranks_only_counts_as_zero() -> None:
 
 def _exception_on_one_rank_is_agreed(site: str, policies: tuple[str, ...]) -> None:
     """``site`` raises on rank 1 only: it raises that, the others name it; no hang."""
-    import muon_dist.muon_step as step_module
+    import muon_dist.muon_phase as step_module
+    import muon_dist.piece_io as io_module
 
-    owner: object = step_module if site == "newton_schulz" else step_module.MuonStep
+    owner: object = step_module if site == "newton_schulz" else io_module.PieceIO
     pairs = [_sharded((10, 6), 11), _sharded((6, 10), 12)]
     params = [p for _, p in pairs]
     original = getattr(owner, site)
@@ -220,12 +221,12 @@ def exception_in_newton_schulz_on_one_rank_is_agreed() -> None:
 
 
 def exception_reading_an_update_on_one_rank_is_agreed() -> None:
-    _exception_on_one_rank_is_agreed("_read_updates", ("skip_step", "raise"))
+    _exception_on_one_rank_is_agreed("read", ("skip_step", "raise"))
 
 
 def exception_writing_an_update_on_one_rank_is_agreed() -> None:
     # Only under "raise": a transactional step writes after the ranks' last agreement.
-    _exception_on_one_rank_is_agreed("_write_all", ("raise",))
+    _exception_on_one_rank_is_agreed("write", ("raise",))
 
 
 def full_momentum_for_a_sharded_parameter_is_refused() -> None:

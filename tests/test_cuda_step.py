@@ -97,7 +97,7 @@ def test_captured_step_matches_eager_under_an_lr_schedule() -> None:
     steps = range(6)
     expected = _run(eager_params, eager, steps)
     got = _run(graph_params, graphed, steps)
-    assert graphed._step_runner().graph is not None and graphed._step_runner().graph.captured
+    assert graphed.runner.graph is not None and graphed.runner.graph.captured
     for a, b in zip(expected, got, strict=True):
         _close(a, b)
 

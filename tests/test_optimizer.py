@@ -271,7 +271,7 @@ def test_passes_fuse_only_where_a_shard_is_read_or_written_once() -> None:
         ],
         weight_decay=0.1,
     )
-    muon = opt._step_runner().muon
+    muon = opt.runner.muon
     assert muon is not None
     entries = muon.entries
     labels = [e.name for e in entries]

@@ -9,14 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from muon_dist.bucket_map import bucket_map, region_views, stack_specs
 from muon_dist.comm import flat_views
 from muon_dist.groups import Peers
 from muon_dist.plan import (
     BucketPlan,
     OwnedBlock,
-    ParamLayout,
     Plan,
     Slices,
+    ViewPlacement,
     box_shape,
     build_plan,
     covers_exactly,
@@ -27,7 +28,6 @@ from muon_dist.plan import (
     split_sizes,
 )
 from muon_dist.routing import matrix_view
-from muon_dist.runtime.bucket_task import bucket_layout, region_views, stack_layouts
 
 
 def _layout(
@@ -36,8 +36,8 @@ def _layout(
     mesh: tuple[int, ...],
     dims: tuple[int | None, ...],
     **view: object,
-) -> ParamLayout:
-    return ParamLayout(
+) -> ViewPlacement:
+    return ViewPlacement(
         name,
         matrix_view(shape, name=name, **view),
         mesh,
@@ -59,7 +59,7 @@ def test_local_boxes_follow_torch_chunk() -> None:
                 assert list(range(start, stop)) == expected
 
 
-def _simulate(layouts: list[ParamLayout], world: int, replica_mode: str = "split") -> list[Plan]:
+def _simulate(layouts: list[ViewPlacement], world: int, replica_mode: str = "split") -> list[Plan]:
     """Run every rank's plan against in-memory shards, as the all-to-alls would."""
     plans = [
         build_plan(layouts, r, world, bucket_bytes=4096, itemsize=4, replica_mode=replica_mode)
@@ -82,8 +82,8 @@ def _simulate(layouts: list[ParamLayout], world: int, replica_mode: str = "split
         outbox = defaultdict(list)
         for r, plan in enumerate(plans):
             for piece in plan.buckets[b].gather_sends:
-                outbox[(r, piece.peer)].append(shards[(r, piece.param)][piece.slices])
-                read[(r, piece.param)][piece.slices] += 1
+                outbox[(r, piece.peer)].append(shards[(r, piece.view)][piece.slices])
+                read[(r, piece.view)][piece.slices] += 1
         results: dict[tuple[int, int], torch.Tensor] = {}
         for r, plan in enumerate(plans):
             bucket = plan.buckets[b]
@@ -93,25 +93,25 @@ def _simulate(layouts: list[ParamLayout], world: int, replica_mode: str = "split
             for index, ob in enumerate(bucket.owned):
                 if ob.own_slices is not None:
                     local, inside = ob.own_slices
-                    assembled[index][inside] = shards[(r, ob.param)][local]
-                    read[(r, ob.param)][local] += 1
+                    assembled[index][inside] = shards[(r, ob.view)][local]
+                    read[(r, ob.view)][local] += 1
             for piece in bucket.gather_recvs:
                 chunk = outbox[(piece.peer, r)].pop(0)
                 assert chunk.shape == piece.shape
                 assembled[piece.block][piece.slices] = chunk
             for index, ob in enumerate(bucket.owned):
-                full_box = layouts[ob.param].view.box(ob.start, ob.stop)
-                expected = fulls[ob.param][tuple(slice(a, c) for a, c in full_box)]
+                full_box = layouts[ob.view].view.box(ob.start, ob.stop)
+                expected = fulls[ob.view][tuple(slice(a, c) for a, c in full_box)]
                 assert torch.equal(assembled[index], expected), "owner assembled a wrong matrix"
                 assert (ob.stop - ob.start, ob.rows, ob.cols) == (
                     ob.stop - ob.start,
-                    layouts[ob.param].view.rows,
-                    layouts[ob.param].view.cols,
+                    layouts[ob.view].view.rows,
+                    layouts[ob.view].view.cols,
                 )
                 results[(r, index)] = assembled[index]
                 if ob.own_slices is not None:
                     local, inside = ob.own_slices
-                    written[(r, ob.param)][local] += 1
+                    written[(r, ob.view)][local] += 1
         assert all(not v for v in outbox.values()), "a sent piece was never received"
         # Scatter: results go back to every holder.
         returned = defaultdict(list)
@@ -121,8 +121,8 @@ def _simulate(layouts: list[ParamLayout], world: int, replica_mode: str = "split
         for r, plan in enumerate(plans):
             for piece in plan.buckets[b].scatter_recvs:
                 chunk = returned[(piece.peer, r)].pop(0)
-                assert torch.equal(chunk, shards[(r, piece.param)][piece.slices])
-                written[(r, piece.param)][piece.slices] += 1
+                assert torch.equal(chunk, shards[(r, piece.view)][piece.slices])
+                written[(r, piece.view)][piece.slices] += 1
         assert all(not v for v in returned.values()), "a result was never received"
     for key, count in written.items():
         assert torch.all(count == 1), f"rank/param {key}: every element updated exactly once"
@@ -170,7 +170,7 @@ def test_whole_local_matrices_need_no_communication() -> None:
 
 
 @st.composite
-def _random_layouts(draw: st.DrawFn) -> tuple[list[ParamLayout], int]:
+def _random_layouts(draw: st.DrawFn) -> tuple[list[ViewPlacement], int]:
     mesh = draw(st.sampled_from([(1,), (2,), (3,), (4,), (2, 2), (1, 3), (3, 1)]))
     world = math.prod(mesh)
     layouts = []
@@ -195,7 +195,7 @@ def _random_layouts(draw: st.DrawFn) -> tuple[list[ParamLayout], int]:
 @settings(max_examples=60, deadline=None)
 @given(_random_layouts(), st.sampled_from(["split", "redundant"]))
 def test_random_plans_move_every_element_once(
-    case: tuple[list[ParamLayout], int], mode: str
+    case: tuple[list[ViewPlacement], int], mode: str
 ) -> None:
     layouts, world = case
     plans = _simulate(layouts, world, mode)
@@ -249,7 +249,7 @@ def _old_style_views(
     bucket: BucketPlan, stacks: list[torch.Tensor], pieces: list[tuple[int, Slices]]
 ) -> list[torch.Tensor]:
     """Each piece viewed the plain way: its block's part of the stack, then the slices."""
-    layouts = stack_layouts(bucket, 0)
+    layouts = stack_specs(bucket, 0)
     block_views: dict[int, torch.Tensor] = {}
     for layout, stack in zip(layouts, stacks, strict=True):
         for block, offset in zip(layout.blocks, layout.offsets, strict=True):
@@ -266,14 +266,14 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 @settings(max_examples=60, deadline=None)
 @given(_random_layouts(), st.sampled_from(["split", "redundant"]))
 def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
-    case: tuple[list[ParamLayout], int], mode: str
+    case: tuple[list[ViewPlacement], int], mode: str
 ) -> None:
     layouts, world = case
     peers = Peers(tuple(range(world)), None)
     for rank in range(world):
         plan = build_plan(layouts, rank, world, bucket_bytes=512, itemsize=4, replica_mode=mode)
         for bucket in plan.buckets:
-            layout = bucket_layout(bucket, 0, world, peers)
+            layout = bucket_map(bucket, 0, world, peers)
             stacks = [torch.empty(s.shape) for s in layout.stacks]
             for regions_, pieces in (
                 (layout.own_regions, [(i, b.own_slices[1]) for i, b in _owned(bucket)]),
@@ -284,7 +284,7 @@ def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
                 expected = _old_style_views(bucket, stacks, pieces)
                 assert len(views) == len(expected)
                 assert all(_same_view(a, b) for a, b in zip(views, expected, strict=True))
-            assert layout.own == tuple((b.param, b.own_slices[0]) for _, b in _owned(bucket))
+            assert layout.own == tuple((b.view, b.own_slices[0]) for _, b in _owned(bucket))
             for packing_, pieces_ in (
                 (layout.gather_send, bucket.gather_sends),
                 (layout.gather_recv, bucket.gather_recvs),
@@ -313,7 +313,7 @@ def test_like_pieces_take_one_region_per_stack() -> None:
     for rank in range(2):
         plan = build_plan(layouts, rank, 2, bucket_bytes=1 << 20, itemsize=4)
         (bucket,) = plan.buckets
-        layout = bucket_layout(bucket, 0, 2, peers)
+        layout = bucket_map(bucket, 0, 2, peers)
         assert len(layout.stacks) == 3
         for regions_ in (layout.own_regions, layout.gather_regions, layout.scatter_regions):
             assert len(regions_) == 3

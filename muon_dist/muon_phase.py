@@ -1,0 +1,402 @@
+"""The Muon phase of a step, bound once to a plan: one order for every step.
+
+agree (by the caller) → scalars (:mod:`muon_dist.step_scalars`) → [momentum, Magma,
+decay] (:mod:`muon_dist.muon_state`) → buckets (:mod:`muon_dist.runtime.bucket_task`:
+Newton–Schulz input read by :mod:`muon_dist.piece_io`, gather, orthogonalize here,
+scatter, update written by :mod:`muon_dist.piece_io`). A transactional step
+(``nonfinite="skip_step"``) holds the bracketed state updates and the weight updates in a
+:class:`SkipTransaction` until all ranks agree that every Newton–Schulz result is finite;
+fusion changes which kernel runs a stage, never the order.
+
+Everything a step repeats is decided when the plan is bound: the local shards, the bucket
+maps, the device scalars, which pieces take the fused form. A steady-state step then only
+launches work: it builds no plan, reads no device value and makes new views only of its
+fresh buffers, a few per run of like pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from muon_dist.agreement import Agreement
+from muon_dist.bucket_map import BucketMap, LocalSlices, StackSpec, bucket_map
+from muon_dist.groups import CommGroups, Peers
+from muon_dist.kernels.coefficients import Coefficients
+from muon_dist.kernels.dispatch import newton_schulz
+from muon_dist.muon_state import MuonState
+from muon_dist.piece_io import LocalGrads, PieceForms, PieceIO
+from muon_dist.plan import Plan, covers_exactly, local_pieces, local_rows, placement_of
+from muon_dist.routing import MatrixView, PartSplit
+from muon_dist.runtime import run_tasks
+from muon_dist.runtime.bucket_task import bucket_task
+from muon_dist.settings import ExecutionSettings
+from muon_dist.step_scalars import MuonScalars, StepInputs
+from muon_dist.tensors import local
+from muon_dist.update_rule import decay_, fused_form, mask_stack_
+
+
+@dataclass(frozen=True)
+class MuonEntry:
+    """One matrix view of a Muon parameter, in plan order.
+
+    A parameter cut by ``split_sizes`` has one entry per row block; its matrices are
+    numbered across its views from ``first_matrix`` on (Magma keeps one score per matrix).
+    ``param_index`` is the parameter's position among the Muon parameters, ``group_index``
+    its group's position among all groups.
+    """
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    view: MatrixView
+    name: str
+    first_matrix: int
+    param_index: int
+    group_index: int
+
+
+def ns_key(group: dict[str, Any], view: MatrixView) -> tuple[int, Hashable, PartSplit | None, str]:
+    """What Newton–Schulz runs on a view's matrices besides the shape: steps, coefficients,
+    the parts the owner cuts each matrix into (with their lr scales), and the method. Groups
+    loaded from a checkpoint saved before ``ns_method`` existed lack the key: "auto", its
+    default."""
+    coefficients = group["coefficients"]
+    if not isinstance(coefficients, str):
+        coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
+    parts = view.part_split(group["adjust_lr"])
+    return (group["ns_steps"], coefficients, parts, group.get("ns_method", "auto"))
+
+
+def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tensor:
+    """For each dim-0 row of this rank's shard, which of the parameter's matrices it is in
+    (``entries`` are all the views of one parameter)."""
+    first = entries[0]
+    placement = placement_of(first.param, first.name, first.view, comm.holders.ranks)
+    lo, hi = local_rows(placement, comm.rank)
+    rows = torch.arange(lo, hi)
+    matrices = torch.zeros_like(rows)
+    for e in entries:
+        start, stop = e.view.box(0, e.view.count)[0]
+        inside = (rows >= start) & (rows < stop)
+        matrices[inside] = e.first_matrix + (rows[inside] - start) // e.view.dim0_step
+    return matrices.to(local(first.param).device)
+
+
+def _bucket_maps(plan: Plan, peers: Peers) -> list[BucketMap]:
+    """Every bucket's map, stacks numbered across the plan."""
+    maps: list[BucketMap] = []
+    for bucket in plan.buckets:
+        first = sum(len(m.stacks) for m in maps)
+        maps.append(bucket_map(bucket, first, plan.world_size, peers))
+    return maps
+
+
+def _fusable(
+    plan: Plan,
+    views_of: Sequence[Sequence[int]],
+    groups: Sequence[dict[str, Any]],
+    shards: Sequence[torch.Tensor],
+) -> tuple[frozenset[int], frozenset[int]]:
+    """Pieces whose local shard the step reads (writes) exactly once, so the read can
+    also advance the momentum and the write also decay, in one pass.
+
+    Magma needs the advanced momentum before any read and scales rows by a tensor;
+    cautious decay needs the update's sign: both keep their separate passes.
+    """
+    reads, writes = local_pieces(plan)
+    fusable_reads: set[int] = set()
+    fusable_writes: set[int] = set()
+    for j, views in enumerate(views_of):
+        group, shape = groups[j], shards[j].shape
+        if group["magma"]:
+            continue
+        if covers_exactly(shape, [piece for i in views for piece in reads[i]]):
+            fusable_reads.update(views)
+        if not group["cautious_wd"] and covers_exactly(
+            shape, [piece for i in views for piece in writes[i]]
+        ):
+            fusable_writes.update(views)
+    return frozenset(fusable_reads), frozenset(fusable_writes)
+
+
+def _fused(
+    fusable: frozenset[int],
+    tensor_of: Sequence[int],
+    shards: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
+    backend: str,
+) -> frozenset[int]:
+    """The fusable pieces whose tensors take the fused form under the backend."""
+    return frozenset(
+        i for i in fusable if fused_form(backend, shards[tensor_of[i]], momenta[tensor_of[i]])
+    )
+
+
+class SkipTransaction:
+    """A transactional step's writes, held until every rank knows each result is finite."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[Sequence[LocalSlices], Sequence[torch.Tensor]]] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._held is not None
+
+    def begin(self) -> None:
+        self._held = []
+
+    def hold(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
+        cast(list[tuple[Sequence[LocalSlices], Sequence[torch.Tensor]]], self._held).append(
+            (pieces, updates)
+        )
+
+    def end(self) -> tuple[tuple[LocalSlices, ...], list[torch.Tensor], Hashable]:
+        """The held pieces and updates as one write, and a key naming them across steps."""
+        held, self._held = self._held or [], None
+        return (
+            tuple(piece for pieces, _ in held for piece in pieces),
+            [update for _, updates in held for update in updates],
+            tuple(id(pieces) for pieces, _ in held),
+        )
+
+
+class MuonPhase:
+    """The Muon phase of every step for one plan; the bucket tasks' context."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        entries: Sequence[MuonEntry],
+        state: dict[torch.Tensor, dict[str, Any]],
+        settings: ExecutionSettings,
+        group_count: int,
+        comm: CommGroups,
+        agreement: Agreement,
+    ) -> None:
+        self.plan = plan
+        self.peers = comm.exchange  # this rank's bucket all-to-alls
+        self.rank = comm.rank
+        self.settings = settings
+        self.comm_dtype = settings.comm_dtype
+        self.agreement = agreement
+        # The first exception this rank's own work (Newton–Schulz, a read or a write of an
+        # update) raised in the last run, agreed with the other ranks through the result
+        # flags instead of leaving them in a collective.
+        self.error: Exception | None = None
+        self.entries = list(entries)
+        self.params = list({id(e.param): e.param for e in entries}.values())
+        self.shards = [local(p) for p in self.params]
+        self.device = self.shards[0].device
+        self._views_of: list[list[int]] = [[] for _ in self.params]
+        for index, e in enumerate(entries):
+            self._views_of[e.param_index].append(index)
+        self.groups = [entries[views[0]].group for views in self._views_of]
+        self._group_of = [entries[views[0]].group_index for views in self._views_of]
+        self.maps = _bucket_maps(plan, self.peers)
+        self.state = MuonState(
+            self.params,
+            self.groups,
+            {
+                j: _row_matrices([entries[i] for i in self._views_of[j]], comm)
+                for j, g in enumerate(self.groups)
+                if g["magma"]
+            },
+            comm.holders,
+        )
+        self.grads = LocalGrads(self.shards, self.state)
+        self.state.bind(state, self._momenta(state))
+        # Per matrix of every stack, its tensor, and the sum of its result (finite exactly
+        # when the result is), so a step tests and flags every result at once instead of
+        # once per stack.
+        sizes = [stack.shape[0] for m in self.maps for stack in m.stacks]
+        stack_tensor = [
+            entries[i].param_index for m in self.maps for s in m.stacks for i in s.views
+        ]
+        self.fusable_reads, self.fusable_writes = _fusable(
+            plan, self._views_of, self.groups, self.shards
+        )
+        self.scalars, forms = self._scalars_and_forms(group_count, stack_tensor)
+        self.io = PieceIO(forms, self.shards, self.state, self.grads, self.scalars)
+        self.transaction = SkipTransaction()
+        self._stack_tensor = torch.tensor(stack_tensor, dtype=torch.long, device=self.device)
+        self._tensors_of_stack = self._stack_tensor.split_with_sizes(sizes)
+        self._result_sums = torch.zeros(len(stack_tensor), device=self.device)
+        self._sums_of_stack = self._result_sums.split_with_sizes(sizes)
+        self._dropped_of_stack = self.scalars.dropped.split_with_sizes(sizes)
+
+    # -- plan time ----------------------------------------------------------------------
+
+    def _momenta(self, state: dict[torch.Tensor, dict[str, Any]]) -> list[torch.Tensor]:
+        return [local(state[p]["momentum_buffer"]) for p in self.params]
+
+    def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Point at the momentum buffers and Magma scores (again after a state load)."""
+        self.state.bind(state, self._momenta(state))
+        self.io.bind()
+
+    def _scalars_and_forms(
+        self, group_count: int, stack_tensor: list[int]
+    ) -> tuple[MuonScalars, PieceForms]:
+        """The device scalars, and each piece's tensor, group, step class and forms."""
+        entries = self.entries
+        classes: dict[tuple[int, float], int] = {}
+        scales = [e.view.lr_scale(e.group["adjust_lr"]) for e in entries]
+        class_of = tuple(
+            classes.setdefault((e.group_index, scale), len(classes))
+            for e, scale in zip(entries, scales, strict=True)
+        )
+        scalars = MuonScalars(
+            group_of=self._group_of,
+            cautious=[g["cautious_wd"] for g in self.groups],
+            piece_tensor=[e.param_index for e in entries],
+            neg_scale=[-scale for scale in scales],
+            class_group=[g for g, _ in classes],
+            class_neg_scale=[-scale for _, scale in classes],
+            stack_tensor=stack_tensor,
+            group_count=group_count,
+            device=self.device,
+        )
+        tensor_of = [e.param_index for e in entries]
+        backend, momenta = self.settings.backend, self.state.momenta
+        fused_reads = _fused(self.fusable_reads, tensor_of, self.shards, momenta, backend)
+        fused_writes = _fused(self.fusable_writes, tensor_of, self.shards, momenta, backend)
+        plain = frozenset(
+            i
+            for i, e in enumerate(entries)
+            if i not in fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
+        )
+        forms = PieceForms(
+            tensor_of=tuple(tensor_of),
+            group_of=tuple(e.group_index for e in entries),
+            groups=tuple(e.group for e in entries),
+            class_of=class_of,
+            fused_reads=fused_reads,
+            fused_writes=fused_writes,
+            plain_writes=plain,
+        )
+        return scalars, forms
+
+    # -- the step -----------------------------------------------------------------------
+
+    def run(
+        self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, *, transactional: bool
+    ) -> None:
+        """One Muon phase on the local gradients ``grads`` (None where absent), after the
+        agreement decided on them; ``transactional`` holds every write and state update
+        until the ranks agree that each Newton–Schulz result is finite."""
+        self.error = None
+        if self.grads.set(grads):
+            self.io.forget_writes()
+        agreement = self.agreement
+        self.scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=True)
+        if transactional:
+            self.transaction.begin()
+        else:
+            self._advance_state(store_all=False)
+        run_tasks(
+            (bucket_task(b, m, self) for b, m in zip(self.plan.buckets, self.maps, strict=True)),
+            self.settings.max_inflight,
+        )
+        bad = torch.isfinite(self._result_sums).logical_not_().float()
+        agreement.count_bad_results(self._stack_tensor, bad)
+        agreement.agree_on_results(transactional)
+        if transactional:
+            pieces, updates, key = self.transaction.end()
+            self.scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=False)
+            self._advance_state(store_all=True)
+            self.io.write(pieces, updates, key=key, unchecked=True)
+
+    def _advance_state(self, store_all: bool) -> None:
+        """Momentum (one foreach pass per coefficient; with ``store_all`` also of the
+        tensors whose fused read advances it otherwise), Magma and the unfused decay."""
+        scalars, grads, fused_reads = self.scalars, self.grads, self.io.forms.fused_reads
+        by_beta: dict[float, list[int]] = {}
+        for j, group in enumerate(self.groups):
+            if store_all or self._views_of[j][0] not in fused_reads:
+                by_beta.setdefault(group["momentum"], []).append(j)
+        self.state.advance_momenta(by_beta, grads.tensors, grads.local, scalars.ok, scalars.keep_of)
+        if self.state.magma:
+            for j, damping in self.state.advance_magma(grads.tensors, scalars.keep_of).items():
+                shape = (-1, *[1] * (self.shards[j].ndim - 1))
+                for i in self._views_of[j]:
+                    scalars.magma_step_of[i] = (damping * scalars.step_of[i]).view(shape)
+        self._decay()
+
+    def _decay(self) -> None:
+        """Tensors with a local gradient decay by their group's factor, one launch per
+        group; the others by their own, which depends on the other ranks' gradients."""
+        by_group: dict[int, list[int]] = {}
+        alone: list[int] = []
+        for j, group in enumerate(self.groups):
+            if group["cautious_wd"] or self._views_of[j][0] in self.io.forms.fused_writes:
+                continue
+            if self.grads.local[j]:
+                by_group.setdefault(self._group_of[j], []).append(j)
+            else:
+                alone.append(j)
+        for g, members in by_group.items():
+            decay_([self.shards[j] for j in members], self.scalars.group_decay_of[g])
+        if alone:
+            decay_([self.shards[j] for j in alone], [self.scalars.decay_of[j] for j in alone])
+
+    # -- the bucket tasks' context ------------------------------------------------------
+
+    def read_updates(self, pieces: Sequence[LocalSlices], outs: Sequence[torch.Tensor]) -> None:
+        try:
+            self.io.read(pieces, outs, store=not self.transaction.open)
+        except Exception as exc:  # raised by step() once the other ranks know (see run)
+            # Zero inputs orthogonalize to zero: the stack stays finite, the write a no-op.
+            torch._foreach_zero_(list(outs))
+            self._fail(exc, [self.entries[index].param_index for index, _ in pieces])
+
+    def orthogonalize(self, stack: torch.Tensor, spec: StackSpec) -> torch.Tensor:
+        mask_stack_(stack, self._dropped_of_stack[spec.index])
+        steps, coefficients, parts, method = cast(
+            tuple[int, Coefficients, PartSplit | None, str], spec.ns_key
+        )
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(
+                x,
+                steps=steps,
+                coefficients=coefficients,
+                dtype=self.settings.ns_dtype,
+                backend=self.settings.backend,
+                method=method,
+            )
+
+        try:
+            result = run(stack) if parts is None else parts.orthogonalize(stack, run)
+        except Exception as exc:  # raised by step() once the other ranks know (see run)
+            self._fail(exc, self._tensors_of_stack[spec.index])
+            self._sums_of_stack[spec.index].zero_()
+            return stack.new_zeros(stack.shape, dtype=self.settings.ns_dtype)
+        # One sum per matrix instead of an elementwise test: a sum is finite exactly when
+        # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
+        torch.sum(result, dim=(-2, -1), dtype=torch.float32, out=self._sums_of_stack[spec.index])
+        return result
+
+    def apply(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
+        try:
+            if self.settings.ns_dtype != self.comm_dtype:
+                # Owners add their own result in the dtype the other holders receive it in,
+                # so replicas of a parameter round identically and stay bitwise equal. Piece
+                # by piece: a cast of whole stacks would hold both dtypes' stacks at once.
+                updates = [update.to(self.comm_dtype) for update in updates]
+            if self.transaction.open:
+                self.transaction.hold(pieces, updates)
+                return
+            self.io.write(pieces, updates)
+        except Exception as exc:  # raised by step() once the other ranks know (see run)
+            self._fail(exc, [self.entries[index].param_index for index, _ in pieces])
+
+    def _fail(self, exc: Exception, tensors: torch.Tensor | Sequence[int]) -> None:
+        """Record an exception of this rank's own work on ``tensors`` in the agreement's
+        result flags; the first one is raised on this rank after the step."""
+        self.error = self.error or exc
+        if not isinstance(tensors, torch.Tensor):
+            tensors = torch.tensor(list(tensors), dtype=torch.long, device=self.device)
+        self.agreement.record_failure(self.rank, tensors)

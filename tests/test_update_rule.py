@@ -1,0 +1,251 @@
+"""Every form of the update rule against its single-matrix reference, ``muon_update_``.
+
+The step composes the batched forms in a few ways (momentum advanced before the read or in
+it, in a span of the flat buffer or per tensor; decay over the whole tensor or in the write;
+a class's shared step or a piece's own; cautious decay, Magma); each composition is run
+here on one fp32 matrix and compared with the reference. The reference itself is checked
+against the independent ``tests/reference_muon.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from reference_muon import reference_muon_step
+
+from muon_dist.flat import spans, zeros_like_flat
+from muon_dist.kernels import newton_schulz
+from muon_dist.kernels.availability import interpret_mode
+from muon_dist.update_rule import (
+    decay_,
+    decay_factor,
+    decay_rate,
+    lr_scale,
+    magma_damping,
+    magma_score_,
+    magma_sums,
+    mask_stack_,
+    muon_update_,
+    nesterov_mix,
+    ns_inputs_,
+    post_orthogonalize_,
+    pre_orthogonalize_,
+    shared_step_updates_,
+    step_size,
+    store_momenta_,
+    updates_,
+)
+
+LR, WD, BETA = 0.02, 0.1, 0.9
+EXACT = {"rtol": 1e-6, "atol": 1e-7}
+
+
+def _orthogonalize(x: torch.Tensor) -> torch.Tensor:
+    return newton_schulz(x, steps=5, dtype=torch.float32, backend="torch")
+
+
+def _inputs(shape: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(shape, generator=gen) for _ in range(3))
+
+
+def _reference(
+    shape: tuple[int, int], keep: bool, **options: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    param, grad, momentum = _inputs(shape)
+    score = torch.full((1,), 0.7) if options.pop("magma", False) else None
+    muon_update_(
+        param,
+        grad,
+        momentum,
+        _orthogonalize,
+        lr=torch.tensor(LR),
+        weight_decay=torch.tensor(WD),
+        beta=BETA,
+        scale=lr_scale(*shape, "spectral_norm"),
+        keep=torch.tensor(keep),
+        magma_score=score,
+        **options,
+    )
+    return param, momentum, score
+
+
+def _scalars(shape: tuple[int, int], keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay rate and step as the step derives them on the device."""
+    kept = keep.float()
+    rate = decay_rate(torch.tensor(LR), torch.tensor(WD), kept)
+    neg_scale = torch.tensor(-lr_scale(*shape, "spectral_norm"))
+    return rate, step_size(torch.tensor(LR), kept, neg_scale)
+
+
+def _nesterov(nesterov: bool) -> float | None:
+    return nesterov_mix(BETA, nesterov)
+
+
+def _read_after_advance(
+    grad: torch.Tensor, momentum: torch.Tensor, keep: torch.Tensor, nesterov: bool, span: bool
+) -> torch.Tensor:
+    """Momentum advanced before the read (per tensor, or in a span of a flat buffer)."""
+    if span:
+        flat = zeros_like_flat([momentum, momentum])
+        flat[0].copy_(momentum)
+        (run,) = spans(flat)
+        views = [t.view(-1) for t in flat]
+        store_momenta_([grad.view(-1), torch.zeros_like(grad).view(-1)], views, BETA, keep, run)
+        momentum.copy_(flat[0])
+    else:
+        store_momenta_([grad], [momentum], BETA, keep)
+    out = torch.empty_like(grad)
+    ns_inputs_([grad], [momentum], [out], _nesterov(nesterov))
+    return out
+
+
+def _read_advancing(
+    grad: torch.Tensor, momentum: torch.Tensor, keep: torch.Tensor, nesterov: bool, fused: bool
+) -> torch.Tensor:
+    out = torch.empty_like(grad)
+    pre_orthogonalize_(
+        [grad],
+        [momentum],
+        [out],
+        beta=BETA,
+        mix=_nesterov(nesterov),
+        keeps=[keep],
+        store=True,
+        fused=fused,
+    )
+    return out
+
+
+def _write(
+    form: str,
+    param: torch.Tensor,
+    ortho: torch.Tensor,
+    keep: torch.Tensor,
+    rate: torch.Tensor,
+    step: torch.Tensor,
+) -> None:
+    """One of the step's writes: whole-tensor decay then the piece's own step (``own``) or
+    its class's shared step (``class``), or decay in the write (``in_write``, ``fused``)."""
+    if form == "own":
+        decay_([param], [decay_factor(rate)])
+        updates_([param], [ortho], [step])
+    elif form == "class":
+        decay_([param], decay_factor(rate))
+        scratch = torch.empty(param.numel())
+        shared_step_updates_([param], [ortho], step, scratch, [scratch.view(param.shape)], keep)
+    else:
+        post_orthogonalize_(
+            param, ortho, step=step, keep=keep, decay=decay_factor(rate), fused=form == "fused"
+        )
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (8, 20)], ids=str)
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize(
+    "read, write",
+    [("per_tensor", "own"), ("span", "class"), ("advancing", "in_write"), ("span", "in_write")],
+)
+def test_batched_forms_match_the_reference(
+    shape: tuple[int, int], nesterov: bool, keep: bool, read: str, write: str
+) -> None:
+    expected, expected_momentum, _ = _reference(shape, keep, nesterov=nesterov)
+    param, grad, momentum = _inputs(shape)
+    kept = torch.tensor(keep)
+    if read == "advancing":
+        stack = _read_advancing(grad, momentum, kept, nesterov, fused=False)
+    else:
+        stack = _read_after_advance(grad, momentum, kept, nesterov, span=read == "span")
+    mask_stack_(stack.unsqueeze(0), kept.logical_not().view(1))
+    rate, step = _scalars(shape, kept)
+    _write(write, param, _orthogonalize(stack), kept, rate, step)
+    torch.testing.assert_close(momentum, expected_momentum, rtol=0, atol=0)
+    torch.testing.assert_close(param, expected, **EXACT)
+    if not keep:
+        assert torch.equal(param, _inputs(shape)[0])
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("magma", [True, False])
+@pytest.mark.parametrize("cautious", [True, False])
+def test_cautious_and_magma_writes_match_the_reference(
+    keep: bool, magma: bool, cautious: bool
+) -> None:
+    """Pieces under Magma or cautious decay: momentum first, the score from its sums, then
+    a one-by-one write with a per-row step (Magma) and the cautious rate."""
+    shape = (10, 6)
+    expected, expected_momentum, expected_score = _reference(
+        shape, keep, nesterov=True, magma=magma, cautious=cautious
+    )
+    param, grad, momentum = _inputs(shape)
+    kept = torch.tensor(keep)
+    stack = _read_after_advance(grad, momentum, kept, nesterov=True, span=False)
+    mask_stack_(stack.unsqueeze(0), kept.logical_not().view(1))
+    rate, step = _scalars(shape, kept)
+    score = torch.full((1,), 0.7)
+    if magma:
+        total = torch.zeros(3, 1).index_add_(
+            1, torch.zeros(shape[0], dtype=torch.long), magma_sums(momentum, grad)
+        )
+        magma_score_(score, *total, beta=0.9, keep=kept)
+        step = (magma_damping(score)[torch.zeros(shape[0], dtype=torch.long)] * step).view(-1, 1)
+    decay = None if cautious else decay_factor(rate)
+    cautious_rate = rate if cautious else None
+    post_orthogonalize_(
+        param, _orthogonalize(stack), step=step, keep=kept, decay=decay, cautious=cautious_rate
+    )
+    torch.testing.assert_close(momentum, expected_momentum, rtol=0, atol=0)
+    torch.testing.assert_close(param, expected, **EXACT)
+    if magma:
+        assert expected_score is not None
+        torch.testing.assert_close(score, expected_score, **EXACT)
+
+
+@pytest.mark.skipif(
+    not interpret_mode(), reason="the fused form runs on CPU in Triton's interpreter"
+)
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("keep", [True, False])
+def test_fused_form_matches_the_reference(nesterov: bool, keep: bool) -> None:
+    pytest.importorskip("triton")
+    shape = (12, 8)
+    expected, expected_momentum, _ = _reference(shape, keep, nesterov=nesterov)
+    param, grad, momentum = _inputs(shape)
+    kept = torch.tensor(keep)
+    stack = _read_advancing(grad, momentum, kept, nesterov, fused=True)
+    rate, step = _scalars(shape, kept)
+    _write("fused", param, _orthogonalize(stack), kept, rate, step)
+    torch.testing.assert_close(momentum, expected_momentum, **EXACT)
+    torch.testing.assert_close(param, expected, **EXACT)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("options", [{}, {"cautious": True}, {"magma": True}], ids=str)
+def test_the_reference_matches_the_independent_test_reference(
+    nesterov: bool, options: dict[str, Any]
+) -> None:
+    """``muon_update_`` against ``tests/reference_muon.py``, written from the algorithm."""
+    shape = (12, 8)
+    got, got_momentum, got_score = _reference(shape, True, nesterov=nesterov, **options)
+    param, grad, momentum = _inputs(shape)
+    score = torch.full((1,), 0.7) if options.get("magma") else None
+    reference_muon_step(
+        param,
+        grad,
+        momentum,
+        lr=LR,
+        momentum=BETA,
+        nesterov=nesterov,
+        weight_decay=WD,
+        ns_dtype=torch.float32,
+        magma_score=score,
+        cautious_wd=bool(options.get("cautious")),
+    )
+    torch.testing.assert_close(got_momentum, momentum, **EXACT)
+    torch.testing.assert_close(got, param, rtol=1e-5, atol=1e-6)
+    if score is not None:
+        assert got_score is not None
+        torch.testing.assert_close(got_score, score, **EXACT)
