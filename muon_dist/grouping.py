@@ -284,3 +284,46 @@ def algorithm_by_name(name: str, p: torch.Tensor, muon_mode: str) -> tuple[str, 
     if p.ndim == 2 and min(p.shape) < MIN_MATRIX_SIDE:
         return "adamw", False
     return "muon", stacked
+
+
+class UnlabelledRouting:
+    """Routes for the groups :class:`muon_dist.Muon` gets without ``"algorithm"``, and the
+    one warning about them: by name where the parameters are named
+    (:func:`algorithm_by_name`), else >= 2-D to Muon and the rest to AdamW."""
+
+    def __init__(self) -> None:
+        self.unnamed = False  # some >= 2-D parameter was routed by its dims alone
+        self.tensors: list[str] = []  # named >2-D parameters sent to AdamW
+
+    def routes(
+        self, params: Sequence[torch.Tensor], names: Sequence[str] | None, muon_mode: str
+    ) -> list[tuple[str, bool]]:
+        """``(algorithm, expert stack)`` per parameter of one group."""
+        if names is None:
+            self.unnamed = self.unnamed or any(p.ndim >= 2 for p in params)
+            return [("muon" if p.ndim >= 2 else "adamw", False) for p in params]
+        routes = [algorithm_by_name(n, p, muon_mode) for n, p in zip(names, params, strict=True)]
+        self.tensors += [
+            n
+            for n, p, (algorithm, _) in zip(names, params, routes, strict=True)
+            if p.ndim > 2 and algorithm == "adamw"
+        ]
+        return routes
+
+    def warn(self) -> None:
+        if self.tensors:
+            logger.warning(
+                "muon_dist.Muon routed %s (>2-D, neither convolutions nor expert stacks by "
+                "name alone) to AdamW; pass muon_mode='flat' or 'slice' to orthogonalize them, "
+                "or build groups with muon_dist.param_groups(model), which reads their modules",
+                ", ".join(self.tensors),
+            )
+        if self.unnamed:
+            logger.warning(
+                "muon_dist.Muon got parameters without names or 'algorithm' (as transformers' "
+                "Trainer passes them with optimizer_cls_and_kwargs=(Muon, ...)): every >= 2-D "
+                "parameter goes to Muon, embeddings and output heads included. Pass "
+                "muon_dist.param_groups(model), or model.named_parameters() to route by name; "
+                "with the Trainer, optimizer_cls_and_kwargs=(muon_dist.integrations."
+                "hf_trainer.MuonFactory, {...})"
+            )

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from muon_dist.agreement import Outcome
 from muon_dist.checks import by_name, check_ranks_agree, check_saved_routing, matrix_count
 from muon_dist.flat import zeros_like_flat
-from muon_dist.grouping import algorithm_by_name
+from muon_dist.grouping import UnlabelledRouting
 from muon_dist.groups import comm_groups
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.routing import (
@@ -500,19 +500,17 @@ def _split_by_algorithm(
 ) -> list[dict[str, Any]]:
     """Normalise the constructor's input to groups that each name their algorithm.
 
-    A group without an algorithm is split: by name where its parameters are named
-    (``named_parameters()``, ``param_names``), as :func:`muon_dist.grouping.algorithm_by_name`
-    routes them, else >=2-D parameters to Muon and the rest to AdamW, with a warning (an
-    embedding or head would go to Muon). Each part keeps the keys the other algorithm's part
-    alone reads out of it (a Muon part drops ``betas``, an AdamW part ``momentum``)."""
+    A group without an algorithm is split as :class:`muon_dist.grouping.UnlabelledRouting`
+    routes it (by name where its parameters are named); each part keeps the keys the other
+    algorithm's part alone reads out of it (a Muon part drops ``betas``, an AdamW part
+    ``momentum``)."""
     items = list(params)
     if not items:
         raise ValueError("Muon got an empty parameter list")
     if not isinstance(items[0], dict):
         items = [{"params": items}]
     groups: list[dict[str, Any]] = []
-    unnamed = False
-    tensors: list[str] = []  # named >2-D parameters sent to AdamW
+    unlabelled = UnlabelledRouting()
     for group in items:
         group = dict(group)
         raw = group["params"]
@@ -525,17 +523,8 @@ def _split_by_algorithm(
             groups.append(group)
             continue
         names = group.get("param_names")
-        if names is not None:
-            mode = group.get("muon_mode", defaults_by_algorithm["muon"]["muon_mode"])
-            routes = [algorithm_by_name(n, p, mode) for n, p in zip(names, raw, strict=True)]
-            tensors += [
-                n
-                for n, p, r in zip(names, raw, routes, strict=True)
-                if p.ndim > 2 and r[0] == "adamw"
-            ]
-        else:
-            unnamed = unnamed or any(p.ndim >= 2 for p in raw)
-            routes = [("muon" if p.ndim >= 2 else "adamw", False) for p in raw]
+        mode = group.get("muon_mode", defaults_by_algorithm["muon"]["muon_mode"])
+        routes = unlabelled.routes(raw, names, mode)
         for route in dict.fromkeys(routes):
             algorithm, stacked = route
             chosen = [i for i, r in enumerate(routes) if r == route]
@@ -548,20 +537,5 @@ def _split_by_algorithm(
             if names is not None:
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
-    if tensors:
-        logger.warning(
-            "muon_dist.Muon routed %s (>2-D, neither convolutions nor expert stacks by name "
-            "alone) to AdamW; pass muon_mode='flat' or 'slice' to orthogonalize them, or build "
-            "groups with muon_dist.param_groups(model), which reads their modules",
-            ", ".join(tensors),
-        )
-    if unnamed:
-        logger.warning(
-            "muon_dist.Muon got parameters without names or 'algorithm' (as transformers' "
-            "Trainer passes them with optimizer_cls_and_kwargs=(Muon, ...)): every >= 2-D "
-            "parameter goes to Muon, embeddings and output heads included. Pass "
-            "muon_dist.param_groups(model), or model.named_parameters() to route by name; "
-            "with the Trainer, optimizer_cls_and_kwargs=(muon_dist.integrations.hf_trainer."
-            "MuonFactory, {...})"
-        )
+    unlabelled.warn()
     return groups
