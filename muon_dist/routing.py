@@ -217,11 +217,12 @@ def _matrix_view(
         return MatrixView("fused_experts", shape, num_experts, rows, shape[1])
     if ndim == 2:
         return MatrixView("matrix", shape, 1, shape[0], shape[1])
+    if ndim == 3 and experts:  # a stack stays one matrix per expert whatever muon_mode says
+        return MatrixView("expert_stack", shape, shape[0], shape[1], shape[2])
     if muon_mode == "flat":
         return MatrixView("flat", shape, 1, shape[0], math.prod(shape[1:]))
-    if muon_mode == "slice" or (ndim == 3 and experts):
-        kind = "expert_stack" if experts else "slice"
-        return MatrixView(kind, shape, shape[0], shape[1], math.prod(shape[2:]))
+    if muon_mode == "slice":
+        return MatrixView("slice", shape, shape[0], shape[1], math.prod(shape[2:]))
     raise ValueError(
         f"{name} has shape {shape}, which muon_mode={muon_mode!r} does not orthogonalize: "
         "set experts=True in its group for a 3-D expert stack [E, m, n], or use "

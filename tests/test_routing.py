@@ -480,3 +480,5 @@ def test_expert_containers_read_orientation_from_their_shapes(
     assert "fused_experts 4x[6x8]" in _row(audit, "flat.experts.w")
     assert _row(audit, "square.experts.a").endswith("fused= declared")
     assert caplog.text == ""
+    audit = _audit(capsys, Stacks(), muon_mode="flat")  # stacks stay per expert
+    assert "expert_stack 4x[8x24] in-out parts 12+12" in _row(audit, "known.experts.w_in")
