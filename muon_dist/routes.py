@@ -3,9 +3,10 @@
 :func:`muon_dist.param_groups` builds a :class:`Router` over a model and asks it about
 every parameter; the decisions are pure (types, shapes, names and the config, never values).
 Order: the caller's ``overrides`` and ``fused``; then structure (:mod:`muon_dist.structure`:
-embeddings, heads, vectors, state-space parameters, convolutions, expert containers,
-orientation, config-matched fused splits); then the family table (:mod:`muon_dist.families`)
-for the interleavings structure cannot see; names last, and only as warnings.
+embeddings, heads, vectors, state-space parameters, convolutions, expert containers and
+orientation); for fused parts, the family table (:mod:`muon_dist.families`: interleavings
+and splits the config cannot tell) before the config's contiguous sums; names last, and
+only as warnings.
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ class Router:
         self, name: str, owner: nn.Module | None, out_dim: int, in_dim: int
     ) -> tuple[ViewOptions, str] | None:
         """Fused parts from torch's attention module, the family table, or the config."""
-        if isinstance(owner, nn.MultiheadAttention) and name.endswith(".in_proj_weight"):
+        if isinstance(owner, nn.MultiheadAttention) and name.rpartition(".")[2] == "in_proj_weight":
             if out_dim == 3 * in_dim:
                 return {"split_sizes": [in_dim] * 3}, "nn.MultiheadAttention: q, k, v blocks"
         if self.known_layouts:
