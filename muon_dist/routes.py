@@ -27,6 +27,7 @@ from muon_dist.structure import (
     ConfigDims,
     Stacks,
     ViewOptions,
+    common_input_width,
     hf_config,
     is_conv,
     linear_shape,
@@ -98,8 +99,11 @@ class Router:
             )
         self.config = hf_config(model)
         self.dims = ConfigDims.of(self.config)
-        if not self.dims.hidden:  # no config: the width of the model's embeddings
+        if not self.dims.hidden:  # no config: the width of the embeddings, else of the matrices
             widths = {m.embedding_dim for m in modules.values() if isinstance(m, nn.Embedding)}
+            if not widths:
+                common = common_input_width(p.shape for p in model.parameters())
+                widths = {common} if common is not None else set()
             self.dims = ConfigDims(hidden=frozenset(widths))
         self.modules = modules
         self.expert_keys = tuple(expert_keys)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +181,17 @@ def matrix_sides(shape: Sequence[int], muon_mode: str, stacked: bool) -> tuple[i
     if muon_mode == "slice":
         return int(shape[1]), math.prod(int(s) for s in shape[2:])
     return int(shape[0]), math.prod(int(s) for s in shape[1:])
+
+
+def common_input_width(shapes: Iterable[Sequence[int]]) -> int | None:
+    """The input size most 2-D weights of a model read (their last dim), where one size is
+    the most common and at least two weights share it: its hidden size, for a model with
+    neither a config nor embeddings."""
+    counts = Counter(int(s[-1]) for s in shapes if len(s) == 2)
+    ranked = counts.most_common(2)
+    if not ranked or ranked[0][1] < 2 or (len(ranked) > 1 and ranked[1][1] == ranked[0][1]):
+        return None
+    return ranked[0][0]
 
 
 def is_conv(module: nn.Module | None) -> bool:

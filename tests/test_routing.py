@@ -482,3 +482,20 @@ def test_expert_containers_read_orientation_from_their_shapes(
     assert caplog.text == ""
     audit = _audit(capsys, Stacks(), muon_mode="flat")  # stacks stay per expert
     assert "expert_stack 4x[8x24] in-out parts 12+12" in _row(audit, "known.experts.w_in")
+
+
+def test_without_config_or_embeddings_the_matrices_tell_the_hidden_size(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stacks [E, F, D], [E, D, F], [E, F, D] read either way unless D is known to be the
+    hidden size: here it is the input most matrices read."""
+    model = nn.Module()
+    model.attn = nn.ModuleDict({n: nn.Linear(16, 16, bias=False) for n in ("wq", "wk", "wo")})
+    model.experts = nn.Module()
+    for name, shape in (("w1", (4, 24, 16)), ("w2", (4, 16, 24)), ("w3", (4, 24, 16))):
+        setattr(model.experts, name, nn.Parameter(torch.randn(shape)))
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        views = _views(muon_dist.param_groups(model))
+    assert caplog.text == ""
+    assert views["experts.w1"] == "expert_stack 4x[24x16]"
+    assert views["experts.w2"] == "expert_stack 4x[16x24]"
