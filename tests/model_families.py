@@ -4,8 +4,10 @@ Each family is built by the installed ``transformers`` from a small config. Shap
 chosen so that a wrong routing shows: fused gate+up matrices have more outputs than inputs
 (orthogonalizing them whole leaves each part's singular values well below 1), and GPT-OSS's
 ``[in, out]`` down projection has more outputs than inputs (its lr scale is not 1).
-``EXPECTED`` is the routing table of layer 1 (the MoE layer where there is one), written
-from each family's modeling code: matrix view, and the lr scale of every part.
+``EXPECTED`` is each family's whole routing table (rows inside layers keyed by their name
+within the layer), written from its modeling code (transformers 5.23): matrix view, and
+the lr scale of every part. ``true_layout`` says how each forward reads its fused and
+``[in, out]`` parameters, for the per-block check of the first update.
 """
 
 from __future__ import annotations
@@ -269,7 +271,7 @@ _MOE_EXPERTS = {  # [E, 2I, H] with I = 24: gate and up halves of 24x32 each
     "mlp.gate.weight": "matrix 4x32 | 1.000",
 }
 
-EXPECTED: dict[str, dict[str, str]] = {
+_LAYER_ROWS: dict[str, dict[str, str]] = {
     "llama": {**_dense_attention(), **_DENSE_MLP, **_NORMS},
     "qwen2": {**_dense_attention(bias=True), **_DENSE_MLP, **_NORMS},
     "qwen3": {**_dense_attention(norms=True), **_DENSE_MLP, **_NORMS},
@@ -331,8 +333,8 @@ EXPECTED: dict[str, dict[str, str]] = {
         "post_feedforward_layernorm.weight": "adamw",
     },
 }
-# Written from each family's modeling code (transformers 5.23); whole-model tables.
-EXPECTED_WHOLE: dict[str, dict[str, str]] = {
+# Whole-model tables of the other families.
+_WHOLE: dict[str, dict[str, str]] = {
     "llama4": {
         "self_attn.q_proj.weight": "matrix 32x32 | 1.000",
         "self_attn.k_proj.weight": "matrix 16x32 | 1.000",
@@ -641,13 +643,23 @@ EXPECTED_WHOLE: dict[str, dict[str, str]] = {
         "model.per_layer_projection_norm.weight": "adamw",
     },
 }
-# Outside the layers: embeddings and the head (absent when tied) and the final norm.
-TOP = {
+# Outside the layers of the families above: embeddings, the head (absent when tied) and
+# the final norm.
+_TOP = {
     "model.embed_tokens.weight": "adamw",
     "model.norm.weight": "adamw",
     "lm_head.weight": "adamw",
 }
-TIED = ("gemma", "gemma3")
+_TIED = ("gemma", "gemma3")
+EXPECTED: dict[str, dict[str, str]] = {
+    **{
+        family: {**rows, **{k: v for k, v in _TOP.items() if k != "lm_head.weight"}}
+        if family in _TIED
+        else {**rows, **_TOP}
+        for family, rows in _LAYER_ROWS.items()
+    },
+    **_WHOLE,
+}
 
 
 _LAYER = re.compile(r"^.*?\.(layers|h|blocks)\.\d+\.")
@@ -663,13 +675,6 @@ def routing(groups: list[dict[str, Any]]) -> dict[str, str]:
         row = "adamw" if e.algorithm == "adamw" else f"{e.view} | {e.scale_text}"
         out[name] = row if out.get(name, row) == row else f"layers disagree: {out[name]}, {row}"
     return out
-
-
-def expected(family: str) -> dict[str, str]:
-    if family in EXPECTED_WHOLE:
-        return EXPECTED_WHOLE[family]
-    top = {k: v for k, v in TOP.items() if not (family in TIED and k == "lm_head.weight")}
-    return {**EXPECTED[family], **top}
 
 
 # ---------------------------------------------------------------------------------------

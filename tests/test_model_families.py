@@ -11,9 +11,9 @@ import pytest
 import torch
 from dist_harness import run_distributed
 from model_families import (
+    EXPECTED,
     FAMILIES,
     build,
-    expected,
     first_update_problems,
     model_update_problems,
     options,
@@ -31,7 +31,7 @@ def test_routing_table_of_family(family: str, caplog: pytest.LogCaptureFixture) 
     model = build(family)
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         groups = muon_dist.param_groups(model, **options(family))
-    assert routing(groups) == expected(family)
+    assert routing(groups) == EXPECTED[family]
     assert "guessed" not in caplog.text
 
 
@@ -55,7 +55,7 @@ def test_families_train_under_fsdp2_on_two_ranks() -> None:
     reports = run_distributed(2, train_families, TRAINED)
     for family in TRAINED:
         report = reports[0][family]
-        assert report["routing"] == expected(family), family
+        assert report["routing"] == EXPECTED[family], family
         assert report["problems"] == [], (family, report["problems"])
         losses = report["losses"]
         assert losses[-1] < losses[0], (family, losses)
