@@ -87,14 +87,21 @@ class Agreement:
             )
         return cached
 
-    def decide(self, grads: Sequence[torch.Tensor | None], inputs: StepInputs) -> None:
+    def decide(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        inputs: StepInputs,
+        *,
+        keep_results: bool = False,
+    ) -> None:
         """Fill the flags for this step's local gradients and agree on them over all ranks.
 
         ``inputs`` (staged by the caller) says per parameter whether it has a local
         gradient and the largest gradient norm Newton–Schulz can normalise (inf for AdamW),
         and this rank's failure (rank + 1, or 0). Norms are taken in fp64, so a finite
         gradient of any dtype has a finite norm, and an overflow of the normalisation is
-        told apart from a non-finite entry. Zeroes the result flags.
+        told apart from a non-finite entry. Zeroes the result flags, unless
+        ``keep_results`` (a step whose buckets started before it, see :meth:`clear_results`).
         """
         count = len(self.names)
         verdict = self.flags[count : 2 * count]
@@ -118,8 +125,13 @@ class Agreement:
             dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
         torch.amax(self.flags[count:], dim=0, out=self.found_inf)
         self.found_inf.clamp_(max=1.0)
-        self._results.zero_()
+        if not keep_results:
+            self.clear_results()
         self._set_keep()
+
+    def clear_results(self) -> None:
+        """Zero the result flags before the step's first Newton–Schulz result."""
+        self._results.zero_()
 
     def _set_keep(self) -> None:
         present = self.flags.index_select(0, self._muon_index)

@@ -133,3 +133,13 @@ def comm_groups(
         return CommGroups(rank, world_size, holders, holders)
     ranks = _slice_ranks(one_mesh, replicated, rank)
     return CommGroups(rank, world_size, holders, _group_over(ranks, world_size, one_mesh))
+
+
+def dedicated(peers: Peers) -> Peers:
+    """A new process group over ``peers``' ranks, for collectives that run while another
+    user of their group (FSDP's reduce-scatters during backward) has its own in flight: on
+    their own communicator, neither queues behind the other. Every rank among ``peers``
+    must call this, in the same order."""
+    if peers.size == 1:
+        return peers
+    return Peers(peers.ranks, dist.new_group(list(peers.ranks), use_local_synchronization=True))

@@ -10,6 +10,7 @@ checkpoint checks in :mod:`muon_dist.checks`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -18,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.agreement import Outcome
+from muon_dist.backward_start import register_grad_hooks
 from muon_dist.checks import by_name, check_ranks_agree, check_saved_routing, matrix_count
 from muon_dist.flat import zeros_like_flat
-from muon_dist.groups import comm_groups
+from muon_dist.groups import comm_groups, dedicated
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.routing import (
     ALGORITHMS,
@@ -122,6 +124,10 @@ class Muon(torch.optim.Optimizer):
         cuda_graph (bool, default False): capture the whole step in one CUDA graph after
             ``graph_warmup`` eager steps and replay it (:mod:`muon_dist.cuda_graph`).
         graph_warmup (int, default 2): eager steps before the capture.
+        overlap (str, default "none"): ``"backward"`` starts each bucket's Newton–Schulz
+            and exchanges from FSDP2's gradient hooks during backward, and ``step()``
+            finishes them and commits (:mod:`muon_dist.backward_start`); Muon parameters
+            must then be DTensors sharded by ``fully_shard``, and ``cuda_graph`` False.
         process_group (ProcessGroup | None, default None): the ranks holding plain-tensor
             replicas, if not the world; DTensor parameters need none.
 
@@ -165,6 +171,7 @@ class Muon(torch.optim.Optimizer):
         cuda_graph: bool = False,
         graph_warmup: int = 2,
         process_group: dist.ProcessGroup | None = None,
+        overlap: str = "none",
     ) -> None:
         self.settings = ExecutionSettings(
             backend=backend,
@@ -176,6 +183,7 @@ class Muon(torch.optim.Optimizer):
             nonfinite=nonfinite,
             cuda_graph=cuda_graph,
             graph_warmup=graph_warmup,
+            overlap=overlap,
         )
         muon_defaults: dict[str, Any] = {
             "algorithm": "muon",
@@ -240,6 +248,9 @@ class Muon(torch.optim.Optimizer):
         self._comm = comm_groups(
             [p for g in groups for p in g["params"]], replica_mode, process_group
         )
+        if self.settings.overlap == "backward":
+            # Exchanges issued during backward run beside FSDP's, not behind them.
+            self._comm = dataclasses.replace(self._comm, exchange=dedicated(self._comm.exchange))
         try:
             check_ranks_agree(
                 [] if refused else self.param_groups,
@@ -296,6 +307,8 @@ class Muon(torch.optim.Optimizer):
             self.defaults = defaults
         self._runner = None
         names = group_param_names(group, len(self.param_groups) - 1)
+        if algorithm == "muon" and self.settings.overlap == "backward":
+            register_grad_hooks(group["params"], names, self._grad_ready)
         # One buffer holds the group's momenta, so the step stores them in one pass.
         momenta = zeros_like_flat(group["params"]) if algorithm == "muon" else []
         for index, (p, name) in enumerate(zip(group["params"], names, strict=True)):
@@ -373,6 +386,12 @@ class Muon(torch.optim.Optimizer):
 
     def _named_params(self) -> dict[str, torch.Tensor]:
         return {name: p for name, _, p in named_params(self.param_groups)}
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """A Muon parameter's post-accumulate-grad hook (``overlap="backward"``); a step
+        not built yet (groups just changed) starts at ``step()`` instead."""
+        if self._runner is not None:
+            self._runner.grad_ready(p)
 
     @property
     def runner(self) -> StepRunner:

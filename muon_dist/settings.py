@@ -10,6 +10,7 @@ from muon_dist.kernels.dispatch import validate_backend
 from muon_dist.plan import REPLICA_MODES
 
 NONFINITE_POLICIES = ("raise", "skip_step")
+OVERLAP_MODES = ("none", "backward")
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,9 @@ class ExecutionSettings:
     Newton–Schulz; ``bucket_bytes`` and ``max_inflight`` the size and overlap of the
     pipelined buckets; ``replica_mode`` how replicated matrices are shared out;
     ``nonfinite`` what a non-finite gradient or result does; ``cuda_graph`` whether the
-    step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps.
+    step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps;
+    ``overlap="backward"`` starts the buckets from gradient hooks during backward
+    (:mod:`muon_dist.backward_start`).
     """
 
     backend: str = "auto"
@@ -33,6 +36,7 @@ class ExecutionSettings:
     nonfinite: str = "raise"
     cuda_graph: bool = False
     graph_warmup: int = 2
+    overlap: str = "none"
 
     def __post_init__(self) -> None:
         validate_backend(self.backend)
@@ -51,5 +55,13 @@ class ExecutionSettings:
             raise ValueError(f"bucket_bytes={self.bucket_bytes} must be a positive number of bytes")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight={self.max_inflight} must be >= 1")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap={self.overlap!r}; choose one of {list(OVERLAP_MODES)}")
+        if self.overlap == "backward" and self.cuda_graph:
+            raise ValueError(
+                "overlap='backward' starts Newton-Schulz from gradient hooks during backward, "
+                "outside any captured step; use cuda_graph=False with it, or overlap='none' "
+                "to capture the step"
+            )
         if self.graph_warmup < 1:
             raise ValueError(f"graph_warmup={self.graph_warmup} must be >= 1 eager step")

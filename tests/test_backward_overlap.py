@@ -1,0 +1,72 @@
+"""overlap="backward": bitwise equal to the plain step, started during backward, and every
+rank leaves everything as it was on a non-finite gradient (cases in overlap_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_distributed
+from overlap_cases import overlap_worker
+from torch import nn
+
+import muon_dist
+
+
+@pytest.mark.parametrize(
+    ("world_size", "layout"),
+    [
+        (2, "fsdp"),
+        pytest.param(3, "fsdp", marks=pytest.mark.slow),
+        pytest.param(2, "hsdp", marks=pytest.mark.slow),
+        pytest.param(2, "experts", marks=pytest.mark.slow),
+    ],
+)
+def test_bitwise_equal_to_plain_step(world_size: int, layout: str) -> None:
+    for rank, out in enumerate(run_distributed(world_size, overlap_worker, "parity", layout)):
+        assert out["equal"], f"rank {rank}: parameters or state differ"
+        # Some buckets started during every backward, and not all of them at its end.
+        assert all(count > 0 for count in out["started"]), out
+        assert out["buckets"] > 1, out
+
+
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "reduce_every_micro_batch"])
+def test_gradient_accumulation(no_sync: bool) -> None:
+    for rank, out in enumerate(run_distributed(2, overlap_worker, "accumulation", no_sync)):
+        assert out["equal"], f"rank {rank}: parameters or state differ"
+        first_micro = [count for micro, count in out["started"] if micro == 0]
+        if no_sync:
+            assert first_micro == [0, 0], out  # nothing starts before the reducing backward
+            assert out["restarts"] == 0, out
+        else:
+            assert all(count > 0 for count in first_micro), out
+            assert out["restarts"] == 2, out  # once per step: the second micro-batch
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+@pytest.mark.parametrize("target", ["last", "first"], ids=["first_bucket", "last_bucket"])
+def test_nonfinite_gradient_changes_nothing(policy: str, target: str) -> None:
+    for rank, out in enumerate(run_distributed(2, overlap_worker, "nonfinite", policy, target)):
+        assert out["unchanged"] == [True, True], f"rank {rank}: {out}"
+        assert out["equal"], f"rank {rank}: the modes differ after the bad step"
+
+
+def test_last_layer_gather_issued_during_backward() -> None:
+    for rank, out in enumerate(run_distributed(2, overlap_worker, "early_gather")):
+        events = out["events"]
+        assert out["last_layer"] in out["first_bucket_names"], out
+        assert events.index("exchange") < events.index("first layer"), events
+        assert events.index("exchange") < events.index("backward done"), events
+
+
+def test_plain_tensors_refused() -> None:
+    model = nn.Linear(4, 4, bias=False)
+    with pytest.raises(ValueError, match=r"overlap='backward': weight is a plain tensor"):
+        muon_dist.Muon([{"params": [model.weight], "param_names": ["weight"]}], overlap="backward")
+
+
+def test_bad_overlap_options_refused() -> None:
+    weight = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match=r"overlap='forward'; choose one of"):
+        muon_dist.Muon([weight], overlap="forward")
+    with pytest.raises(ValueError, match=r"use cuda_graph=False with it"):
+        muon_dist.Muon([weight], overlap="backward", cuda_graph=True)
