@@ -53,7 +53,7 @@ def register_grad_hooks(
                 "would start from a partial gradient. Shard the model with fully_shard "
                 "(FSDP2 calls the hook after the reduction), or use overlap='none'"
             )
-    method = weakref.WeakMethod(ready)  # type: ignore[arg-type]
+    method = weakref.WeakMethod(ready)
 
     def hook(p: torch.Tensor) -> None:
         target = method()
@@ -61,7 +61,7 @@ def register_grad_hooks(
             target(p)
 
     for p in params:
-        p.register_post_accumulate_grad_hook(hook)
+        p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
 
 class BackwardStart:
@@ -83,7 +83,8 @@ class BackwardStart:
         self._open = False
         self.restarts = 0  # steps restarted by a gradient reported twice
         device = phase.device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
 
     @property
     def started(self) -> int:
@@ -123,9 +124,7 @@ class BackwardStart:
             self._reported[j] = (grad, grad._version)
             if not self._versions_queued:
                 self._versions_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
-                    self._backward_done
-                )
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
             self.phase.grads.set_one(j, grad)
             needs, reported = self._needs, self._reported.keys()
             while self.phase.started < len(needs) and needs[self.phase.started] <= reported:

@@ -69,7 +69,11 @@ def _model(world_size: int, layout: str) -> tuple[nn.Module, list[dict[str, Any]
             "param_names": [n for n, _ in muon],
             "experts": layout == "experts",
         },
-        {"params": [p for _, p in adamw], "param_names": [n for n, _ in adamw], "algorithm": "adamw"},
+        {
+            "params": [p for _, p in adamw],
+            "param_names": [n for n, _ in adamw],
+            "algorithm": "adamw",
+        },
     ]
     if layout == "experts":
         groups = [
@@ -187,7 +191,7 @@ def nonfinite(world_size: int, policy: str, target: str) -> dict[str, Any]:
         layer = model[len(WIDTHS) - 1] if target == "last" else model[0]
         current = [0]  # the step whose backward runs
 
-        def poison(p: torch.Tensor) -> None:
+        def poison(p: torch.Tensor, current: list[int] = current) -> None:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             if current[0] == bad_step and torch.distributed.get_rank() == 0 and grad.numel():
                 grad.view(-1)[0] = math.nan
@@ -208,6 +212,31 @@ def nonfinite(world_size: int, policy: str, target: str) -> dict[str, Any]:
                 unchanged.append(_equal(before, _snapshot(model, opt)))
         snapshots.append(_snapshot(model, opt))
     return {"equal": _equal(*snapshots), "unchanged": unchanged}
+
+
+def changed_grad(world_size: int) -> dict[str, Any]:
+    """Rank 0 scales its gradients in place between backward and step: every rank refuses
+    that step and changes nothing; the next step runs."""
+    model, groups = _model(world_size, "fsdp")
+    opt = _optimizer(groups, "backward", "raise")
+    errors: list[str] = []
+    unchanged = False
+    for step in range(3):
+        opt.zero_grad()
+        model(_batch(step, 0)).square().mean().backward()
+        if step != 1:
+            opt.step()
+            continue
+        if torch.distributed.get_rank() == 0:
+            torch._foreach_mul_([p.grad.to_local() for p in model.parameters()], 0.5)
+        before = _snapshot(model, opt)
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        unchanged = _equal(before, _snapshot(model, opt))
+    finite = all(bool(torch.isfinite(t).all()) for t in _snapshot(model, opt))
+    return {"errors": errors, "unchanged": unchanged, "finite": finite}
 
 
 def early_gather(world_size: int) -> dict[str, Any]:
@@ -246,5 +275,6 @@ def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[st
         "accumulation": accumulation,
         "nonfinite": nonfinite,
         "early_gather": early_gather,
+        "changed_grad": changed_grad,
     }
     return cases[case](world_size, *args)

@@ -51,11 +51,19 @@ def test_nonfinite_gradient_changes_nothing(policy: str, target: str) -> None:
 
 
 def test_last_layer_gather_issued_during_backward() -> None:
-    for rank, out in enumerate(run_distributed(2, overlap_worker, "early_gather")):
+    for out in run_distributed(2, overlap_worker, "early_gather"):
         events = out["events"]
         assert out["last_layer"] in out["first_bucket_names"], out
         assert events.index("exchange") < events.index("first layer"), events
         assert events.index("exchange") < events.index("backward done"), events
+
+
+def test_gradient_changed_after_its_hook_refused_on_every_rank() -> None:
+    outs = run_distributed(2, overlap_worker, "changed_grad")
+    assert "the gradient of 3.weight changed after backward reduced it" in outs[0]["errors"][0]
+    assert "rank 0" in outs[1]["errors"][0], outs[1]
+    for out in outs:
+        assert out["unchanged"] and out["finite"], out
 
 
 def test_plain_tensors_refused() -> None:
