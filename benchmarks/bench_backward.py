@@ -168,6 +168,7 @@ def time_training(
     optimizer = make()
     fwd_bwd, exposed = [], []
     started: list[int] = []  # overlap="backward": buckets started by the end of backward
+    held: list[float] = []  # and the MiB of updates they hold for step()
     for index in range(args.warmup + args.steps):
         optimizer.zero_grad()
         _sync(device)
@@ -179,6 +180,7 @@ def time_training(
         early = getattr(getattr(optimizer, "runner", None), "early", None)
         if early is not None:
             started.append(early.started)
+            held.append(early.held_bytes / 2**20)
         optimizer.step()
         _sync(device)
         end = time.perf_counter()
@@ -201,6 +203,7 @@ def time_training(
         "peak_gib_per_rank": peaks,
         "buckets_started_in_backward": min(started) if started else None,
         "buckets": buckets,
+        "held_mib_at_backward_end": max(held) if held else None,
     }
 
 
@@ -242,17 +245,19 @@ def format_rows(report: dict[str, Any]) -> str:
     lines = [
         f"backward overlap, {report['tokens_per_rank']} tokens per rank:",
         "| optimizer | fwd+bwd ms | exposed step ms | total ms | exposed / AdamW step "
-        "| total / AdamW | peak GiB (max rank) | buckets started in backward |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| total / AdamW | peak GiB (max rank) | buckets started in backward | held MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["rows"]:
         peaks = [p for p in row["peak_gib_per_rank"] if p is not None]
         peak = f"{max(peaks):.2f}" if peaks else "-"
         early = row["buckets_started_in_backward"]
         started = "-" if early is None else f"{early} of {row['buckets']}"
+        mib = row["held_mib_at_backward_end"]
+        held = "-" if mib is None else f"{mib:.0f}"
         lines.append(
             f"| {row['name']} | {row['fwd_bwd_ms']:.1f} | {row['exposed_step_ms']:.1f} | "
             f"{row['total_ms']:.1f} | {row['exposed_vs_adamw_step']:.2f} | "
-            f"{row['total_vs_adamw']:.3f} | {peak} | {started} |"
+            f"{row['total_vs_adamw']:.3f} | {peak} | {started} | {held} |"
         )
     return "\n".join(lines)

@@ -82,6 +82,7 @@ class BackwardStart:
         self._versions_queued = False
         self._open = False
         self.restarts = 0  # steps restarted by a gradient reported twice
+        self.held_bytes = 0  # updates held for step() at the end of the last backward
         device = phase.device
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
@@ -135,6 +136,7 @@ class BackwardStart:
         accumulation into their reduce buffers) is done."""
         self._versions_queued = False
         self._reported = {j: (grad, grad._version) for j, (grad, _) in self._reported.items()}
+        self.held_bytes = self.phase.transaction.held_bytes()
 
     def check(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Refuse gradients that are not the ones the hooks started from."""

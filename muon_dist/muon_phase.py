@@ -153,6 +153,15 @@ class SkipTransaction:
             (pieces, updates)
         )
 
+    def held_bytes(self) -> int:
+        """Bytes of the storages the held updates keep alive."""
+        storages = {
+            update.untyped_storage().data_ptr(): update.untyped_storage().nbytes()
+            for _, updates in self._held or []
+            for update in updates
+        }
+        return sum(storages.values())
+
     def end(self) -> tuple[tuple[LocalSlices, ...], list[torch.Tensor], Hashable]:
         """The held pieces and updates as one write, and a key naming them across steps."""
         held, self._held = self._held or [], None
@@ -230,6 +239,7 @@ class MuonPhase:
         # buckets, in plan order, it has started.
         self.pipeline = Pipeline(settings.max_inflight)
         self.started = 0
+        self.early = False  # between begin_early and the end of finish_early
 
     # -- plan time ----------------------------------------------------------------------
 
@@ -325,6 +335,7 @@ class MuonPhase:
         self.transaction.begin()
         self.pipeline = Pipeline(self.settings.max_inflight)
         self.started = 0
+        self.early = True
 
     def start_next(self) -> None:
         """Start the next bucket in plan order: one pipeline round, as :func:`run_tasks`
@@ -357,6 +368,7 @@ class MuonPhase:
         agreement.count_bad_results(self._stack_tensor, bad.float())
         agreement.agree_on_results(transactional)
         pieces, updates, key = self.transaction.end()
+        self.early = False
         scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=False)
         self._advance_state(store_all=True)
         self.io.write(pieces, updates, key=key, unchecked=True)
@@ -438,6 +450,10 @@ class MuonPhase:
                 # so replicas of a parameter round identically and stay bitwise equal. Piece
                 # by piece: a cast of whole stacks would hold both dtypes' stacks at once.
                 updates = [update.to(self.comm_dtype) for update in updates]
+            elif self.early:
+                # Held from backward to step(): copies of this rank's pieces only, so the
+                # bucket's whole stacks and exchange buffers are freed meanwhile.
+                updates = [update.clone() for update in updates]
             if self.transaction.open:
                 self.transaction.hold(pieces, updates)
                 return

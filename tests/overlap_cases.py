@@ -144,6 +144,7 @@ def parity(world_size: int, layout: str) -> dict[str, Any]:
     overlapped one's in backward order."""
     snapshots = []
     started: list[int] = []
+    held: list[int] = []
     for overlap in ("none", "backward"):
         model, groups = _model(world_size, layout)
         opt = _optimizer(groups, overlap, "raise")
@@ -151,11 +152,20 @@ def parity(world_size: int, layout: str) -> dict[str, Any]:
         def record(_step: int, _micro: int, opt: muon_dist.Muon = opt) -> None:
             if opt.runner.early is not None:
                 started.append(opt.runner.early.started)
+                held.append(opt.runner.early.held_bytes)
 
         _train(model, opt, 3, after_backward=record)
         snapshots.append(_snapshot(model, opt))
     buckets = len(opt.runner.muon.plan.buckets) if opt.runner.muon is not None else 0
-    return {"equal": _equal(*snapshots), "started": started, "buckets": buckets}
+    # fp32 exchanges: the local shards of the Muon tensors, in bytes.
+    shards = sum(p.to_local().numel() * 4 for g in groups[:-1] for p in g["params"])
+    return {
+        "equal": _equal(*snapshots),
+        "started": started,
+        "buckets": buckets,
+        "held": held,
+        "shard_bytes": shards,
+    }
 
 
 def accumulation(world_size: int, no_sync: bool) -> dict[str, Any]:

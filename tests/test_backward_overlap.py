@@ -27,6 +27,8 @@ def test_bitwise_equal_to_plain_step(world_size: int, layout: str) -> None:
         # Some buckets started during every backward, and not all of them at its end.
         assert all(count > 0 for count in out["started"]), out
         assert out["buckets"] > 1, out
+        # What waits for step() is at most this rank's pieces of the updates: no stacks.
+        assert all(held <= out["shard_bytes"] for held in out["held"]), out
 
 
 @pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "reduce_every_micro_batch"])
