@@ -7,8 +7,9 @@ Newton–Schulz), plus what the case checks about the early start itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -139,6 +140,23 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@contextlib.contextmanager
+def _recording_exchanges() -> Iterator[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Each all-to-all this rank starts, as (send splits, receive splits) per peer."""
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    original = bucket_task_module.start_exchange
+
+    def recording(send: Any, sends: Any, recvs: Any, peers: Any) -> Any:
+        calls.append((sends.splits, recvs.splits))
+        return original(send, sends, recvs, peers)
+
+    bucket_task_module.start_exchange = recording  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        bucket_task_module.start_exchange = original  # type: ignore[assignment]
+
+
 def parity(world_size: int, layout: str) -> dict[str, Any]:
     """Three steps with and without overlap; the plain run's buckets by cost, the
     overlapped one's in backward order."""
@@ -154,7 +172,8 @@ def parity(world_size: int, layout: str) -> dict[str, Any]:
                 started.append(opt.runner.early.started)
                 held.append(opt.runner.early.held_bytes)
 
-        _train(model, opt, 3, after_backward=record)
+        with _recording_exchanges() as exchanges:
+            _train(model, opt, 3, after_backward=record)
         snapshots.append(_snapshot(model, opt))
     buckets = len(opt.runner.muon.plan.buckets) if opt.runner.muon is not None else 0
     # fp32 exchanges: the local shards of the Muon tensors, in bytes.
@@ -165,6 +184,7 @@ def parity(world_size: int, layout: str) -> dict[str, Any]:
         "buckets": buckets,
         "held": held,
         "shard_bytes": shards,
+        "exchanges": exchanges,  # of the overlapped run
     }
 
 

@@ -22,7 +22,16 @@ import muon_dist
     ],
 )
 def test_bitwise_equal_to_plain_step(world_size: int, layout: str) -> None:
-    for rank, out in enumerate(run_distributed(world_size, overlap_worker, "parity", layout)):
+    outs = run_distributed(world_size, overlap_worker, "parity", layout)
+    # Every rank started the same all-to-alls in the same order: the k-th exchange of each
+    # rank sends each peer what that peer's k-th exchange expects from it.
+    calls = [out["exchanges"] for out in outs]
+    assert len({len(c) for c in calls}) == 1 and calls[0], [len(c) for c in calls]
+    for k in range(len(calls[0])):
+        for r in range(world_size):
+            for q in range(world_size):
+                assert calls[r][k][0][q] == calls[q][k][1][r], (k, r, q)
+    for rank, out in enumerate(outs):
         assert out["equal"], f"rank {rank}: parameters or state differ"
         # Some buckets started during every backward, and not all of them at its end.
         assert all(count > 0 for count in out["started"]), out
