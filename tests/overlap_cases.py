@@ -83,7 +83,13 @@ def _model(world_size: int, layout: str) -> tuple[nn.Module, list[dict[str, Any]
     return model, groups
 
 
-def _optimizer(groups: list[dict[str, Any]], overlap: str, nonfinite: str) -> muon_dist.Muon:
+# Options a layout adds to the optimizer (the model is the "fsdp" one).
+OPTIONS: dict[str, dict[str, Any]] = {"magma_cautious": {"magma": True, "cautious_wd": True}}
+
+
+def _optimizer(
+    groups: list[dict[str, Any]], overlap: str, nonfinite: str, **options: Any
+) -> muon_dist.Muon:
     return muon_dist.Muon(
         groups,
         weight_decay=0.1,
@@ -93,6 +99,7 @@ def _optimizer(groups: list[dict[str, Any]], overlap: str, nonfinite: str) -> mu
         max_inflight=2,
         nonfinite=nonfinite,
         overlap=overlap,
+        **options,
     )
 
 
@@ -164,8 +171,8 @@ def parity(world_size: int, layout: str) -> dict[str, Any]:
     started: list[int] = []
     held: list[int] = []
     for overlap in ("none", "backward"):
-        model, groups = _model(world_size, layout)
-        opt = _optimizer(groups, overlap, "raise")
+        model, groups = _model(world_size, "fsdp" if layout in OPTIONS else layout)
+        opt = _optimizer(groups, overlap, "raise", **OPTIONS.get(layout, {}))
 
         def record(_step: int, _micro: int, opt: muon_dist.Muon = opt) -> None:
             if opt.runner.early is not None:

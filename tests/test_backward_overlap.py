@@ -19,6 +19,7 @@ import muon_dist
         pytest.param(3, "fsdp", marks=pytest.mark.slow),
         pytest.param(2, "hsdp", marks=pytest.mark.slow),
         pytest.param(2, "experts", marks=pytest.mark.slow),
+        pytest.param(2, "magma_cautious", marks=pytest.mark.slow),
     ],
 )
 def test_bitwise_equal_to_plain_step(world_size: int, layout: str) -> None:
