@@ -251,6 +251,31 @@ def nonfinite(world_size: int, policy: str, target: str) -> dict[str, Any]:
     return {"equal": _equal(*snapshots), "unchanged": unchanged}
 
 
+def resume(world_size: int) -> dict[str, Any]:
+    """Two steps, DCP state dicts loaded into a fresh model and optimizer, one more step,
+    in each mode: the resumed runs are bitwise equal across modes, and the overlapped one
+    started buckets during backward after the load."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    snapshots = []
+    started = 0
+    for overlap in ("none", "backward"):
+        model, groups = _model(world_size, "fsdp")
+        opt = _optimizer(groups, overlap, "raise")
+        _train(model, opt, 2)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        fresh, fresh_groups = _model(world_size, "fsdp")
+        fresh_opt = _optimizer(fresh_groups, overlap, "raise")
+        set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        fresh_opt.zero_grad()
+        fresh(_batch(2, 0)).square().mean().backward()
+        if fresh_opt.runner.early is not None:
+            started = fresh_opt.runner.early.started
+        fresh_opt.step()
+        snapshots.append(_snapshot(fresh, fresh_opt))
+    return {"equal": _equal(*snapshots), "started": started}
+
+
 def changed_grad(world_size: int) -> dict[str, Any]:
     """Rank 0 scales its gradients in place between backward and step: every rank refuses
     that step and changes nothing; the next step runs."""
@@ -313,5 +338,6 @@ def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[st
         "nonfinite": nonfinite,
         "early_gather": early_gather,
         "changed_grad": changed_grad,
+        "resume": resume,
     }
     return cases[case](world_size, *args)

@@ -78,6 +78,11 @@ def test_gradient_changed_after_its_hook_refused_on_every_rank() -> None:
         assert out["unchanged"] and out["finite"], out
 
 
+def test_state_dict_round_trip_resumes_bitwise() -> None:
+    for out in run_distributed(2, overlap_worker, "resume"):
+        assert out["equal"] and out["started"] > 0, out
+
+
 def test_plain_tensors_refused() -> None:
     model = nn.Linear(4, 4, bias=False)
     with pytest.raises(ValueError, match=r"overlap='backward': weight is a plain tensor"):
