@@ -7,6 +7,15 @@ the parameters (:mod:`muon_dist.groups`) builds per-parameter
 flags, and the step turns them into a ``keep`` mask and a ``found_inf`` flag (as
 ``torch.amp.GradScaler`` does) that the update rule and fused AdamW read on the device.
 
+The same all-reduce agrees on what a scheduler or the user may change between steps: each
+group's step values (lr, weight decay, momentum, Nesterov; AdamW's betas and eps) travel as
+``v`` and ``-v``, so the MAX gives every value's largest and smallest across ranks, and each
+rank puts a digest of all its group options (the step counts included) in a slot of its
+own; a difference anywhere fails the step on every rank, as a non-finite gradient does. The
+gradients of parameters every rank holds whole (replicas) are compared the same way, by
+their norms: every rank applies the owner's update to a replica, so replicas need equal
+gradients (the data-parallel wrapper averages them), and a difference fails the step.
+
 The host reads the outcome later, from a host copy queued at the end of the step: on a
 CUDA device, at the next point that needs it (the next ``step()``, ``state_dict()`` or
 ``check_finite()``), after waiting on an event recorded with that copy; with CPU tensors,
@@ -15,8 +24,11 @@ where the copy is already there, at the end of the step itself.
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,11 +53,53 @@ class Outcome:
     overflowing_grads: tuple[str, ...] = ()
     failed_rank: int | None = None
     crashed_rank: int | None = None  # a rank whose Newton–Schulz raised during the step
+    disagreement: str | None = None  # what differed across ranks (options or replicas' grads)
+
+
+# The group options a scheduler or the user may change between steps, agreed every step.
+STEP_KEYS = {
+    "muon": ("lr", "weight_decay", "momentum", "nesterov"),
+    "adamw": ("lr", "weight_decay", "betas", "eps"),
+}
+# A digest takes 24 bits, which a float32 holds exactly.
+_DIGEST_BITS = 0xFFFFFF
+
+
+def step_labels(groups: Sequence[dict[str, Any]]) -> list[str]:
+    """Names of the values :func:`step_values` returns, for messages."""
+    labels = []
+    for index, group in enumerate(groups):
+        for key in STEP_KEYS[group["algorithm"]]:
+            parts = ("[0]", "[1]") if key == "betas" else ("",)
+            labels += [f"param group {index} {key}{part}" for part in parts]
+    return labels
+
+
+def step_values(groups: Sequence[dict[str, Any]]) -> list[float]:
+    """The step values of ``groups`` (checked numbers: see ``check_step_values``)."""
+    values: list[float] = []
+    for group in groups:
+        for key in STEP_KEYS[group["algorithm"]]:
+            value = group[key]
+            values += [float(v) for v in value] if key == "betas" else [float(value)]
+    return values
+
+
+def options_digest(groups: Sequence[dict[str, Any]]) -> float:
+    """A digest of every option of every group (not the parameters), >= 1."""
+    text = repr(
+        [
+            sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names"))
+            for g in groups
+        ]
+    )
+    return float((zlib.crc32(text.encode()) & _DIGEST_BITS) + 1)
 
 
 class Agreement:
     """Device flags of one step: presence and finiteness per parameter, ``keep`` per Muon
-    parameter, ``found_inf``, and the non-finite Newton–Schulz results per Muon parameter."""
+    parameter, ``found_inf``, the non-finite Newton–Schulz results per Muon parameter, and
+    the ranks' agreement on step values, options and replicas' gradients."""
 
     def __init__(
         self,
@@ -53,13 +107,36 @@ class Agreement:
         muon_positions: Sequence[int],
         device: torch.device,
         holders: Peers,
+        groups: Sequence[dict[str, Any]],
+        replicated: Sequence[int],
     ) -> None:
         count = len(names)
         self.names = list(names)
         self.muon_names = [self.names[i] for i in muon_positions]
         self.device = device
         self.holders = holders
-        self.flags = torch.zeros(2 * count + 1, device=device)  # present | verdict | failed
+        # Compared across ranks only where there are several: the step values, one digest
+        # slot per rank, and the gradients of the parameters at ``replicated`` positions.
+        several = holders.size > 1
+        self.labels = step_labels(groups) if several else []
+        self.replicated = list(replicated) if several else []
+        self._replicated_slot = {p: j for j, p in enumerate(self.replicated)}
+        slots = holders.size if several else 0
+        k, r = len(self.labels), len(self.replicated)
+        # present | verdict | failed | values | -values | digests | grad norms | -grad norms
+        self.flags = torch.zeros(2 * count + 1 + 2 * k + slots + 2 * r, device=device)
+        self._present = self.flags[:count]
+        self._verdict = self.flags[count : 2 * count]
+        self._checked = self.flags[count : 2 * count + 1]  # verdicts and the failure
+        self._failed = self.flags[2 * count : 2 * count + 1]
+        self._compared = self.flags[2 * count + 1 :]
+        self._staged_part = self._compared[: 2 * k + slots]  # staged by the host
+        self._values = self._compared[:k]
+        self._negated = self._compared[k : 2 * k]
+        self._digests = self._compared[2 * k : 2 * k + slots]
+        self._norms = self._compared[2 * k + slots : 2 * k + slots + r]
+        self._negated_norms = self._compared[2 * k + slots + r :]
+        self.stage_size = 2 * k + slots
         self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
         self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
         self.keep_float = torch.zeros(len(muon_positions), device=device)
@@ -68,22 +145,45 @@ class Agreement:
         self._results = torch.zeros(len(muon_positions) + 1, device=device)
         self.bad_results, self.crashed = self._results.split_with_sizes([len(muon_positions), 1])
         self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
-        # verdicts | non-finite results | crashed rank + 1 | failed rank + 1 | found_inf
-        self._report = torch.zeros(count + len(muon_positions) + 3, device=device)
+        # verdicts | non-finite results | crashed rank + 1 | failed rank + 1 | found_inf |
+        # the compared part of the flags
+        self._report = torch.zeros(
+            count + len(muon_positions) + 3 + self._compared.numel(), device=device
+        )
+        self._report_parts = self._report.split_with_sizes(
+            [count, len(muon_positions) + 1, 1, 1, self._compared.numel()]
+        )
         pinned = device.type == "cuda"
         self._host = torch.zeros_like(self._report, device="cpu", pin_memory=pinned)
         # A numpy view of the host copy: reading it is a plain memory read, made once here.
         self._host_view = self._host.numpy() if pinned else self._report.numpy()
         self._event = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
         self._pending: int | None = None  # step number whose report is queued, unread
-        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
+        self._indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _index(self, positions: tuple[int, ...]) -> torch.Tensor:
-        """Positions of the present gradients as a device tensor, built once per pattern."""
+    def stage(self, groups: Sequence[dict[str, Any]], rank: int) -> list[float]:
+        """What this rank stages for the comparison: its step values, negated, and its
+        digest in its own slot (the others 0); empty on one rank."""
+        if not self.stage_size:
+            return []
+        values = step_values(groups)
+        digests = [0.0] * self.holders.size
+        digests[self.holders.index(rank)] = options_digest(groups)
+        return values + [-v for v in values] + digests
+
+    def _index(self, positions: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Positions of the present gradients as a device tensor, and which of those are
+        replicated (their norms' rows, then their slots), built once per pattern."""
         cached = self._indices.get(positions)
         if cached is None:
-            cached = self._indices[positions] = torch.tensor(
-                positions, dtype=torch.long, device=self.device
+            rows = [i for i, p in enumerate(positions) if p in self._replicated_slot]
+            pairs = None
+            if rows:
+                slots = [self._replicated_slot[positions[i]] for i in rows]
+                pairs = torch.tensor([rows, slots], dtype=torch.long, device=self.device)
+            cached = self._indices[positions] = (
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                pairs,
             )
         return cached
 
@@ -98,33 +198,44 @@ class Agreement:
 
         ``inputs`` (staged by the caller) says per parameter whether it has a local
         gradient and the largest gradient norm Newton–Schulz can normalise (inf for AdamW),
-        and this rank's failure (rank + 1, or 0). Norms are taken in fp64, so a finite
-        gradient of any dtype has a finite norm, and an overflow of the normalisation is
-        told apart from a non-finite entry. Zeroes the result flags, unless
+        this rank's failure (rank + 1, or 0), and what :meth:`stage` returned. Norms are
+        taken in fp64, so a finite gradient of any dtype has a finite norm, and an overflow of the
+        normalisation is told apart from a non-finite entry. Zeroes the result flags, unless
         ``keep_results`` (a step whose buckets started before it, see :meth:`clear_results`).
         """
-        count = len(self.names)
-        verdict = self.flags[count : 2 * count]
-        self.flags[:count].copy_(inputs.present)
-        self.flags[-1:].copy_(inputs.failed)
-        verdict.zero_()
+        self._present.copy_(inputs.present)
+        self._failed.copy_(inputs.failed)
+        self._staged_part.copy_(inputs.compared)
+        self._verdict.zero_()
+        self._norms.fill_(-math.inf)
+        self._negated_norms.fill_(-math.inf)
         positions = tuple(i for i, g in enumerate(grads) if g is not None)
         if positions:
-            index = self._index(positions)
+            index, replicated = self._index(positions)
             norms = torch.stack(
                 torch._foreach_norm([g for g in grads if g is not None], 2, dtype=torch.float64)
             )
             limits = inputs.norm_limit.index_select(0, index).double()
+            finite = torch.isfinite(norms)
             bad = torch.where(
-                torch.isfinite(norms),
-                (norms > limits).to(verdict.dtype) * TOO_LARGE,
-                torch.full_like(norms, NONFINITE, dtype=verdict.dtype),
+                finite,
+                (norms > limits).to(self._verdict.dtype) * TOO_LARGE,
+                torch.full_like(norms, NONFINITE, dtype=self._verdict.dtype),
             )
-            verdict.index_copy_(0, index, bad)
+            self._verdict.index_copy_(0, index, bad)
+            if replicated is not None:
+                mine = torch.where(finite, norms, -math.inf).index_select(0, replicated[0])
+                self._norms.index_copy_(0, replicated[1], mine.to(self._norms.dtype))
+                self._negated_norms.index_copy_(0, replicated[1], (-mine).to(self._norms.dtype))
         if self.holders.size > 1:
             dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
-        torch.amax(self.flags[count:], dim=0, out=self.found_inf)
+        torch.amax(self._checked, dim=0, out=self.found_inf)
         self.found_inf.clamp_(max=1.0)
+        if self._compared.numel():
+            # max + (-min) > 0 where ranks differ; -inf + -inf where no rank has a value.
+            spread = torch.cat([self._values + self._negated, self._norms + self._negated_norms])
+            differs = (spread > 0).any() | (self._digests.amax() > self._digests.amin())
+            torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
         if not keep_results:
             self.clear_results()
         self._set_keep()
@@ -161,14 +272,14 @@ class Agreement:
 
     def publish(self) -> None:
         """Queue the host copy of this step's outcome (part of a captured step)."""
-        count = len(self.names)
-        report = self._report
-        report[:count].copy_(self.flags[count : 2 * count])
-        report[count:-2].copy_(self._results)
-        report[-2:-1].copy_(self.flags[-1:])
-        report[-1:].copy_(self.found_inf.view(1))
+        verdicts, results, failed, found_inf, compared = self._report_parts
+        verdicts.copy_(self._verdict)
+        results.copy_(self._results)
+        failed.copy_(self._failed)
+        found_inf.copy_(self.found_inf.view(1))
+        compared.copy_(self._compared)
         if self._event is not None:
-            self._host.copy_(report, non_blocking=True)
+            self._host.copy_(self._report, non_blocking=True)
 
     def queued(self, step: int) -> None:
         """Mark the copy queued by :meth:`publish` as the outcome of ``step`` (host side)."""
@@ -192,17 +303,62 @@ class Agreement:
         step, self._pending = self._pending, None
         if self._event is not None:
             self._event.synchronize()
+        count, muon = len(self.names), len(self.muon_names)
         values = self._host_view
-        count = len(self.names)
-        if not values[-1] and not np.any(values[count:-2]):
+        verdicts, results = values[:count], values[count : count + muon]
+        crashed, failed, found_inf = values[count + muon : count + muon + 3]
+        if not found_inf and not np.any(results) and not crashed:
             return None
-        verdicts = values[:count]
-        crashed = values[-3]
         return Outcome(
             step,
             tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == NONFINITE),
-            tuple(n for n, v in zip(self.muon_names, values[count:-3], strict=True) if v),
+            tuple(n for n, v in zip(self.muon_names, results, strict=True) if v),
             tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == TOO_LARGE),
-            int(values[-2]) - 1 if values[-2] else None,
+            int(failed) - 1 if failed else None,
             int(crashed) - 1 if crashed else None,
+            self._disagreement(values[count + muon + 3 :]),
         )
+
+    def _disagreement(self, compared: np.ndarray[Any, Any]) -> str | None:
+        """What the ranks disagreed on in the compared part of a report, or None."""
+        k, slots, r = len(self.labels), self.stage_size - 2 * len(self.labels), len(self.replicated)
+        if not compared.size:
+            return None
+        largest, smallest = compared[:k], -compared[k : 2 * k]
+        digests = compared[2 * k : 2 * k + slots]
+        norms = compared[2 * k + slots : 2 * k + slots + r]
+        low_norms = -compared[2 * k + slots + r :]
+        parts = [
+            f"{label} ranges from {low:.7g} to {high:.7g}"
+            for label, high, low in zip(
+                self.labels, largest.tolist(), smallest.tolist(), strict=True
+            )
+            if high > low
+        ]
+        if digests.max() > digests.min() and not parts:
+            parts.append("group options other than the step values, or the step counts")
+        if parts:
+            classes: dict[float, list[int]] = {}
+            for rank, digest in zip(self.holders.ranks, digests.tolist(), strict=True):
+                classes.setdefault(digest, []).append(rank)
+            parts.append(
+                "ranks by their options: " + " | ".join(str(ranks) for ranks in classes.values())
+            )
+        differing = [
+            n
+            for n, high, low in zip(
+                (self.names[i] for i in self.replicated),
+                norms.tolist(),
+                low_norms.tolist(),
+                strict=True,
+            )
+            if high > low
+        ]
+        if differing:
+            parts.append(
+                f"the gradient of {', '.join(differing)}, held whole on every rank (a replica), "
+                "differs across ranks (its norm does); every rank applies one update to a "
+                "replica, so its gradients must be equal: average them first (DDP does, or "
+                "dist.all_reduce(p.grad, op=dist.ReduceOp.AVG))"
+            )
+        return "; ".join(parts) or None

@@ -37,14 +37,9 @@ from muon_dist.step_scalars import StepInputs
 logger = logging.getLogger(__name__)
 
 
-def register_grad_hooks(
-    params: Sequence[torch.Tensor], names: Sequence[str], ready: Callable[[torch.Tensor], None]
-) -> None:
-    """Call ``ready(p)`` from each parameter's post-accumulate-grad hook, through a weak
-    reference (a bound method's owner), so the hooks do not keep the optimizer alive.
-
-    Plain tensors are refused: their hook fires when autograd accumulates the local
-    gradient, before DDP (or any data-parallel wrapper) reduces it across ranks."""
+def check_hookable(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Refuse plain tensors: their hook fires when autograd accumulates the local gradient,
+    before DDP (or any data-parallel wrapper) reduces it across ranks."""
     for p, name in zip(params, names, strict=True):
         if not isinstance(p, DTensor):
             raise ValueError(
@@ -53,6 +48,13 @@ def register_grad_hooks(
                 "would start from a partial gradient. Shard the model with fully_shard "
                 "(FSDP2 calls the hook after the reduction), or use overlap='none'"
             )
+
+
+def register_grad_hooks(
+    params: Sequence[torch.Tensor], ready: Callable[[torch.Tensor], None]
+) -> None:
+    """Call ``ready(p)`` from each parameter's post-accumulate-grad hook, through a weak
+    reference (a bound method's owner), so the hooks do not keep the optimizer alive."""
     method = weakref.WeakMethod(ready)
 
     def hook(p: torch.Tensor) -> None:

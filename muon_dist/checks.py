@@ -1,18 +1,18 @@
-"""Checks that fail fast with a clear message instead of hanging or corrupting a run: all
-ranks built the same parameter list, and a saved state matches the current routing."""
+"""Checks that fail fast with a clear message instead of corrupting a run: a gradient lies
+like its parameter; a saved state matches the current routing and holds usable tensors.
+(Agreement across ranks is :mod:`muon_dist.consensus`.)"""
 
 from __future__ import annotations
 
-import hashlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from muon_dist.groups import Peers
 from muon_dist.routing import group_param_names, matrix_views, named_params
+from muon_dist.tensors import local
 
 # Group keys that decide a Muon parameter's matrix views: a saved state built under other
 # values holds momenta of other matrices, so loading it is refused.
@@ -25,65 +25,6 @@ ROUTING_KEYS = (
     "split_groups",
     "transposed",
 )
-
-
-# Group keys every rank must share: they decide the matrix views, the plan and which
-# collectives run. Hyper-parameters such as lr are read fresh every step instead.
-AGREE_KEYS = (
-    "algorithm",
-    *ROUTING_KEYS,
-    "ns_steps",
-    "coefficients",
-    "ns_method",
-    "magma",
-    "cautious_wd",
-)
-
-
-def check_ranks_agree(
-    groups: Sequence[dict[str, Any]], extra: Sequence[str], rank: int, holders: Peers
-) -> None:
-    """Fail fast, instead of hanging in a collective, when ranks hold different params.
-
-    ``extra`` lines (e.g. the QK-clip layers) must agree too; ``holders`` are the ranks
-    that hold the parameters and run the optimizer's collectives.
-    """
-    if holders.size == 1:
-        return
-    first = holders.ranks[0]
-    lines = list(extra)
-    for name, group, p in named_params(groups):
-        options = {k: group.get(k) for k in AGREE_KEYS}
-        placements = p.placements if isinstance(p, DTensor) else "plain"
-        mesh = tuple(p.device_mesh.shape) if isinstance(p, DTensor) else ()
-        lines.append(f"{name} {tuple(p.shape)} {p.dtype} {placements} {mesh} {options}")
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    digests: list[str | None] = [None] * holders.size
-    dist.all_gather_object(digests, digest, group=holders.group)
-    if len(set(digests)) == 1:
-        return
-    all_lines: list[list[str] | None] = [None] * holders.size
-    dist.all_gather_object(all_lines, lines, group=holders.group)
-    reference = all_lines[0] or []
-    for other, other_lines in zip(holders.ranks, all_lines, strict=True):
-        other_lines = other_lines or []
-        if other_lines == reference:
-            continue
-        diff = next(
-            (
-                (i, a, b)
-                for i, (a, b) in enumerate(zip(reference, other_lines, strict=False))
-                if a != b
-            ),
-            (min(len(reference), len(other_lines)), "<end>", "<end>"),
-        )
-        raise RuntimeError(
-            f"muon_dist.Muon: rank {other} built a different parameter list than rank "
-            f"{first} (this is rank {rank}); rank {first} has {len(reference)} params, rank "
-            f"{other} has {len(other_lines)}; first difference at entry {diff[0]}: rank "
-            f"{first} {diff[1]!r} vs rank {other} {diff[2]!r}. Build the model and param "
-            "groups identically on every rank that holds them."
-        )
 
 
 def matrix_count(group: dict[str, Any], p: torch.Tensor, name: str) -> int:
@@ -133,11 +74,18 @@ def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, A
     """Name every parameter whose saved algorithm, group, matrix views (``muon_mode`` and
     the other routing keys), state keys or state shapes differ from now."""
     saved_groups = _saved_groups(state_dict, groups)
-    saved = {
-        name: (index, group, state_dict["state"].get(key, {}))
-        for index, group in enumerate(saved_groups)
-        for name, key in zip(group_param_names(group, index), group["params"], strict=True)
-    }
+    saved: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}
+    for index, group in enumerate(saved_groups):
+        for name, key in zip(group_param_names(group, index), group["params"], strict=True):
+            if name in saved:
+                raise ValueError(
+                    f"the saved optimizer state holds two parameters named {name!r} (saved "
+                    f"param groups {saved[name][0]} and {index}); state is matched by name, so "
+                    "their momenta and moments cannot be told apart: it was saved by an "
+                    "optimizer whose names collide (this version refuses those); start fresh, "
+                    "or rename the saved param_names to what each parameter is called now"
+                )
+            saved[name] = (index, group, state_dict["state"].get(key, {}))
     current = {
         name: (index, group, p)
         for index, group in enumerate(groups)
@@ -252,3 +200,53 @@ def check_grad(name: str, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             f"{tuple(p.shape)}"
         )
     return grad
+
+
+def check_saved_state(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> None:
+    """Every per-parameter entry of a state already arranged by name (:func:`by_name`):
+    present, holding this optimizer's keys, tensors that are finite and, for momenta, shaped
+    like this rank's shard. Refuses before anything is replaced, naming the parameters."""
+    problems = []
+    for position, (name, group, p) in enumerate(named_params(groups)):
+        state = state_dict["state"].get(position)
+        if not state:
+            problems.append(f"{name}: no state was saved for it")
+            continue
+        expected = set(state_shapes(group, p, name))
+        if group["algorithm"] == "adamw":
+            expected.add("step")
+        if set(state) != expected:
+            problems.append(f"{name}: saved state has {sorted(state)}, expected {sorted(expected)}")
+            continue
+        for key, value in state.items():
+            problem = _saved_value_problem(key, value, p)
+            if problem:
+                problems.append(f"{name}: {problem}")
+    if problems:
+        raise ValueError(
+            "load_state_dict: the saved state cannot be loaded, nothing was changed:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def _saved_value_problem(key: str, value: Any, p: torch.Tensor) -> str | None:
+    """What is wrong with one saved state value, or None."""
+    if key == "step" and not isinstance(value, torch.Tensor):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"saved step={value!r} is not a number"
+        return None if math.isfinite(value) else f"saved step={value!r} is not finite"
+    if not isinstance(value, torch.Tensor):
+        return f"saved {key} is a {type(value).__name__}, not a tensor"
+    if not bool(torch.isfinite(local(value)).all()):
+        return (
+            f"saved {key} holds non-finite values (NaN or inf); every step from it would be "
+            "non-finite: load an earlier checkpoint"
+        )
+    if key == "momentum_buffer" and local(value).shape != local(p).shape:
+        return (
+            f"the saved momentum holds a local shard of shape {tuple(local(value).shape)}, "
+            f"where this rank's shard of the parameter is {tuple(local(p).shape)}; load a "
+            "state saved on the same mesh, or go through torch.distributed.checkpoint, which "
+            "reshards"
+        )
+    return None

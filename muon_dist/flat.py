@@ -50,6 +50,22 @@ def zeros_like_flat(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return zeros
 
 
+def own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (a view into a flat buffer) that owns its storage, a DTensor again
+    where ``t`` is one: what a saved state holds, since torch cannot pickle a DTensor whose
+    local tensor is a view at an offset into a larger storage."""
+    if isinstance(t, DTensor):
+        return DTensor.from_local(
+            t.to_local().clone(),
+            t.device_mesh,
+            t.placements,
+            run_check=False,
+            shape=t.shape,
+            stride=t.stride(),
+        )
+    return t.clone()
+
+
 @dataclass(frozen=True)
 class Span:
     """Positions (into the caller's list) of tensors that lie in order in one storage, and

@@ -10,6 +10,7 @@ checkpoint checks in :mod:`muon_dist.checks`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
@@ -19,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.agreement import Outcome
-from muon_dist.backward_start import register_grad_hooks
-from muon_dist.checks import by_name, check_ranks_agree, check_saved_routing, matrix_count
-from muon_dist.flat import zeros_like_flat
-from muon_dist.groups import comm_groups, dedicated
+from muon_dist.backward_start import check_hookable, register_grad_hooks
+from muon_dist.checks import by_name, check_saved_routing, check_saved_state, matrix_count
+from muon_dist.consensus import agree, describe
+from muon_dist.flat import own_copy, zeros_like_flat
+from muon_dist.groups import CommGroups, comm_groups, dedicated
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
+from muon_dist.rebind import follow_params, storage
 from muon_dist.routing import (
     ALGORITHMS,
     format_routing_table,
@@ -35,9 +38,19 @@ from muon_dist.settings import ExecutionSettings
 from muon_dist.step_runner import StepRunner
 from muon_dist.step_scalars import NS_NORM_LIMIT
 from muon_dist.tensors import local
-from muon_dist.validation import check_group_keys, validate_group
+from muon_dist.validation import (
+    check_group_keys,
+    check_step_values,
+    check_unique_names,
+    validate_group,
+)
 
 logger = logging.getLogger(__name__)
+
+# State tensors a load copies into rather than replaces.
+_OWN_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+# Device types whose autocast the step turns off (those torch knows that can be enabled).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
 
 
 class Muon(torch.optim.Optimizer):
@@ -173,18 +186,24 @@ class Muon(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         overlap: str = "none",
     ) -> None:
-        self.settings = ExecutionSettings(
-            backend=backend,
-            comm_dtype=comm_dtype,
-            ns_dtype=ns_dtype,
-            bucket_bytes=bucket_bytes,
-            max_inflight=max_inflight,
-            replica_mode=replica_mode,
-            nonfinite=nonfinite,
-            cuda_graph=cuda_graph,
-            graph_warmup=graph_warmup,
-            overlap=overlap,
-        )
+        # Anything refused on this rank only (a setting or option that differs across ranks)
+        # is agreed through the rank check in _init_groups, so the other ranks raise too.
+        refused: Exception | None = None
+        try:
+            self.settings = ExecutionSettings(
+                backend=backend,
+                comm_dtype=comm_dtype,
+                ns_dtype=ns_dtype,
+                bucket_bytes=bucket_bytes,
+                max_inflight=max_inflight,
+                replica_mode=replica_mode,
+                nonfinite=nonfinite,
+                cuda_graph=cuda_graph,
+                graph_warmup=graph_warmup,
+                overlap=overlap,
+            )
+        except (ValueError, TypeError) as exc:
+            refused = exc
         muon_defaults: dict[str, Any] = {
             "algorithm": "muon",
             "lr": lr,
@@ -221,48 +240,50 @@ class Muon(torch.optim.Optimizer):
         # CyclicLR), which is Muon's; AdamW groups keep their betas. Groups get their own
         # algorithm's defaults in add_param_group, never these.
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-        groups = _split_by_algorithm(params, self._defaults_by_algorithm)
-        self._init_groups(groups, defaults, replica_mode, process_group, qk_clip)
+        self._constructed = False  # add_param_group agrees on each later group by itself
+        self._process_group = process_group
+        self._qk_lines = [repr(spec) for spec in qk_clip]
+        self._init_groups(params, defaults, refused)
+        self._constructed = True
         self._bind_step(cuda_graph, qk_clip, max_logits)
         logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
 
     # -- construction -------------------------------------------------------------------
 
     def _init_groups(
-        self,
-        groups: list[dict[str, Any]],
-        defaults: dict[str, Any],
-        replica_mode: str,
-        process_group: dist.ProcessGroup | None,
-        qk_clip: Sequence[QKClip],
+        self, params: Iterable[Any], defaults: dict[str, Any], refused: Exception | None
     ) -> None:
-        """Add the groups and check that every rank built the same ones.
-
-        A group refused on this rank only (options that differ across ranks) is agreed
-        through the rank check, so the other ranks raise too instead of waiting."""
-        refused: ValueError | TypeError | None = None
+        """Add the groups and agree with every rank that holds them on everything that
+        decides a step (:mod:`muon_dist.consensus`). Anything refused on this rank only (a
+        setting or option that differs across ranks) is agreed through that check, so the
+        other ranks raise too instead of waiting."""
+        groups: list[dict[str, Any]] = []
         try:
-            super().__init__(groups, defaults=defaults)
+            groups = _split_by_algorithm(params, self._defaults_by_algorithm)
+            if refused is None:
+                super().__init__(groups, defaults=defaults)
         except (ValueError, TypeError) as exc:
-            refused = exc
-        self._comm = comm_groups(
-            [p for g in groups for p in g["params"]], replica_mode, process_group
+            refused = refused or exc
+        # The ranks holding the parameters agree, also where this rank refused them.
+        self._comm = self._agree(groups if refused else self.param_groups, refused, "construction")
+
+    def _agree(
+        self, groups: Sequence[dict[str, Any]], refused: Exception | None, when: str
+    ) -> CommGroups:
+        """The collectives' groups for ``groups``, after every rank that holds them agreed on
+        them (see :mod:`muon_dist.consensus`); raises on every rank otherwise."""
+        params = [p for g in groups for p in _param_list(g.get("params", []))]
+        comm = comm_groups(
+            [p for p in params if isinstance(p, torch.Tensor)],
+            "split" if refused else self.settings.replica_mode,
+            self._process_group,
         )
+        entries = {} if refused else describe(groups, self.settings, self._qk_lines)
+        agree(entries, refused, comm.rank, comm.holders, when)
         if self.settings.overlap == "backward":
             # Exchanges issued during backward run beside FSDP's, not behind them.
-            self._comm = dataclasses.replace(self._comm, exchange=dedicated(self._comm.exchange))
-        try:
-            check_ranks_agree(
-                [] if refused else self.param_groups,
-                [f"refused: {refused}"] if refused else [repr(spec) for spec in qk_clip],
-                self._comm.rank,
-                self._comm.holders,
-            )
-        except RuntimeError:
-            if refused is None:
-                raise
-        if refused is not None:
-            raise refused
+            comm = dataclasses.replace(comm, exchange=dedicated(comm.exchange))
+        return comm
 
     def _bind_step(
         self, cuda_graph: bool, qk_clip: Sequence[QKClip], max_logits: MaxLogitTracker | None
@@ -285,6 +306,26 @@ class Muon(torch.optim.Optimizer):
             )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group, checked as the constructor checks its groups; after construction,
+        agreed across the ranks that hold the parameters before anything changes."""
+        if not self._constructed:  # the constructor agrees on all its groups at once
+            self._add_group(self._checked_group(param_group))
+            return
+        group: dict[str, Any] | None = None
+        refused: Exception | None = None
+        try:
+            group = self._checked_group(param_group)
+        except (ValueError, TypeError) as exc:
+            refused = exc
+        self._comm = self._agree(
+            [*self.param_groups, group or param_group], refused, "add_param_group"
+        )
+        assert group is not None  # _agree raised the refusal otherwise
+        self._add_group(group)
+
+    def _checked_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """``param_group`` with its algorithm's defaults filled in, every option, parameter
+        and name checked; nothing changes here."""
         algorithm = param_group.get("algorithm", "muon")
         if algorithm not in ALGORITHMS:
             raise ValueError(
@@ -294,10 +335,19 @@ class Muon(torch.optim.Optimizer):
         where = f"param group {len(self.param_groups)} ({algorithm})"
         other = "adamw" if algorithm == "muon" else "muon"
         check_group_keys(param_group, defaults_of, self._defaults_by_algorithm[other], where)
-        group = {**defaults_of, **param_group}
+        group = {**defaults_of, **param_group, "params": _param_list(param_group["params"])}
         validate_group(group, len(self.param_groups))
+        check_unique_names(self.param_groups, group)
+        if algorithm == "muon" and self.settings.overlap == "backward":
+            check_hookable(group["params"], group_param_names(group, len(self.param_groups)))
         group.setdefault("steps", 0)
         group.setdefault("skipped_steps", 0)
+        return group
+
+    def _add_group(self, group: dict[str, Any]) -> None:
+        """Add a checked group and its state: momenta in one flat buffer per group, so the
+        step stores them in one pass."""
+        algorithm = group["algorithm"]
         # torch fills missing keys from ``defaults``, which are Muon's; this group already
         # holds its own algorithm's keys, and must not gain the other's.
         defaults, self.defaults = self.defaults, {}
@@ -308,8 +358,7 @@ class Muon(torch.optim.Optimizer):
         self._runner = None
         names = group_param_names(group, len(self.param_groups) - 1)
         if algorithm == "muon" and self.settings.overlap == "backward":
-            register_grad_hooks(group["params"], names, self._grad_ready)
-        # One buffer holds the group's momenta, so the step stores them in one pass.
+            register_grad_hooks(group["params"], self._grad_ready)
         momenta = zeros_like_flat(group["params"]) if algorithm == "muon" else []
         for index, (p, name) in enumerate(zip(group["params"], names, strict=True)):
             state = self.state[p]
@@ -324,56 +373,98 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p)
 
     def state_dict(self) -> dict[str, Any]:
-        """The state, after reading the last step's outcome (see :meth:`check_finite`)."""
+        """The state, after reading the last step's outcome (see :meth:`check_finite`).
+
+        Momenta are copies: the optimizer keeps them as views of one flat buffer per group,
+        which torch cannot pickle as DTensors, so ``torch.save(opt.state_dict())`` works."""
         self.check_finite()
-        return super().state_dict()
+        saved = super().state_dict()
+        saved["state"] = {
+            key: {k: own_copy(v) if k == "momentum_buffer" else v for k, v in entry.items()}
+            for key, entry in saved["state"].items()
+        }
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by Muon, matching parameters by name, refusing one whose routing
-        no longer matches and checking every loaded option as the constructor does."""
+        """Load a state saved by Muon, matching parameters by name. Everything is checked
+        before anything is replaced (routing, group keys and options as the constructor
+        checks them, every state entry and tensor) and agreed across the ranks: on any
+        error, on any rank, the optimizer is as it was on every rank."""
         self.check_finite()  # the last step's outcome, before its step is rebuilt below
+        loaded: dict[str, Any] | None = None
+        refused: Exception | None = None
+        try:
+            loaded = self._checked_load(state_dict)
+        except (ValueError, TypeError, KeyError) as exc:
+            refused = exc
+        self._agree(
+            self.param_groups
+            if loaded is None
+            else [
+                {**g, **saved, "params": g["params"]}
+                for g, saved in zip(self.param_groups, loaded["param_groups"], strict=True)
+            ],
+            refused,
+            "load_state_dict",
+        )
+        assert loaded is not None  # _agree raised the refusal otherwise
+        before = (self.state, self.param_groups, self._runner)
+        try:
+            self._load(loaded)
+        except BaseException:
+            self.state, self.param_groups, self._runner = before
+            raise
+
+    def _checked_load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` arranged in this optimizer's order by name, every part checked."""
         check_saved_routing(state_dict, self.param_groups)
-        state_dict = by_name(state_dict, self.param_groups)
+        loaded = by_name(state_dict, self.param_groups)
         for index, (saved, group) in enumerate(
-            zip(state_dict["param_groups"], self.param_groups, strict=True)
+            zip(loaded["param_groups"], self.param_groups, strict=True)
         ):
+            algorithm = group["algorithm"]
+            other = "adamw" if algorithm == "muon" else "muon"
+            where = f"load_state_dict: saved param group {index} ({algorithm})"
+            check_group_keys(
+                saved,
+                self._defaults_by_algorithm[algorithm],
+                self._defaults_by_algorithm[other],
+                where,
+            )
             options = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
             validate_group({**group, **options}, index)
+        check_saved_state(loaded, self.param_groups)
+        return loaded
+
+    def _load(self, loaded: dict[str, Any]) -> None:
+        """Replace the state and groups with checked ``loaded`` ones (see load_state_dict)."""
+        # Loaded values go into this optimizer's own tensors (momenta are views of one
+        # buffer per group, see _add_group), never shared with the dict they came from.
+        own = {
+            p: {k: v for k, v in state.items() if k in _OWN_TENSORS}
+            for p, state in self.state.items()
+        }
+        # Optimizer.load_state_dict casts state to the parameter dtype; scores stay fp32.
         params = [p for g in self.param_groups for p in g["params"]]
         scores = {
-            p: state_dict["state"][i]["magma_score"]
+            p: loaded["state"][i]["magma_score"]
             for i, p in enumerate(params)
-            if "magma_score" in state_dict["state"].get(i, {})
+            if "magma_score" in loaded["state"][i]
         }
-        momenta: dict[torch.Tensor, torch.Tensor] = {}
-        for i, (name, group, p) in enumerate(named_params(self.param_groups)):
-            saved = state_dict["state"].get(i, {}).get("momentum_buffer")
-            if group["algorithm"] != "muon" or saved is None:
-                continue
-            buffer = local(self.state[p]["momentum_buffer"])
-            if local(saved).shape != buffer.shape:
-                raise ValueError(
-                    f"load_state_dict: the momentum of {name!r} holds a local shard of shape "
-                    f"{tuple(local(saved).shape)}, where this rank's shard of the parameter is "
-                    f"{tuple(buffer.shape)}; load a state saved on the same mesh, or go "
-                    "through torch.distributed.checkpoint, which reshards"
-                )
-            momenta[p] = self.state[p]["momentum_buffer"]
-        super().load_state_dict(state_dict)
-        # Loaded values go into the group's buffer (see add_param_group), not beside it.
-        for p, buffer in momenta.items():
-            loaded = local(self.state[p]["momentum_buffer"])
-            if loaded.data_ptr() != local(buffer).data_ptr():
-                local(buffer).copy_(loaded)
-            self.state[p]["momentum_buffer"] = buffer
-        # Optimizer.load_state_dict casts state to the parameter dtype and keeps AdamW's
-        # step on the host; scores stay fp32 and steps live with the fused AdamW's tensors.
+        super().load_state_dict(loaded)
+        for p, tensors in own.items():
+            for key, mine in tensors.items():
+                value = local(self.state[p][key])
+                if value.data_ptr() != local(mine).data_ptr():
+                    local(mine).copy_(value)
+                self.state[p][key] = mine
+        # It keeps AdamW's step on the host; steps live with the fused AdamW's tensors.
         for p, score in scores.items():
             self.state[p]["magma_score"] = score.to(local(p).device, torch.float32, copy=True)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 for p in group["params"]:
-                    step = self.state[p]["step"]
+                    step = torch.as_tensor(self.state[p]["step"])
                     self.state[p]["step"] = step.to(local(p).device, torch.float32, copy=True)
         # Optimizer.load_state_dict replaces the group dicts, which the step reads its
         # momentum, Nesterov and lr scale from: bind a step to the loaded groups.
@@ -410,38 +501,62 @@ class Muon(torch.optim.Optimizer):
 
         The principle: every rank reaches the same outcome (the same exception, or the same
         successful update), and a step that fails leaves parameters and optimizer state as
-        they were. Options were checked at construction and load; here each rank checks its
-        gradients against their parameters, then all ranks agree on the device, in the
-        step's one all-reduce, which gradients exist, which are non-finite or too large to
-        normalise, and whether some rank refused its inputs. Any of these makes every rank
-        keep everything as it was, without a host branch and so also in a captured step. A
-        rank that refused its inputs raises its error here; the others raise
-        ``RuntimeError`` naming it, and a bad gradient raises ``FloatingPointError`` (or is
-        skipped), where the host reads the outcome (see the class docstring). An exception
-        from Newton–Schulz on one rank is agreed the same way, through the all-reduce of
-        the result flags. What is not agreed: any other exception inside one rank's step,
-        or a rank that dies; the others then wait in the next collective until the process
-        group's timeout raises there (see the README's Reliability section). Under
+        they were. Options were checked and agreed at construction and load; here each rank
+        checks the options a scheduler changes, whether a parameter's storage moved (then
+        the step is rebuilt) and its gradients against their parameters, then all ranks
+        agree on the device, in the step's one all-reduce, which gradients exist, which are
+        non-finite or too large to normalise, whether replicas' gradients and every rank's
+        options are alike, and whether some rank refused its inputs or its closure raised.
+        Any of these makes every rank keep everything as it was, without a host branch and
+        so also in a captured step. A rank that refused its inputs raises its error here;
+        the others raise ``RuntimeError`` naming it, and a bad gradient raises
+        ``FloatingPointError`` (or is skipped), where the host reads the outcome (see the
+        class docstring). A refused step is not counted in ``steps``. An exception from
+        Newton–Schulz on one rank is agreed the same way, through the all-reduce of the
+        result flags. What is not agreed: any other exception inside one rank's step, a
+        rank that skips ``step()``, or a rank that dies; the others then wait in the next
+        collective until the process group's timeout raises there (see the README's
+        Reliability section). Under
         ``nonfinite="raise"`` a non-finite Newton–Schulz result of finite inputs, or its
         exception, is raised on every rank after the rest of the update was applied;
         ``"skip_step"`` keeps everything as it was instead.
         """
         loss = None
+        refusal: Exception | None = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except Exception as exc:  # agreed in the step, so no other rank waits for it
+                refusal = exc
         self.check_finite()
+        try:
+            check_step_values(self.param_groups)
+            self._follow_params()
+        except (TypeError, ValueError) as exc:
+            refusal = refusal or exc
         runner = self.runner
-        failure = runner.run(self.param_groups)
+        with _autocast_off():
+            failure = runner.run(self.param_groups, refusal)
         runner.agreement.queued(self.param_groups[0]["steps"] + 1)
-        for group in self.param_groups:
-            group["steps"] += 1
+        if failure is None or (failure is runner.crash() and self.settings.nonfinite == "raise"):
+            for group in self.param_groups:  # a refused step changed nothing: not counted
+                group["steps"] += 1
         if failure is not None:
             runner.agreement.discard()
             raise failure
         if runner.agreement.on_host:
             self.check_finite()
         return loss
+
+    def _follow_params(self) -> None:
+        """Rebuild the step when a parameter got new storage since it was built (see
+        :mod:`muon_dist.rebind`), its state moved along where its dtype or device changed."""
+        if self._runner is None or storage(self._runner.params) == self._runner.storage:
+            return
+        logger.info("muon_dist.Muon: parameter storage changed; rebuilding the step")
+        follow_params(self.param_groups, self.state)
+        self._runner = None
 
     def check_finite(self) -> None:
         """Read the last step's outcome and apply the ``nonfinite`` policy to it.
@@ -456,10 +571,28 @@ class Muon(torch.optim.Optimizer):
         if outcome is not None:
             _apply_policy(outcome, self.settings.nonfinite, self.param_groups)
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "muon_dist.Muon cannot be pickled or deep-copied: it is bound to its parameters, "
+            "their process groups and device buffers. Copy its state instead: build a Muon "
+            "on the copied model and load this one's state, "
+            "new_opt.load_state_dict(opt.state_dict()) (torch.save(opt.state_dict()) works, "
+            "as does torch.distributed.checkpoint)"
+        )
+
 
 def _apply_policy(outcome: Outcome, nonfinite: str, groups: list[dict[str, Any]]) -> None:
     """Raise for a failed step, or count and log a skipped one (``nonfinite``)."""
     step = outcome.step
+    skip = nonfinite == "skip_step"
+    if (
+        outcome.failed_rank is not None
+        or outcome.disagreement is not None
+        or (outcome.crashed_rank is not None and skip)
+        or (not skip and (outcome.nonfinite_grads or outcome.overflowing_grads))
+    ):
+        for group in groups:  # nothing changed: not a step
+            group["steps"] -= 1
     if outcome.crashed_rank is not None:
         kept = (
             "parameters and state were left as they were on every rank"
@@ -472,11 +605,19 @@ def _apply_policy(outcome: Outcome, nonfinite: str, groups: list[dict[str, Any]]
             "Newton–Schulz or the read or write of an update raised an exception (raised "
             f"there, with its traceback); {kept}"
         )
+    if outcome.failed_rank is None and outcome.disagreement is not None:
+        raise RuntimeError(
+            f"muon_dist.Muon step {step}: the ranks disagree: {outcome.disagreement}; "
+            "parameters and state were left as they were on every rank. Set options "
+            "identically on every rank (a scheduler stepped on a rank's own loss, e.g. "
+            "ReduceLROnPlateau, needs the loss averaged over ranks first)"
+        )
     if outcome.failed_rank is not None:
         raise RuntimeError(
             f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
-            "refused its inputs and raised an error naming them; parameters and state "
-            "were left as they were on every rank; fix that rank's inputs"
+            "refused its inputs (gradients or options) or whose closure raised, and "
+            "raised that error there; parameters and state were left as they were on "
+            "every rank; fix that rank's inputs"
         )
     if outcome.nonfinite_grads:
         reason = f"non-finite gradient in {', '.join(outcome.nonfinite_grads)}"
@@ -520,7 +661,7 @@ def _split_by_algorithm(
 
     A group without an algorithm is split; each part keeps the keys the other algorithm's
     part alone reads out of it (a Muon part drops ``betas``, an AdamW part ``momentum``)."""
-    items = list(params)
+    items = _param_list(params)
     if not items:
         raise ValueError("Muon got an empty parameter list")
     if not isinstance(items[0], dict):
@@ -528,8 +669,7 @@ def _split_by_algorithm(
     groups: list[dict[str, Any]] = []
     for group in items:
         group = dict(group)
-        raw = group["params"]
-        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        raw = _param_list(group["params"])
         if raw and isinstance(raw[0], tuple):
             group["param_names"] = [name for name, _ in raw]
             raw = [p for _, p in raw]
@@ -550,3 +690,27 @@ def _split_by_algorithm(
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
     return groups
+
+
+def _param_list(params: Any) -> list[Any]:
+    """A list of parameters (or groups), in the order given; a set has none, so the ranks
+    would list its parameters in different orders, and is refused as torch refuses it."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            f"Muon takes parameters in an ordered collection, got a {type(params).__name__}: "
+            "a set's order differs between processes, so ranks would pair different tensors; "
+            "pass a list, e.g. list(model.named_parameters()) or muon_dist.param_groups(model)"
+        )
+    return list(params)
+
+
+def _autocast_off() -> contextlib.ExitStack[bool | None]:
+    """Autocast disabled for every device type where it is on: the step's dtypes are its
+    settings' (``ns_dtype``, ``comm_dtype``), never an enclosing autocast region's."""
+    stack = contextlib.ExitStack()
+    for device_type in _AUTOCAST_DEVICES:
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack

@@ -8,6 +8,7 @@ import torch
 
 from muon_dist.kernels.dispatch import validate_backend
 from muon_dist.plan import REPLICA_MODES
+from muon_dist.validation import count
 
 NONFINITE_POLICIES = ("raise", "skip_step")
 OVERLAP_MODES = ("none", "backward")
@@ -51,17 +52,16 @@ class ExecutionSettings:
             raise ValueError(
                 f"replica_mode={self.replica_mode!r}; choose one of {list(REPLICA_MODES)}"
             )
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes={self.bucket_bytes} must be a positive number of bytes")
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight={self.max_inflight} must be >= 1")
+        count("Muon", "bucket_bytes", self.bucket_bytes, 1)
+        count("Muon", "max_inflight", self.max_inflight, 1)
+        count("Muon", "graph_warmup", self.graph_warmup, 1)
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"Muon: cuda_graph={self.cuda_graph!r}; choose True or False")
         if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"overlap={self.overlap!r}; choose one of {list(OVERLAP_MODES)}")
+            raise ValueError(f"Muon: overlap={self.overlap!r}; choose one of {list(OVERLAP_MODES)}")
         if self.overlap == "backward" and self.cuda_graph:
             raise ValueError(
-                "overlap='backward' starts Newton-Schulz from gradient hooks during backward, "
-                "outside any captured step; use cuda_graph=False with it, or overlap='none' "
-                "to capture the step"
+                "Muon: overlap='backward' starts Newton-Schulz from gradient hooks during "
+                "backward, outside any captured step; use cuda_graph=False with it, or "
+                "overlap='none' to capture the step"
             )
-        if self.graph_warmup < 1:
-            raise ValueError(f"graph_warmup={self.graph_warmup} must be >= 1 eager step")

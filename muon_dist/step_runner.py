@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.agreement import Agreement
@@ -23,6 +24,7 @@ from muon_dist.cuda_graph import StepGraph
 from muon_dist.groups import CommGroups
 from muon_dist.muon_phase import MuonEntry, MuonPhase, ns_key
 from muon_dist.plan import build_plan, placement_of
+from muon_dist.rebind import storage
 from muon_dist.routing import matrix_views, named_params
 from muon_dist.settings import ExecutionSettings
 from muon_dist.step_scalars import StepInputs
@@ -71,11 +73,19 @@ class StepRunner:
         named = list(named_params(groups))
         self.names = [name for name, _, _ in named]
         self.params = [p for _, _, p in named]
+        self.storage = storage(self.params)  # where the bound views point (rebind.py)
         self.device = local(self.params[0]).device
         group_index = {id(g): i for i, g in enumerate(groups)}
         self._group_of = [group_index[id(group)] for _, group, _ in named]
         entries, self.muon_positions = muon_entries(groups)
-        self.agreement = Agreement(self.names, self.muon_positions, self.device, comm.holders)
+        self.agreement = Agreement(
+            self.names,
+            self.muon_positions,
+            self.device,
+            comm.holders,
+            groups,
+            [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
+        )
         self.muon = self._muon_phase(entries, state, settings, len(groups), comm)
         # overlap="backward": the Muon phase's buckets start from gradient hooks.
         self.early = (
@@ -89,7 +99,9 @@ class StepRunner:
         for position, (_, group, _) in enumerate(named):
             if group["algorithm"] == "adamw":
                 self._adamw_members.setdefault(group_index[id(group)], []).append(position)
-        self.inputs = StepInputs.allocate(len(groups), len(self.params), self.device)
+        self.inputs = StepInputs.allocate(
+            len(groups), len(self.params), self.agreement.stage_size, self.device
+        )
         self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
         self._grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
             (None, None) for _ in self.params
@@ -173,34 +185,45 @@ class StepRunner:
         if grad is not None:
             self.early.report(j, grad)
 
-    def run(self, groups: Sequence[dict[str, Any]]) -> Exception | None:
-        """Queue one step. A rank that refuses its inputs (a gradient of the wrong layout,
-        a sparse one, a missing one under capture) still takes part in the step's agreement,
-        with every gradient absent and its failure flagged, so every rank leaves everything
-        as it was and learns of the failure; it returns its error for the caller to raise.
+    def run(
+        self, groups: Sequence[dict[str, Any]], refusal: Exception | None = None
+    ) -> Exception | None:
+        """Queue one step. A rank that refuses its inputs (``refusal``: options or a closure
+        that raised; a gradient of the wrong layout, a sparse one, a missing one under
+        capture) still takes part in the step's agreement, with every gradient absent and
+        its failure flagged, so every rank leaves everything as it was and learns of the
+        failure; it returns its error for the caller to raise.
         """
-        failure: Exception | None = None
-        try:
-            grads = self._local_grads()
-            if self.graph is not None:
-                _check_captured(grads)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            failure = exc
-            grads = [None] * len(self.params)
+        failure = refusal
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        if failure is None:
+            try:
+                grads = self._local_grads()
+                if self.graph is not None:
+                    _check_captured(grads)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                failure = exc
+                grads = [None] * len(self.params)
         present = [g is not None for g in grads]
-        self.inputs.stage(groups, self._group_of, present, None if failure is None else self.rank)
+        self.inputs.stage(
+            groups,
+            self._group_of,
+            present,
+            None if failure is None else self.rank,
+            [] if failure is not None else self.agreement.stage(groups, self.rank),
+        )
         if self.graph is None or failure is not None:
             self._body(groups, grads)
-            return failure or self._crash()
+            return failure or self.crash()
 
         def body() -> None:
             self._body(groups, grads)
 
         key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
         self.graph.run(body, key, grads)
-        return self._crash()
+        return self.crash()
 
-    def _crash(self) -> Exception | None:
+    def crash(self) -> Exception | None:
         """The exception this rank's own Muon work raised in the step just queued."""
         return None if self.muon is None else self.muon.error
 
@@ -273,3 +296,13 @@ def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
             "captured step reads every gradient tensor in place, so keep them between "
             "steps with zero_grad(set_to_none=False), or use cuda_graph=False"
         )
+
+
+def _held_whole(p: torch.Tensor, holders: int) -> bool:
+    """Whether each of the ``holders`` ranks holds all of ``p`` (a plain replica, or a
+    DTensor replicated on every dim of a mesh over all of them): its gradients must then
+    agree across ranks."""
+    if not isinstance(p, DTensor):
+        return True
+    whole = all(isinstance(x, Replicate) for x in p.placements)
+    return whole and p.device_mesh.size() == holders

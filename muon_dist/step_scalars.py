@@ -43,15 +43,16 @@ class StepInputs:
     present: torch.Tensor  # per parameter: 1.0 where this rank has its gradient
     norm_limit: torch.Tensor  # per parameter (inf for AdamW)
     failed: torch.Tensor  # [1]: this rank's rank + 1 when it refused its inputs, else 0
+    compared: torch.Tensor  # what the agreement compares across ranks (Agreement.stage)
     lr_of_group: tuple[torch.Tensor, ...]  # one-element views of ``lr`` (fused AdamW's lr)
 
     @classmethod
-    def allocate(cls, groups: int, params: int, device: torch.device) -> StepInputs:
-        buffer = torch.zeros(2 * groups + 2 * params + 1, device=device)
-        lr, weight_decay, present, limit, failed = buffer.split_with_sizes(
-            [groups, groups, params, params, 1]
+    def allocate(cls, groups: int, params: int, compared: int, device: torch.device) -> StepInputs:
+        buffer = torch.zeros(2 * groups + 2 * params + 1 + compared, device=device)
+        lr, weight_decay, present, limit, failed, shared = buffer.split_with_sizes(
+            [groups, groups, params, params, 1, compared]
         )
-        return cls(buffer, lr, weight_decay, present, limit, failed, tuple(lr.unbind(0)))
+        return cls(buffer, lr, weight_decay, present, limit, failed, shared, tuple(lr.unbind(0)))
 
     def stage(
         self,
@@ -59,13 +60,22 @@ class StepInputs:
         group_of: Sequence[int],
         present: Sequence[bool],
         failed_rank: int | None,
+        compared: Sequence[float],
     ) -> None:
-        """Copy this step's values in (``group_of``: each parameter's group index)."""
-        values = [float(g["lr"]) for g in groups] + [float(g["weight_decay"]) for g in groups]
-        values += [1.0 if here else 0.0 for here in present]
-        limits = [norm_limit(g) for g in groups]
-        values += [limits[g] for g in group_of]
-        values.append(0.0 if failed_rank is None else float(failed_rank + 1))
+        """Copy this step's values in (``group_of``: each parameter's group index). A rank
+        that refused its inputs stages nothing read from the groups (their options may be
+        what it refused): zeros, no norm limits, and zeros for ``compared``."""
+        if failed_rank is None:
+            values = [float(g["lr"]) for g in groups]
+            values += [float(g["weight_decay"]) for g in groups]
+            values += [1.0 if here else 0.0 for here in present]
+            limits = [norm_limit(g) for g in groups]
+            values += [limits[g] for g in group_of]
+            values += [0.0, *compared]
+        else:
+            values = [0.0] * (2 * len(groups) + len(group_of))
+            values += [math.inf] * len(group_of) + [float(failed_rank + 1)]
+            values += [0.0] * self.compared.numel()
         pinned = self.buffer.device.type == "cuda"
         staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
         self.buffer.copy_(staged, non_blocking=pinned)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from muon_dist.kernels.coefficients import resolve_coefficients
@@ -63,21 +64,42 @@ def check_group_keys(
 
 
 def _number(where: str, key: str, value: Any) -> float:
-    """A finite real number given as a Python or NumPy scalar (a tensor is refused)."""
+    """A finite real number given as a Python or NumPy int or float. A tensor, a bool, a
+    string, a ``Decimal`` or a ``Fraction`` is refused: fused AdamW and the device staging
+    of the step read plain numbers, and would fail mid-step on anything else."""
     if isinstance(value, torch.Tensor):
         raise TypeError(
             f"{where}: {key} is a tensor ({value!r}); pass a Python float "
             f"(e.g. {key}={float(value.detach().cpu().reshape(-1)[0])}): the step stages "
             "every group's hyper-parameters into device memory itself"
         )
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"{where}: {key}={value!r} must be a real number") from None
+    if not is_real(value):
+        raise TypeError(
+            f"{where}: {key}={value!r} is a {type(value).__name__}; pass a Python int or "
+            f"float (e.g. {key}=float(...))"
+        )
     if not math.isfinite(value):
         raise ValueError(f"{where}: {key}={value!r} is not finite; pass a finite number")
     return float(value)
+
+
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number as the options take them: an int or a float
+    (NumPy's included), never a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def count(where: str, key: str, value: Any, low: int) -> int:
+    """An int (not a bool, not a float with an integral value) of at least ``low``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{where}: {key}={value!r} is a {type(value).__name__}; pass an int >= {low}"
+        )
+    if value < low:
+        raise ValueError(f"{where}: {key}={value!r} must be >= {low}")
+    return int(value)
 
 
 def _at_least(where: str, key: str, value: Any, low: float) -> None:
@@ -99,23 +121,29 @@ def _flag(where: str, key: str, value: Any) -> None:
 def validate_group(group: dict[str, Any], index: int) -> None:
     """Check every option of a full group (its algorithm's defaults filled in)."""
     where = f"param group {index} ({group['algorithm']})"
-    _at_least(where, "lr", group["lr"], 0.0)
-    _at_least(where, "weight_decay", group["weight_decay"], 0.0)
-    if group["algorithm"] == "adamw":
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"{where}: betas={betas!r} must be a pair (beta1, beta2)")
-        _in_unit(where, "betas[0]", betas[0])
-        _in_unit(where, "betas[1]", betas[1])
-        _at_least(where, "eps", group["eps"], 0.0)
-    else:
+    _check_step_options(group, where)
+    if group["algorithm"] == "muon":
         _validate_muon(group, where)
     _validate_params(group, index, where)
 
 
+def _check_step_options(group: dict[str, Any], where: str) -> None:
+    """The options a scheduler or the user may change between steps."""
+    _at_least(where, "lr", group["lr"], 0.0)
+    _at_least(where, "weight_decay", group["weight_decay"], 0.0)
+    if group["algorithm"] == "muon":
+        _in_unit(where, "momentum", group["momentum"])
+        _flag(where, "nesterov", group["nesterov"])
+        return
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{where}: betas={betas!r} must be a pair (beta1, beta2)")
+    _in_unit(where, "betas[0]", betas[0])
+    _in_unit(where, "betas[1]", betas[1])
+    _at_least(where, "eps", group["eps"], 0.0)
+
+
 def _validate_muon(group: dict[str, Any], where: str) -> None:
-    _in_unit(where, "momentum", group["momentum"])
-    _flag(where, "nesterov", group["nesterov"])
     if group["adjust_lr"] not in ADJUST_LR:
         raise ValueError(
             f"{where}: adjust_lr={group['adjust_lr']!r} is not supported; choose one of {ADJUST_LR}"
@@ -171,3 +199,29 @@ def _validate_params(group: dict[str, Any], index: int, where: str) -> None:
                 "(algorithm='adamw') or drop it"
             )
         matrix_views(p.shape, group, name=f"{where}: parameter {name!r}")
+
+
+def check_unique_names(groups: Sequence[dict[str, Any]], group: dict[str, Any]) -> None:
+    """Refuse a name ``group`` shares with another parameter of this optimizer: state is
+    saved and loaded by name, so two parameters under one name would take each other's."""
+    index = len(groups)
+    seen = {name: i for i, g in enumerate(groups) for name in group_param_names(g, i)}
+    for name in group_param_names(group, index):
+        if name in seen:
+            where = "the same group" if seen[name] == index else f"param group {seen[name]}"
+            raise ValueError(
+                f"param group {index} ({group['algorithm']}): parameter name {name!r} is "
+                f"used twice (also in {where}); state is saved and loaded by name, so two "
+                "parameters with one name would take each other's momentum and moments. "
+                "Make the names unique, e.g. prefix each model's names: "
+                "[(f'tower_a.{n}', p) for n, p in tower_a.named_parameters()]"
+            )
+        seen[name] = index
+
+
+def check_step_values(groups: Sequence[dict[str, Any]]) -> None:
+    """The options a scheduler or the user may change between steps, checked at each step
+    (a few comparisons per group): ``momentum=1.0`` or a NaN lr is refused by name before
+    anything changes, instead of surfacing as an overflow or a non-finite result."""
+    for index, group in enumerate(groups):
+        _check_step_options(group, f"param group {index} ({group['algorithm']})")

@@ -40,7 +40,12 @@ def _ranks_disagree() -> None:
 CASES: dict[str, tuple[Callable[[], None], type[Exception], str]] = {
     "partial": (_partial_placement, ValueError, r"attn\.wq\.weight has placements \(Partial"),
     "strided": (_strided_shard, ValueError, r"mlp\.w1\.weight has placements"),
-    "disagree": (_ranks_disagree, RuntimeError, r"rank 1 built a different parameter list"),
+    "disagree": (
+        _ranks_disagree,
+        RuntimeError,
+        r"ranks disagree .*\n  parameter 0: ranks \[0\]: 'mlp\.w2\.weight' \(8, 6\).*"
+        r"ranks \[1\]: 'mlp\.w2\.weight' \(8, 7\)",
+    ),
 }
 
 

@@ -144,6 +144,7 @@ def _reference(
                     matrices=matrices,
                     magma_score=score[first : first + count] if spec.options.get("magma") else None,
                     cautious_wd=spec.options.get("cautious_wd", False),
+                    ns_dtype=torch.float32,
                     **hp,
                 )
                 first += count
@@ -177,7 +178,8 @@ def _distribute(layout: str, fulls: list[torch.Tensor], world_size: int) -> list
 
 
 def run_feature_case(specs: list[F], layout: str, world_size: int, clip: bool = False) -> float:
-    """Max error of the sharded run relative to each parameter's total change."""
+    """Max error of the sharded run relative to each parameter's total change; fp32
+    communication and Newton–Schulz, so the features are compared exactly."""
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(99)
     fulls = [torch.randn(s.shape, generator=gen) for s in specs]
@@ -196,6 +198,7 @@ def run_feature_case(specs: list[F], layout: str, world_size: int, clip: bool = 
     opt = muon_dist.Muon(
         groups,
         comm_dtype=torch.float32,
+        ns_dtype=torch.float32,
         qk_clip=CLIPS if clip else (),
         max_logits=tracker if clip else None,
     )

@@ -45,9 +45,9 @@ def _stage_params(stage: int) -> list[P]:
     return [P((40, 24)), P((4, 24, 16), kind="experts"), P((24,), kind="adamw")]
 
 
-def pipeline_worker(rank: int, world_size: int, comm_dtype: str) -> dict[str, Any]:
+def pipeline_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Two pipeline stages on ranks {0, 1} and {2, 3} (a ("pp", "dp") mesh), each with its
-    own FSDP2 model part and its own Muon."""
+    own FSDP2 model part and its own Muon; fp32 throughout, so parity is exact."""
     stage = rank // 2
     case = Case(
         f"stage{stage}",
@@ -59,12 +59,12 @@ def pipeline_worker(rank: int, world_size: int, comm_dtype: str) -> dict[str, An
     )
     calls: list[tuple[str, tuple[int, ...]]] = []
     with recording(calls):
-        errors = run_case(case, getattr(torch, comm_dtype), torch.bfloat16, world_size)
+        errors = run_case(case, torch.float32, torch.float32, world_size)
     return {"errors": errors, "calls": calls, "stage_ranks": (2 * stage, 2 * stage + 1)}
 
 
 def hsdp_worker(rank: int, world_size: int, replica_mode: str) -> dict[str, Any]:
-    """HSDP on a (replicate 2, shard 2) mesh."""
+    """HSDP on a (replicate 2, shard 2) mesh, fp32 throughout."""
     case = Case(
         f"hsdp_{replica_mode}",
         dense_params(),
@@ -74,7 +74,7 @@ def hsdp_worker(rank: int, world_size: int, replica_mode: str) -> dict[str, Any]
     )
     calls: list[tuple[str, tuple[int, ...]]] = []
     with recording(calls):
-        errors = run_case(case, torch.float32, torch.bfloat16, world_size)
+        errors = run_case(case, torch.float32, torch.float32, world_size)
     shard_group = tuple(r for r in range(world_size) if r // 2 == rank // 2)
     return {"errors": errors, "calls": calls, "shard_group": shard_group}
 

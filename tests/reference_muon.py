@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+from reordered_products import ReorderedProducts
 
 from muon_dist.kernels import newton_schulz
 
@@ -35,6 +36,7 @@ def reference_muon_step(
     momentum_buffer: torch.Tensor,
     *,
     lr: float,
+    ns_dtype: torch.dtype,
     momentum: float = 0.95,
     nesterov: bool = True,
     weight_decay: float = 0.0,
@@ -43,12 +45,14 @@ def reference_muon_step(
     coefficients: str = "quintic",
     ns_method: str = "auto",
     matrices: tuple[int, int, int] | None = None,
-    ns_dtype: torch.dtype = torch.bfloat16,
     magma_score: torch.Tensor | None = None,
     magma_beta: float = 0.9,
     cautious_wd: bool = False,
 ) -> None:
     """Update ``param`` in place; ``matrices=(count, rows, cols)`` reshapes it (experts).
+
+    ``ns_dtype`` is the Newton–Schulz dtype: float32 to compare exactly, bfloat16 to compare
+    within bf16 rounding (parity_cases.BF16_UPDATE), never exactly.
 
     ``magma_score`` (one entry per matrix, updated in place) turns on Magma-lite damping:
     score = EMA of (1 + cos(momentum, gradient)) / 2, update times 0.1 + 0.9 * score.
@@ -59,16 +63,17 @@ def reference_muon_step(
     update = torch.add(grad, momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
     count, rows, cols = matrices if matrices is not None else (1, *param.shape)
     stack = update.reshape(count, rows, cols)
-    # One call for the whole stack, as single-device Muon on a 3-D expert weight makes: on
-    # GPUs cuBLAS may round a batched bf16 GEMM differently from single ones.
-    ortho = newton_schulz(
-        stack,
-        steps=ns_steps,
-        coefficients=coefficients,
-        dtype=ns_dtype,
-        backend="torch",
-        method=ns_method,
-    )
+    # One call for the whole stack, as single-device Muon on a 3-D expert weight makes, with
+    # its products summed in another order than this machine's kernels (reordered_products).
+    with ReorderedProducts():
+        ortho = newton_schulz(
+            stack,
+            steps=ns_steps,
+            coefficients=coefficients,
+            dtype=ns_dtype,
+            backend="torch",
+            method=ns_method,
+        )
     if magma_score is not None:
         m = momentum_buffer.float().reshape(count, -1)
         g = grad.float().reshape(count, -1)

@@ -12,6 +12,9 @@ from torch import nn
 
 import muon_dist
 
+# Exact comparisons run Newton–Schulz in fp32: bf16 products round with the batch shape.
+FP32 = {"comm_dtype": torch.float32, "ns_dtype": torch.float32}
+
 
 @pytest.mark.parametrize(
     "options", [{}, {"magma": True, "cautious_wd": True, "weight_decay": 0.1}], ids=str
@@ -33,6 +36,7 @@ def test_heads_and_split_blocks_equal_separate_parameters(options: dict[str, obj
             {"params": [fused["gate_up"]], "split_sizes": [14, 9]},
         ],
         lr=0.05,
+        **FP32,
         **options,
     )
     separate: dict[str, list[nn.Parameter]] = {}
@@ -40,7 +44,7 @@ def test_heads_and_split_blocks_equal_separate_parameters(options: dict[str, obj
         rows = [n // h for n, h in zip(sizes, heads, strict=True) for _ in range(h)]
         separate[key] = [nn.Parameter(t.clone()) for t in fulls[key].split(rows)]
     flat = [p for ps in separate.values() for p in ps]
-    opt_sep = muon_dist.Muon([{"params": flat}], lr=0.05, **options)
+    opt_sep = muon_dist.Muon([{"params": flat}], lr=0.05, **FP32, **options)
     for _ in range(3):
         grads = {k: torch.randn_like(f) for k, f in fulls.items()}
         step_with_grads(opt_fused, list(fused.values()), list(grads.values()))
@@ -70,6 +74,7 @@ def test_magma_and_cautious_wd_match_reference() -> None:
         magma=True,
         magma_beta=0.8,
         cautious_wd=True,
+        **FP32,
     )
     refs = {k: f.clone() for k, f in fulls.items()}
     moms = {k: torch.zeros_like(f) for k, f in fulls.items()}
@@ -90,6 +95,7 @@ def test_magma_and_cautious_wd_match_reference() -> None:
                 magma_score=scores[k],
                 magma_beta=0.8,
                 cautious_wd=True,
+                ns_dtype=torch.float32,
             )
     for k in shapes:
         torch.testing.assert_close(params[k].detach(), refs[k], rtol=0, atol=1e-6)

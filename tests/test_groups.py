@@ -10,14 +10,15 @@ from group_cases import (
     plain_subgroup_worker,
     two_meshes_worker,
 )
+from parity_cases import parity_violations
 
 pytestmark = pytest.mark.slow
 
 
 def test_pipeline_stages_each_with_own_muon_match_reference() -> None:
-    results = run_distributed(4, pipeline_worker, "float32")
+    results = run_distributed(4, pipeline_worker)
     for rank, result in enumerate(results):
-        assert result["errors"]["update"] <= 1e-5, (rank, result["errors"])
+        assert not parity_violations(result["errors"], "fp32"), (rank, result["errors"])
         kinds = {name for name, _ in result["calls"]}
         assert {"all_to_all_single", "all_reduce", "all_gather_object"} <= kinds, kinds
         wrong = {c for c in result["calls"] if c[1] != result["stage_ranks"]}
@@ -27,7 +28,7 @@ def test_pipeline_stages_each_with_own_muon_match_reference() -> None:
 def test_hsdp_redundant_exchanges_within_the_shard_group() -> None:
     results = run_distributed(4, hsdp_worker, "redundant")
     for rank, result in enumerate(results):
-        assert result["errors"]["update"] <= 1e-5, (rank, result["errors"])
+        assert not parity_violations(result["errors"], "fp32"), (rank, result["errors"])
         exchanges = {ranks for name, ranks in result["calls"] if name == "all_to_all_single"}
         assert exchanges == {result["shard_group"]}, (rank, exchanges)
         others = {ranks for name, ranks in result["calls"] if name != "all_to_all_single"}

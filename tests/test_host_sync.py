@@ -19,7 +19,7 @@ import torch
 from dist_harness import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import muon_dist
 
@@ -73,8 +73,12 @@ def _steady_state_reads(nonfinite: str, sharded: bool) -> list[str]:
     opt = muon_dist.Muon(groups, nonfinite=nonfinite)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     params = [p for g in groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(1)  # the same gradients on every rank (replicas)
     for p in params:
-        p.grad = torch.randn_like(p)
+        grad = torch.randn(p.shape, generator=gen)
+        if isinstance(p, DTensor):
+            grad = distribute_tensor(grad, p.device_mesh, p.placements)
+        p.grad = grad
     for _ in range(2):
         opt.step()
         scheduler.step()

@@ -13,6 +13,9 @@ from torch import nn
 import muon_dist
 from muon_dist.routing import matrix_view
 
+# Exact comparisons run Newton–Schulz in fp32: bf16 products round with the batch shape.
+FP32 = {"comm_dtype": torch.float32, "ns_dtype": torch.float32}
+
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust_lr", ["spectral_norm", "rms_norm", None])
@@ -28,6 +31,7 @@ def test_muon_step_matches_direct_computation(nesterov: bool, adjust_lr: str | N
         nesterov=nesterov,
         weight_decay=0.05,
         adjust_lr=adjust_lr,
+        **FP32,
     )
     refs = [f.clone() for f in fulls]
     moms = [torch.zeros_like(f) for f in fulls]
@@ -44,6 +48,7 @@ def test_muon_step_matches_direct_computation(nesterov: bool, adjust_lr: str | N
                 nesterov=nesterov,
                 weight_decay=0.05,
                 adjust_lr=adjust_lr,
+                ns_dtype=torch.float32,
             )
     for p, r in zip(params, refs, strict=True):
         torch.testing.assert_close(p.detach(), r, rtol=0, atol=1e-6)
@@ -55,10 +60,12 @@ def test_expert_stack_and_fused_equal_separate_matrices() -> None:
     separate = [nn.Parameter(torch.randn(rows, cols)) for _ in range(experts)]
     stack = nn.Parameter(torch.stack([p.detach() for p in separate]))
     fused = nn.Parameter(torch.cat([p.detach() for p in separate]))
-    opt_sep = muon_dist.Muon([{"params": separate, "algorithm": "muon"}], lr=0.05)
-    opt_stack = muon_dist.Muon([{"params": [stack], "algorithm": "muon", "experts": True}], lr=0.05)
+    opt_sep = muon_dist.Muon([{"params": separate, "algorithm": "muon"}], lr=0.05, **FP32)
+    opt_stack = muon_dist.Muon(
+        [{"params": [stack], "algorithm": "muon", "experts": True}], lr=0.05, **FP32
+    )
     opt_fused = muon_dist.Muon(
-        [{"params": [fused], "algorithm": "muon", "num_experts": experts}], lr=0.05
+        [{"params": [fused], "algorithm": "muon", "num_experts": experts}], lr=0.05, **FP32
     )
     for _ in range(2):
         grads = [torch.randn(rows, cols) for _ in range(experts)]
@@ -84,10 +91,14 @@ def test_flat_and_slice_views() -> None:
         full = torch.randn(8, 3, 2, 5)
         grad = torch.randn(8, 3, 2, 5)
         p = nn.Parameter(full.clone())
-        opt = muon_dist.Muon([{"params": [p], "algorithm": "muon", "muon_mode": mode}], lr=0.1)
+        opt = muon_dist.Muon(
+            [{"params": [p], "algorithm": "muon", "muon_mode": mode}], lr=0.1, **FP32
+        )
         step_with_grads(opt, [p], [grad])
         ref = full.clone()
-        reference_muon_step(ref, grad, torch.zeros_like(ref), lr=0.1, matrices=matrices)
+        reference_muon_step(
+            ref, grad, torch.zeros_like(ref), lr=0.1, matrices=matrices, ns_dtype=torch.float32
+        )
         torch.testing.assert_close(p.detach(), ref, rtol=0, atol=1e-6)
 
 

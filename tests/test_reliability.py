@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 from dist_harness import run_distributed
+from parity_cases import PRECISIONS, parity_violations
 from reliability_cases import CHECKS, edge_worker, long_run_worker, reliability_worker
 from torch import nn
 
@@ -117,11 +118,11 @@ def test_distributed_failure_mode(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("comm", "tolerance"), [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_edge_shapes_match_single_device(world_size: int, comm: str, tolerance: float) -> None:
-    for err in run_distributed(world_size, edge_worker, comm):
-        assert err["update"] <= tolerance and err["bf16_param"] <= 3e-2, err
+def test_edge_shapes_match_single_device(world_size: int, precision: str) -> None:
+    for err in run_distributed(world_size, edge_worker, precision):
+        assert not parity_violations(err, precision), err
 
 
 @pytest.mark.slow
