@@ -11,6 +11,7 @@ checkpoint checks in :mod:`muon_dist.checks`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -19,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.agreement import Outcome
+from muon_dist.backward_start import check_hookable, register_grad_hooks
 from muon_dist.checks import by_name, check_saved_routing, check_saved_state, matrix_count
 from muon_dist.consensus import agree, describe
 from muon_dist.flat import own_copy, zeros_like_flat
 from muon_dist.grouping import UnlabelledRouting
-from muon_dist.groups import CommGroups, comm_groups
+from muon_dist.groups import CommGroups, comm_groups, dedicated
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.rebind import follow_params, storage
 from muon_dist.routing import (
@@ -136,6 +138,10 @@ class Muon(torch.optim.Optimizer):
         cuda_graph (bool, default False): capture the whole step in one CUDA graph after
             ``graph_warmup`` eager steps and replay it (:mod:`muon_dist.cuda_graph`).
         graph_warmup (int, default 2): eager steps before the capture.
+        overlap (str, default "none"): ``"backward"`` starts each bucket's Newton–Schulz
+            and exchanges from FSDP2's gradient hooks during backward, and ``step()``
+            finishes them and commits (:mod:`muon_dist.backward_start`); Muon parameters
+            must then be DTensors sharded by ``fully_shard``, and ``cuda_graph`` False.
         process_group (ProcessGroup | None, default None): the ranks holding plain-tensor
             replicas, if not the world; DTensor parameters need none.
 
@@ -179,6 +185,7 @@ class Muon(torch.optim.Optimizer):
         cuda_graph: bool = False,
         graph_warmup: int = 2,
         process_group: dist.ProcessGroup | None = None,
+        overlap: str = "none",
     ) -> None:
         # Anything refused on this rank only (a setting or option that differs across ranks)
         # is agreed through the rank check in _init_groups, so the other ranks raise too.
@@ -194,6 +201,7 @@ class Muon(torch.optim.Optimizer):
                 nonfinite=nonfinite,
                 cuda_graph=cuda_graph,
                 graph_warmup=graph_warmup,
+                overlap=overlap,
             )
         except (ValueError, TypeError) as exc:
             refused = exc
@@ -273,6 +281,9 @@ class Muon(torch.optim.Optimizer):
         )
         entries = {} if refused else describe(groups, self.settings, self._qk_lines)
         agree(entries, refused, comm.rank, comm.holders, when)
+        if self.settings.overlap == "backward":
+            # Exchanges issued during backward run beside FSDP's, not behind them.
+            comm = dataclasses.replace(comm, exchange=dedicated(comm.exchange))
         return comm
 
     def _bind_step(
@@ -328,6 +339,8 @@ class Muon(torch.optim.Optimizer):
         group = {**defaults_of, **param_group, "params": _param_list(param_group["params"])}
         validate_group(group, len(self.param_groups))
         check_unique_names(self.param_groups, group)
+        if algorithm == "muon" and self.settings.overlap == "backward":
+            check_hookable(group["params"], group_param_names(group, len(self.param_groups)))
         group.setdefault("steps", 0)
         group.setdefault("skipped_steps", 0)
         return group
@@ -345,6 +358,8 @@ class Muon(torch.optim.Optimizer):
             self.defaults = defaults
         self._runner = None
         names = group_param_names(group, len(self.param_groups) - 1)
+        if algorithm == "muon" and self.settings.overlap == "backward":
+            register_grad_hooks(group["params"], self._grad_ready)
         momenta = zeros_like_flat(group["params"]) if algorithm == "muon" else []
         for index, (p, name) in enumerate(zip(group["params"], names, strict=True)):
             state = self.state[p]
@@ -463,6 +478,12 @@ class Muon(torch.optim.Optimizer):
 
     def _named_params(self) -> dict[str, torch.Tensor]:
         return {name: p for name, _, p in named_params(self.param_groups)}
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """A Muon parameter's post-accumulate-grad hook (``overlap="backward"``); a step
+        not built yet (groups just changed) starts at ``step()`` instead."""
+        if self._runner is not None:
+            self._runner.grad_ready(p)
 
     @property
     def runner(self) -> StepRunner:

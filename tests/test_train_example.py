@@ -259,3 +259,24 @@ def test_expert_parallel_matches_fsdp_experts(tmp_path: Path) -> None:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
     ref_w, got_w = torch.load(tmp_path / "fsdp.pt"), torch.load(tmp_path / "ep2x2.pt")
     assert max_rel_diff(got_w, ref_w, list(ref_w)) < 1e-5
+
+
+def test_overlap_matches_plain_run(resume_runs: dict[str, Path]) -> None:
+    """``--overlap`` (Newton-Schulz started during backward) on 2 ranks: the same losses
+    and bit-for-bit the same weights as the plain run (fp32 exchanges and Newton-Schulz)."""
+    tmp = resume_runs["tmp"]
+    launch(
+        2,
+        [
+            *TINY,
+            "--overlap",
+            "--out",
+            str(tmp / "overlap"),
+            "--save-final",
+            str(tmp / "overlap.pt"),
+        ],
+    )
+    assert losses(tmp / "overlap") == losses(tmp / "full")
+    ref, got = torch.load(tmp / "full.pt"), torch.load(tmp / "overlap.pt")
+    assert ref.keys() == got.keys()
+    assert max_rel_diff(got, ref, list(ref)) == 0.0
