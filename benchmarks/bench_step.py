@@ -12,6 +12,9 @@ muon_dist is also timed with its step captured in a CUDA graph (``cuda_graph=Tru
         --sweep-inflight 1,2,3,4 --json $OUT/bench_step_llama8b.json
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset small224
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset tiny --device cpu
+
+``--backward`` times whole training steps instead, with and without ``overlap="backward"``
+(:mod:`bench_backward`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import bench_backward
 import tables
 import torch
 import torch.distributed as dist
@@ -442,6 +446,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per method (>= 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 2)")
     parser.add_argument("--matmul-size", type=int, help="default 8192 on CUDA, 1024 on CPU")
+    parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="time real training steps (forward, backward, step) of a model with the preset's "
+        "blocks: muon_dist with and without overlap='backward', and AdamW (bench_backward.py)",
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=4096, help="tokens per rank and step with --backward"
+    )
     parser.add_argument("--json", metavar="PATH", help="default $OUT/bench_step_<preset>.json")
     parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     args = parser.parse_args()
@@ -462,7 +475,7 @@ def parse_args() -> argparse.Namespace:
         if method not in NS_METHODS:
             parser.error(f"--ns-methods: {method!r} is not one of {list(NS_METHODS)}")
     args.matmul_size = args.matmul_size or (8192 if args.device == "cuda" else 1024)
-    args.json = args.json or default_json(args.preset)
+    args.json = args.json or default_json(args.preset + ("_backward" if args.backward else ""))
     return args
 
 
@@ -627,10 +640,44 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     return 0 if parity["ok"] else 1
 
 
+def run_backward_mode(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int:
+    """``--backward``: training steps with and without overlap (:mod:`bench_backward`)."""
+    options = {
+        "backend": args.backend,
+        "ns_steps": args.ns_steps,
+        "coefficients": args.coefficients,
+        "ns_method": args.ns_methods[0],
+        "comm_dtype": torch.bfloat16 if args.comm_dtype == "bf16" else torch.float32,
+        "bucket_bytes": int(args.bucket_mb * MIB),
+        "max_inflight": args.max_inflight,
+        "replica_mode": args.replica_mode,
+    }
+    log(f"timing training steps, {args.layers} {args.preset} blocks, {args.tokens} tokens/rank")
+    report = bench_backward.run_backward(args, PRESETS[args.preset].block, device, mesh, options)
+    report.update(
+        preset=args.preset,
+        layers=args.layers,
+        world_size=dist.get_world_size(),
+        mesh_shape=list(mesh.shape),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        options={**{k: str(v) for k, v in options.items()}, "steps": args.steps},
+        wall_s=time.perf_counter() - START,
+    )
+    if dist.get_rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {args.json} ({report['wall_s']:.0f} s)")
+        print(bench_backward.format_rows(report))
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     device, mesh = init_distributed(args)
     try:
+        if args.backward:
+            return run_backward_mode(args, device, mesh)
         return run(args, device, mesh)
     finally:
         dist.destroy_process_group()

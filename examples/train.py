@@ -164,6 +164,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="capture the Muon optimizer step in a CUDA graph (gradients kept between steps)",
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="start Muon's Newton-Schulz during backward (Muon(overlap='backward')); the "
+        "optimizer step column is then the exposed time, end of backward to end of step",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.compare is not None:
@@ -341,6 +347,7 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
             ns_dtype=dtypes[args.ns_dtype],
             cuda_graph=args.cuda_graph,
             rule=name,
+            overlap="backward" if args.overlap else "none",
             **qk_clip_options(model, args.qk_clip),
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]

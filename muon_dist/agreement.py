@@ -187,14 +187,21 @@ class Agreement:
             )
         return cached
 
-    def decide(self, grads: Sequence[torch.Tensor | None], inputs: StepInputs) -> None:
+    def decide(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        inputs: StepInputs,
+        *,
+        keep_results: bool = False,
+    ) -> None:
         """Fill the flags for this step's local gradients and agree on them over all ranks.
 
         ``inputs`` (staged by the caller) says per parameter whether it has a local
         gradient and the largest gradient norm Newton–Schulz can normalise (inf for AdamW),
         this rank's failure (rank + 1, or 0), and what :meth:`stage` returned. Norms are
         taken in fp64, so a finite gradient of any dtype has a finite norm, and an overflow of the
-        normalisation is told apart from a non-finite entry. Zeroes the result flags.
+        normalisation is told apart from a non-finite entry. Zeroes the result flags, unless
+        ``keep_results`` (a step whose buckets started before it, see :meth:`clear_results`).
         """
         self._present.copy_(inputs.present)
         self._failed.copy_(inputs.failed)
@@ -229,8 +236,13 @@ class Agreement:
             spread = torch.cat([self._values + self._negated, self._norms + self._negated_norms])
             differs = (spread > 0).any() | (self._digests.amax() > self._digests.amin())
             torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
-        self._results.zero_()
+        if not keep_results:
+            self.clear_results()
         self._set_keep()
+
+    def clear_results(self) -> None:
+        """Zero the result flags before the step's first Newton–Schulz result."""
+        self._results.zero_()
 
     def _set_keep(self) -> None:
         present = self.flags.index_select(0, self._muon_index)

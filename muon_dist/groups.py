@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 _CREATED: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_DEDICATED: dict[tuple[int, ...], dist.ProcessGroup] = {}  # see dedicated()
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,15 @@ def comm_groups(
         return CommGroups(rank, world_size, holders, holders)
     ranks = _slice_ranks(one_mesh, replicated, rank)
     return CommGroups(rank, world_size, holders, _group_over(ranks, world_size, one_mesh))
+
+
+def dedicated(peers: Peers) -> Peers:
+    """A new process group over ``peers``' ranks, for collectives that run while another
+    user of their group (FSDP's reduce-scatters during backward) has its own in flight: on
+    their own communicator, neither queues behind the other. Every rank among ``peers``
+    must call this, in the same order; the optimizers of a process share one such group."""
+    if peers.size == 1:
+        return peers
+    if peers.ranks not in _DEDICATED:
+        _DEDICATED[peers.ranks] = dist.new_group(list(peers.ranks), use_local_synchronization=True)
+    return Peers(peers.ranks, _DEDICATED[peers.ranks])

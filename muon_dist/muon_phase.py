@@ -39,7 +39,7 @@ from muon_dist.plan import (
 )
 from muon_dist.routing import MatrixView, PartSplit
 from muon_dist.row_moments import STATE_KEY, row_moments
-from muon_dist.runtime import run_tasks
+from muon_dist.runtime import Pipeline, run_tasks
 from muon_dist.runtime.bucket_task import bucket_task
 from muon_dist.settings import ExecutionSettings
 from muon_dist.step_scalars import MuonScalars, StepInputs
@@ -178,6 +178,15 @@ class SkipTransaction:
             (pieces, updates)
         )
 
+    def held_bytes(self) -> int:
+        """Bytes of the storages the held updates keep alive."""
+        storages = {
+            update.untyped_storage().data_ptr(): update.untyped_storage().nbytes()
+            for _, updates in self._held or []
+            for update in updates
+        }
+        return sum(storages.values())
+
     def end(self) -> tuple[tuple[LocalSlices, ...], list[torch.Tensor], Hashable]:
         """The held pieces and updates as one write, and a key naming them across steps."""
         held, self._held = self._held or [], None
@@ -262,6 +271,11 @@ class MuonPhase:
         self._result_sums = torch.zeros(len(stack_tensor), device=self.device)
         self._sums_of_stack = self._result_sums.split_with_sizes(sizes)
         self._dropped_of_stack = self.scalars.dropped.split_with_sizes(sizes)
+        # A step begun from gradient hooks (see begin_early): its pipeline and how many
+        # buckets, in plan order, it has started.
+        self.pipeline = Pipeline(settings.max_inflight)
+        self.started = 0
+        self.early = False  # between begin_early and the end of finish_early
 
     # -- plan time ----------------------------------------------------------------------
 
@@ -352,6 +366,58 @@ class MuonPhase:
             self.io.write(pieces, updates, key=key, unchecked=True)
         self.row_moments.finish(self.scalars.keep_of)
 
+    # -- a step begun during backward (overlap="backward", muon_dist.backward_start) ------
+
+    def begin_early(self) -> None:
+        """Open a step whose buckets start before the agreement: no matrix is dropped
+        before Newton–Schulz (which ones is not known yet), and every write and state update
+        waits in the transaction for :meth:`finish_early`."""
+        self.error = None
+        self.agreement.clear_results()
+        self.scalars.dropped.zero_()
+        self.transaction.begin()
+        self.row_moments.start()
+        self.pipeline = Pipeline(self.settings.max_inflight)
+        self.started = 0
+        self.early = True
+
+    def start_next(self) -> None:
+        """Start the next bucket in plan order: one pipeline round, as :func:`run_tasks`
+        makes per bucket, so the collectives are the plain step's, in its order."""
+        index = self.started
+        self.started += 1
+        self.pipeline.add(bucket_task(self.plan.buckets[index], self.maps[index], self))
+        self.pipeline.round()
+
+    def drain_early(self) -> None:
+        """Finish the started buckets and drop their results (their gradients changed)."""
+        self.pipeline.finish()
+        self.transaction.end()
+
+    def finish_early(
+        self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, *, transactional: bool
+    ) -> None:
+        """Finish a step opened by :meth:`begin_early`, after the agreement on ``grads``:
+        start the buckets no hook started, wait for all, agree on the results of the
+        matrices kept, and commit the held writes and state updates where kept. Under
+        ``transactional`` a non-finite result skips the step, as in :meth:`run`."""
+        if self.grads.set(grads):
+            self.io.forget_writes()
+        while self.started < len(self.plan.buckets):
+            self.start_next()
+        self.pipeline.finish()
+        agreement, scalars = self.agreement, self.scalars
+        scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=True)
+        bad = torch.isfinite(self._result_sums).logical_or_(scalars.dropped).logical_not_()
+        agreement.count_bad_results(self._stack_tensor, bad.float())
+        agreement.agree_on_results(transactional)
+        pieces, updates, key = self.transaction.end()
+        self.early = False
+        scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=False)
+        self._advance_state(store_all=True)
+        self.io.write(pieces, updates, key=key, unchecked=True)
+        self.row_moments.finish(scalars.keep_of)
+
     def _advance_state(self, store_all: bool) -> None:
         """Momentum (one foreach pass per coefficient; with ``store_all`` also of the
         tensors whose fused read advances it otherwise), Magma and the unfused decay."""
@@ -431,6 +497,10 @@ class MuonPhase:
                 # so replicas of a parameter round identically and stay bitwise equal. Piece
                 # by piece: a cast of whole stacks would hold both dtypes' stacks at once.
                 updates = [update.to(self.comm_dtype) for update in updates]
+            elif self.early:
+                # Held from backward to step(): copies of this rank's pieces only, so the
+                # bucket's whole stacks and exchange buffers are freed meanwhile.
+                updates = [update.clone() for update in updates]
             if self.transaction.open:
                 self.transaction.hold(pieces, updates)
                 return

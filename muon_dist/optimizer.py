@@ -11,6 +11,7 @@ checkpoint checks in :mod:`muon_dist.checks`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -19,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.agreement import Outcome
+from muon_dist.backward_start import check_hookable, register_grad_hooks
 from muon_dist.checks import by_name, check_saved_routing, check_saved_state, matrix_count
 from muon_dist.consensus import agree, describe
 from muon_dist.flat import own_copy, zeros_like_flat
-from muon_dist.groups import CommGroups, comm_groups
+from muon_dist.grouping import UnlabelledRouting
+from muon_dist.groups import CommGroups, comm_groups, dedicated
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.rebind import follow_params, storage
 from muon_dist.routing import (
@@ -151,6 +154,10 @@ class Muon(torch.optim.Optimizer):
         cuda_graph (bool, default False): capture the whole step in one CUDA graph after
             ``graph_warmup`` eager steps and replay it (:mod:`muon_dist.cuda_graph`).
         graph_warmup (int, default 2): eager steps before the capture.
+        overlap (str, default "none"): ``"backward"`` starts each bucket's Newton–Schulz
+            and exchanges from FSDP2's gradient hooks during backward, and ``step()``
+            finishes them and commits (:mod:`muon_dist.backward_start`); Muon parameters
+            must then be DTensors sharded by ``fully_shard``, and ``cuda_graph`` False.
         process_group (ProcessGroup | None, default None): the ranks holding plain-tensor
             replicas, if not the world; DTensor parameters need none.
 
@@ -197,6 +204,7 @@ class Muon(torch.optim.Optimizer):
         cuda_graph: bool = False,
         graph_warmup: int = 2,
         process_group: dist.ProcessGroup | None = None,
+        overlap: str = "none",
     ) -> None:
         # Anything refused on this rank only (a setting or option that differs across ranks)
         # is agreed through the rank check in _init_groups, so the other ranks raise too.
@@ -212,6 +220,7 @@ class Muon(torch.optim.Optimizer):
                 nonfinite=nonfinite,
                 cuda_graph=cuda_graph,
                 graph_warmup=graph_warmup,
+                overlap=overlap,
             )
         except (ValueError, TypeError) as exc:
             refused = exc
@@ -294,6 +303,9 @@ class Muon(torch.optim.Optimizer):
         )
         entries = {} if refused else describe(groups, self.settings, self._qk_lines)
         agree(entries, refused, comm.rank, comm.holders, when)
+        if self.settings.overlap == "backward":
+            # Exchanges issued during backward run beside FSDP's, not behind them.
+            comm = dataclasses.replace(comm, exchange=dedicated(comm.exchange))
         return comm
 
     def _bind_step(
@@ -349,6 +361,8 @@ class Muon(torch.optim.Optimizer):
         group = {**defaults_of, **param_group, "params": _param_list(param_group["params"])}
         validate_group(group, len(self.param_groups))
         check_unique_names(self.param_groups, group)
+        if algorithm == "muon" and self.settings.overlap == "backward":
+            check_hookable(group["params"], group_param_names(group, len(self.param_groups)))
         group.setdefault("steps", 0)
         group.setdefault("skipped_steps", 0)
         return group
@@ -366,6 +380,8 @@ class Muon(torch.optim.Optimizer):
             self.defaults = defaults
         self._runner = None
         names = group_param_names(group, len(self.param_groups) - 1)
+        if algorithm == "muon" and self.settings.overlap == "backward":
+            register_grad_hooks(group["params"], self._grad_ready)
         momenta = zeros_like_flat(group["params"]) if algorithm == "muon" else []
         for index, (p, name) in enumerate(zip(group["params"], names, strict=True)):
             state = self.state[p]
@@ -494,6 +510,12 @@ class Muon(torch.optim.Optimizer):
 
     def _named_params(self) -> dict[str, torch.Tensor]:
         return {name: p for name, _, p in named_params(self.param_groups)}
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """A Muon parameter's post-accumulate-grad hook (``overlap="backward"``); a step
+        not built yet (groups just changed) starts at ``step()`` instead."""
+        if self._runner is not None:
+            self._runner.grad_ready(p)
 
     @property
     def runner(self) -> StepRunner:
@@ -670,14 +692,17 @@ def _split_by_algorithm(
 ) -> list[dict[str, Any]]:
     """Normalise the constructor's input to groups that each name their algorithm.
 
-    A group without an algorithm is split; each part keeps the keys the other algorithm's
-    part alone reads out of it (a Muon part drops ``betas``, an AdamW part ``momentum``)."""
+    A group without an algorithm is split as :class:`muon_dist.grouping.UnlabelledRouting`
+    routes it (by name where its parameters are named); each part keeps the keys the other
+    algorithm's part alone reads out of it (a Muon part drops ``betas``, an AdamW part
+    ``momentum``)."""
     items = _param_list(params)
     if not items:
         raise ValueError("Muon got an empty parameter list")
     if not isinstance(items[0], dict):
         items = [{"params": items}]
     groups: list[dict[str, Any]] = []
+    unlabelled = UnlabelledRouting()
     for group in items:
         group = dict(group)
         raw = _param_list(group["params"])
@@ -689,17 +714,21 @@ def _split_by_algorithm(
             groups.append(group)
             continue
         names = group.get("param_names")
-        for algorithm, matrices in (("muon", True), ("adamw", False)):
-            chosen = [i for i, p in enumerate(raw) if (p.ndim >= 2) == matrices]
-            if not chosen:
-                continue
+        mode = group.get("muon_mode", defaults_by_algorithm["muon"]["muon_mode"])
+        routes = unlabelled.routes(raw, names, mode)
+        for route in dict.fromkeys(routes):
+            algorithm, stacked = route
+            chosen = [i for i, r in enumerate(routes) if r == route]
             other = "adamw" if algorithm == "muon" else "muon"
             foreign = set(defaults_by_algorithm[other]) - set(defaults_by_algorithm[algorithm])
             part = {k: v for k, v in group.items() if k not in foreign}
             part.update(algorithm=algorithm, params=[raw[i] for i in chosen])
+            if stacked:
+                part["experts"] = True
             if names is not None:
                 part["param_names"] = [names[i] for i in chosen]
             groups.append(part)
+    unlabelled.warn()
     return groups
 
 

@@ -38,7 +38,8 @@ class LocalGrads:
     def __init__(self, shards: Sequence[torch.Tensor], state: MuonState) -> None:
         self._shards = list(shards)
         self._state = state
-        self.tensors: list[torch.Tensor] = []
+        # Empty until a step sets them (:meth:`set`, or :meth:`set_one` from a hook).
+        self.tensors: list[torch.Tensor] = [shard.new_empty(0) for shard in self._shards]
         self.local: list[bool] = [True] * len(self._shards)  # has a local gradient
         self._sources: list[torch.Tensor | None] = [None] * len(self._shards)
         self._views: list[dict[tuple[int, int], torch.Tensor]] = [{} for _ in self._shards]
@@ -48,16 +49,19 @@ class LocalGrads:
         local = [grad is not None for grad in grads]
         changed = local != self.local
         self.local = local
-        self.tensors = []
         for j, grad in enumerate(grads):
-            if grad is None:
-                grad = torch.zeros_like(self._shards[j])
-            if grad is not self._sources[j]:
-                self._sources[j] = grad
-                self._views[j] = {}
-                self._state.forget_grad(j)
-            self.tensors.append(grad)
+            self.set_one(j, grad)
         return changed
+
+    def set_one(self, j: int, grad: torch.Tensor | None) -> None:
+        """Take tensor j's gradient (None: absent, read as zeros)."""
+        if grad is None:
+            grad = torch.zeros_like(self._shards[j])
+        if grad is not self._sources[j]:
+            self._sources[j] = grad
+            self._views[j] = {}
+            self._state.forget_grad(j)
+        self.tensors[j] = grad
 
     def piece(self, j: int, key: tuple[int, int], slices: Slices) -> torch.Tensor:
         view = self._views[j].get(key)

@@ -304,17 +304,27 @@ def _blocks(
     return blocks
 
 
-def _buckets(blocks: Sequence[Block], bucket_bytes: int, itemsize: int) -> list[list[Block]]:
+def _buckets(
+    blocks: Sequence[Block], bucket_bytes: int, itemsize: int, backward_order: bool = False
+) -> list[list[Block]]:
     """Rounds of work: each bucket gives every owner up to ``bucket_bytes`` of its blocks.
 
     A bucket's collectives involve every rank, so a bucket that only one owner computes in
     would leave the others idle; rounds keep all owners busy at once. Each owner's blocks go
     largest-matrix first, so a round pairs blocks of similar cost across owners (LPT gave
     owners similar counts of each size), and a block larger than the budget forms a round
-    slot of its own.
+    slot of its own. With ``backward_order`` each owner's blocks go last view first
+    instead, the order in which backward finishes gradients, so the first buckets can
+    start while backward still runs.
     """
+
+    def key(b: Block) -> tuple[float, int, int]:
+        if backward_order:
+            return (-b.view, b.start, 0)
+        return (-b.cost / (b.stop - b.start), b.view, b.start)
+
     queues: dict[int, deque[Block]] = {}
-    for block in sorted(blocks, key=lambda b: (-b.cost / (b.stop - b.start), b.view, b.start)):
+    for block in sorted(blocks, key=key):
         queues.setdefault(block.owner, deque()).append(block)
     buckets: list[list[Block]] = []
     while any(queues.values()):
@@ -370,9 +380,11 @@ class OwnedBlock:
 
 @dataclass
 class BucketPlan:
-    """One unit of the step: a gather all-to-all, Newton–Schulz on owned blocks, a scatter."""
+    """One unit of the step: a gather all-to-all, Newton–Schulz on owned blocks, a scatter.
+    ``views`` are the views of all its blocks, on every rank (the same on all ranks)."""
 
     names: tuple[str, ...]
+    views: tuple[int, ...] = ()
     owned: list[OwnedBlock] = field(default_factory=list)
     gather_sends: list[LocalPiece] = field(default_factory=list)
     gather_recvs: list[BlockPiece] = field(default_factory=list)
@@ -449,6 +461,7 @@ def _rank_bucket(
 ) -> BucketPlan:
     plan = BucketPlan(
         names=tuple(sorted({placements[b.view].name for b in bucket})),
+        views=tuple(sorted({b.view for b in bucket})),
         communicates=any(b.crosses_ranks for b in bucket),
     )
     for block in bucket:
@@ -530,8 +543,10 @@ def build_plan(
     itemsize: int,
     replica_mode: str = "split",
     steps: Sequence[int] | None = None,
+    backward_order: bool = False,
 ) -> Plan:
-    """Decide owners, blocks and buckets for all placements, and keep ``rank``'s share."""
+    """Decide owners, blocks and buckets for all placements, and keep ``rank``'s share;
+    ``backward_order`` orders the buckets last view first (see :func:`_buckets`)."""
     if replica_mode not in REPLICA_MODES:
         raise ValueError(f"replica_mode={replica_mode!r}; choose one of {list(REPLICA_MODES)}")
     if bucket_bytes <= 0:
@@ -543,6 +558,6 @@ def build_plan(
     boxes = [local_boxes(placement) for placement in placements]
     buckets = [
         _rank_bucket(_by_stack(bucket, placements), placements, rank, boxes)
-        for bucket in _buckets(blocks, bucket_bytes, itemsize)
+        for bucket in _buckets(blocks, bucket_bytes, itemsize, backward_order)
     ]
     return Plan(rank, world_size, buckets, load, blocks)

@@ -6,16 +6,13 @@ the same routing comes out on every rank.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from muon_dist.update_rule import lr_scale as _shape_scale
 
@@ -221,11 +218,12 @@ def _matrix_view(
         return MatrixView("fused_experts", shape, num_experts, rows, shape[1])
     if ndim == 2:
         return MatrixView("matrix", shape, 1, shape[0], shape[1])
+    if ndim == 3 and experts:  # a stack stays one matrix per expert whatever muon_mode says
+        return MatrixView("expert_stack", shape, shape[0], shape[1], shape[2])
     if muon_mode == "flat":
         return MatrixView("flat", shape, 1, shape[0], math.prod(shape[1:]))
-    if muon_mode == "slice" or (ndim == 3 and experts):
-        kind = "expert_stack" if experts else "slice"
-        return MatrixView(kind, shape, shape[0], shape[1], math.prod(shape[2:]))
+    if muon_mode == "slice":
+        return MatrixView("slice", shape, shape[0], shape[1], math.prod(shape[2:]))
     raise ValueError(
         f"{name} has shape {shape}, which muon_mode={muon_mode!r} does not orthogonalize: "
         "set experts=True in its group for a 3-D expert stack [E, m, n], or use "
@@ -333,6 +331,7 @@ class RouteEntry:
     view: str
     lr_scales: tuple[float, ...]
     numel: int
+    reason: str = ""
 
     @property
     def scale_text(self) -> str:
@@ -340,12 +339,17 @@ class RouteEntry:
 
 
 def format_routing_table(entries: Iterable[RouteEntry]) -> str:
-    """Render routing rows as an aligned text table with per-algorithm totals in millions."""
-    rows = [("name", "shape", "algorithm", "matrix view", "lr scale", "params (M)")]
+    """Render routing rows as an aligned text table with per-algorithm totals in millions;
+    a reason column where the rows carry reasons (param_groups' audit)."""
+    entries = list(entries)
+    reasons = any(e.reason for e in entries)
+    header = ("name", "shape", "algorithm", "matrix view", "lr scale", "params (M)")
+    rows: list[tuple[str, ...]] = [header + (("reason",) if reasons else ())]
     totals: dict[str, int] = {}
     for e in entries:
         shape = "x".join(str(s) for s in e.shape) or "scalar"
-        rows.append((e.name, shape, e.algorithm, e.view, e.scale_text, f"{e.numel / 1e6:.2f}"))
+        row = (e.name, shape, e.algorithm, e.view, e.scale_text, f"{e.numel / 1e6:.2f}")
+        rows.append(row + ((e.reason,) if reasons else ()))
         totals[e.algorithm] = totals.get(e.algorithm, 0) + e.numel
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
@@ -355,268 +359,6 @@ def format_routing_table(entries: Iterable[RouteEntry]) -> str:
     summary = ", ".join(f"{alg}: {n / 1e6:.2f}M" for alg, n in sorted(totals.items()))
     lines.append(f"total {summary}")
     return "\n".join(lines)
-
-
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(re.search(p, name) for p in patterns)
-
-
-def _adamw_modules(
-    model: nn.Module, head_patterns: Sequence[str], embedding_patterns: Sequence[str]
-) -> set[int]:
-    """Ids of parameters owned by embedding tables and output heads."""
-    ids: set[int] = set()
-    for mod_name, module in model.named_modules():
-        name = normalize_fqn(mod_name)
-        is_embedding = isinstance(module, nn.Embedding) or _matches(name, embedding_patterns)
-        is_head = isinstance(module, nn.Linear) and _matches(name, head_patterns)
-        if is_embedding or is_head:
-            ids.update(id(p) for p in module.parameters(recurse=False))
-    return ids
-
-
-Override = Callable[[str, torch.Tensor], str | None] | Mapping[str, str]
-"""Routing overrides: ``(name, param) -> "muon" | "adamw" | None``, or name regex -> algorithm."""
-
-FUSED_KEYS = ("split_sizes", "num_heads", "split_groups", "transposed")
-EXPERT_KEYS = ("experts", "routed_experts")
-
-
-class _Overrides:
-    """Both override forms as one callable; a mapping's first matching pattern wins, and
-    :meth:`unmatched` lists the patterns that matched no parameter."""
-
-    def __init__(self, overrides: Override | None) -> None:
-        self.fn = overrides if callable(overrides) else None
-        self.patterns = dict(overrides) if isinstance(overrides, Mapping) else {}
-        for pattern, algorithm in self.patterns.items():
-            if algorithm not in ALGORITHMS:
-                raise ValueError(
-                    f"overrides[{pattern!r}]={algorithm!r}; choose one of {list(ALGORITHMS)}"
-                )
-        self.hits: set[str] = set()
-
-    def __call__(self, name: str, p: torch.Tensor) -> str | None:
-        if self.fn is not None:
-            return self.fn(name, p)
-        for pattern, algorithm in self.patterns.items():
-            if re.search(pattern, name):
-                self.hits.add(pattern)
-                return algorithm
-        return None
-
-    def unmatched(self) -> list[str]:
-        return [p for p in self.patterns if p not in self.hits]
-
-
-def _fused_pattern(name: str, fused: Mapping[str, Mapping[str, Any]]) -> str | None:
-    hits = [pattern for pattern in fused if re.search(pattern, name)]
-    if len(hits) > 1:
-        raise ValueError(f"{name} matches several fused patterns {hits}; make them exclusive")
-    return hits[0] if hits else None
-
-
-def _is_expert(name: str, expert_keys: Sequence[str]) -> bool:
-    """Whether a module on the parameter's path is named one of ``expert_keys`` (a whole
-    name part: ``shared_experts`` is not ``experts``)."""
-    return any(part in expert_keys for part in name.split(".")[:-1])
-
-
-def _one_expert(name: str, expert_keys: Sequence[str]) -> bool:
-    """Whether the parameter belongs to one numbered expert module (``experts.3.w1.weight``,
-    transformers 4's Mixtral): a matrix of its own, never a fused stack."""
-    parts = name.split(".")[:-1]
-    return any(a in expert_keys and b.isdigit() for a, b in itertools.pairwise(parts))
-
-
-def _is_vector_like(name: str, p: torch.Tensor, siblings: Sequence[torch.Tensor]) -> bool:
-    """Biases of any shape (``gate_up_proj_bias [E, out]``) and per-expert vectors: a 2-D
-    parameter whose rows are the experts of a 3-D stack beside it."""
-    leaf = name.split(".")[-1]
-    if "bias" in re.split(r"[_\W]+", leaf):
-        return True
-    return p.ndim == 2 and any(s.ndim == 3 and s.shape[0] == p.shape[0] for s in siblings)
-
-
-def param_groups(
-    model: nn.Module,
-    lr: float | None = None,
-    adamw_lr: float | None = None,
-    weight_decay: float | None = None,
-    *,
-    adamw_betas: tuple[float, float] | None = None,
-    adamw_eps: float | None = None,
-    expert_keys: Sequence[str] = EXPERT_KEYS,
-    num_experts: int | None = None,
-    head_patterns: Sequence[str] = (r"(^|\.)(lm_head|output|head|classifier)$",),
-    embedding_patterns: Sequence[str] = (r"(^|\.)(embed\w*|wte|wpe|tok_embeddings)$",),
-    overrides: Override | None = None,
-    fused: Mapping[str, Mapping[str, Any]] | None = None,
-    known_layouts: bool = True,
-    **muon_options: Any,
-) -> list[dict[str, Any]]:
-    """Split a model's parameters into Muon and AdamW groups for :class:`muon_dist.Muon`.
-
-    Hidden matrices go to Muon; embeddings, output heads (tied or not), biases of any shape,
-    per-expert vectors and other <2-D parameters go to AdamW. Expert weights are those under
-    a module named one of ``expert_keys``: 3-D ones are stacks ``[E, m, n]``, 2-D ones are
-    fused ``[E*m, n]`` when ``num_experts`` is given. Groups hold only the options passed
-    here (``lr``, ``adamw_lr``, ``weight_decay``, ``adamw_betas``, ``adamw_eps`` and
-    ``muon_options`` such as ``muon_mode``); the rest come from :class:`muon_dist.Muon`'s
-    arguments. Norms, biases and other vectors always get ``weight_decay=0``; embeddings
-    and the head get ``weight_decay`` when it is passed, else ``Muon(adamw_weight_decay=)``.
-
-    ``known_layouts`` applies :mod:`muon_dist.families` (fused gate+up and QKV parts,
-    ``[in, out]`` storage) to the families it knows. ``fused`` declares such layouts by name
-    regex -> options among ``split_sizes``, ``num_heads``, ``split_groups``, ``transposed``;
-    it wins over ``known_layouts``. ``overrides`` moves parameters: a callable
-    ``(name, param)`` returning ``"muon"``, ``"adamw"`` or None (keep the default), or a
-    mapping of name regexes to ``"muon"``/``"adamw"``. A ``fused`` or ``overrides`` pattern
-    that matches no parameter raises. A Muon matrix whose name suggests fusion (``gate_up``,
-    ``qkv``, ``w13``, ...) with no layout declared or known logs a warning.
-    """
-    from muon_dist.families import known_layout, suggests_fusion
-
-    route = _Overrides(overrides)
-    fused = dict(fused or {})
-    for pattern, spec in fused.items():
-        unknown = sorted(set(spec) - set(FUSED_KEYS))
-        if unknown or not spec:
-            raise ValueError(
-                f"fused[{pattern!r}] has keys {sorted(spec)}; use some of {list(FUSED_KEYS)}"
-            )
-    adamw_ids = _adamw_modules(model, head_patterns, embedding_patterns)
-    modules = {normalize_fqn(n): m for n, m in model.named_modules()}
-    fused_hits: set[str] = set()
-    unsplit: list[str] = []
-    buckets: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]] = {}
-    seen: set[int] = set()  # a tied parameter is routed once, under its first name
-    for module_name, module in model.named_modules():
-        siblings = list(module.parameters(recurse=False))
-        for leaf, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            name = normalize_fqn(f"{module_name}.{leaf}" if module_name else leaf)
-            key = _route_one(
-                name, p, siblings, route, adamw_ids, expert_keys, num_experts, fused, fused_hits
-            )
-            if key[0] == "muon" and known_layouts and len(key) == 3:
-                layout = known_layout(model, name, p, modules)
-                if layout is not None:
-                    key = (*key, tuple(sorted(layout.items(), key=lambda kv: kv[0])))
-                elif suggests_fusion(name):
-                    unsplit.append(name)
-            params, names = buckets.setdefault(_freeze(key), ([], []))
-            params.append(p)
-            names.append(name)
-    _check_matched(route, fused, fused_hits, buckets)
-    if unsplit:
-        logger.warning(
-            "muon_dist.param_groups: %s look like fused matrices (QKV or gate+up) but no "
-            "layout is known or declared, so each is orthogonalized whole; pass "
-            "fused={<name regex>: {'split_sizes': [...]}} (plus 'split_groups' for "
-            "interleaved parts, 'transposed' for [in, out] storage), or fused={<regex>: "
-            "{'split_sizes': [rows]}} to keep one matrix and silence this",
-            ", ".join(unsplit),
-        )
-    given = {"lr": lr, "weight_decay": weight_decay, **muon_options}
-    muon = {"algorithm": "muon", **{k: v for k, v in given.items() if v is not None}}
-    adamw_given = {"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps}
-    adamw = {"algorithm": "adamw", **{k: v for k, v in adamw_given.items() if v is not None}}
-    groups = []
-    for key, (params, names) in buckets.items():
-        group: dict[str, Any] = {"params": params, "param_names": names}
-        if key[0] == "muon":
-            _, experts, fused_experts, *declared = key
-            group.update(muon)
-            if experts:
-                group["experts"] = True
-            if fused_experts is not None:
-                group["num_experts"] = fused_experts
-            for items in declared:
-                group.update({k: list(v) if isinstance(v, tuple) else v for k, v in items})
-        else:
-            group.update(adamw)
-            if key[0] == "adamw_no_decay":
-                group["weight_decay"] = 0.0
-            elif weight_decay is not None:
-                group["weight_decay"] = weight_decay
-        groups.append(group)
-    groups.sort(key=lambda g: g["algorithm"] != "muon")
-    entries = routing_entries(groups)
-    logger.info("muon_dist routing:\n%s", format_routing_table(entries))
-    return groups
-
-
-def _freeze(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A hashable group key: list values of a layout become tuples."""
-    return tuple(
-        tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in part)
-        if isinstance(part, tuple) and part and isinstance(part[0], tuple)
-        else part
-        for part in key
-    )
-
-
-def _route_one(
-    name: str,
-    p: torch.Tensor,
-    siblings: Sequence[torch.Tensor],
-    route: _Overrides,
-    adamw_ids: set[int],
-    expert_keys: Sequence[str],
-    num_experts: int | None,
-    fused: Mapping[str, Mapping[str, Any]],
-    fused_hits: set[str],
-) -> tuple[Any, ...]:
-    """The group key of one parameter: ``("adamw_decay" | "adamw_no_decay",)``, or
-    ``("muon", experts, num_experts[, declared layout])``."""
-    forced = route(name, p)
-    if forced not in (*ALGORITHMS, None):
-        raise ValueError(
-            f"overrides returned {forced!r} for {name}; return one of {list(ALGORITHMS)} "
-            "or None (default routing)"
-        )
-    if forced == "muon" and p.ndim < 2:
-        raise ValueError(
-            f"overrides routed {name} (shape {tuple(p.shape)}) to 'muon', but Muon needs "
-            ">= 2-D parameters"
-        )
-    is_expert = _is_expert(name, expert_keys)
-    vector = p.ndim < 2 or _is_vector_like(name, p, siblings if is_expert else ())
-    to_muon = forced == "muon" or (forced is None and not vector and id(p) not in adamw_ids)
-    if not to_muon:
-        return ("adamw_no_decay",) if vector else ("adamw_decay",)
-    experts = is_expert and p.ndim == 3
-    stacked = is_expert and p.ndim == 2 and not _one_expert(name, expert_keys)
-    fused_experts = num_experts if stacked else None
-    pattern = _fused_pattern(name, fused)
-    if pattern is None:
-        return ("muon", experts, fused_experts)
-    fused_hits.add(pattern)
-    return ("muon", experts, fused_experts, tuple(sorted(fused[pattern].items())))
-
-
-def _check_matched(
-    route: _Overrides,
-    fused: Mapping[str, Any],
-    fused_hits: set[str],
-    buckets: Mapping[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]],
-) -> None:
-    """Every name pattern the caller gave must have matched a parameter."""
-    muon_names = [n for key, (_, names) in buckets.items() if key[0] == "muon" for n in names]
-    unmatched = [p for p in fused if p not in fused_hits]
-    if unmatched:
-        raise ValueError(
-            f"fused patterns {unmatched} match no Muon matrix; Muon matrices are {muon_names}"
-        )
-    if route.unmatched():
-        names = [n for _, (_, ns) in buckets.items() for n in ns]
-        raise ValueError(
-            f"overrides patterns {route.unmatched()} match no parameter (patterns are searched "
-            f"in normalised names such as {names[:4]}); fix or remove them"
-        )
 
 
 def group_param_names(group: dict[str, Any], index: int) -> list[str]:
@@ -634,19 +376,26 @@ def named_params(groups: Sequence[dict[str, Any]]) -> Iterator[tuple[str, dict[s
             yield name, group, p
 
 
-def routing_entries(groups: Sequence[dict[str, Any]]) -> list[RouteEntry]:
-    """Routing rows for param groups, one per matrix view, with each view validated."""
+def routing_entries(
+    groups: Sequence[dict[str, Any]], reasons: Mapping[str, str] | None = None
+) -> list[RouteEntry]:
+    """Routing rows for param groups, one per matrix view, with each view validated;
+    ``reasons`` (by parameter name) fills the reason column."""
+    reasons = reasons or {}
     entries = []
     for name, group, p in named_params(groups):
         shape = tuple(p.shape)
+        why = reasons.get(name, "")
         if group.get("algorithm", "muon") != "muon":
-            entries.append(RouteEntry(name, shape, "adamw", "-", (), p.numel()))
+            entries.append(RouteEntry(name, shape, "adamw", "-", (), p.numel(), why))
             continue
         adjust_lr = group.get("adjust_lr", "spectral_norm")
         for view in matrix_views(shape, group, name):
             parts = view.part_split(adjust_lr)
             scales = parts.scales if parts is not None else (view.lr_scale(adjust_lr),)
             entries.append(
-                RouteEntry(view.label(name), shape, "muon", view.describe(), scales, view.numel)
+                RouteEntry(
+                    view.label(name), shape, "muon", view.describe(), scales, view.numel, why
+                )
             )
     return entries

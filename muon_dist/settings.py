@@ -11,6 +11,7 @@ from muon_dist.plan import REPLICA_MODES
 from muon_dist.validation import count
 
 NONFINITE_POLICIES = ("raise", "skip_step")
+OVERLAP_MODES = ("none", "backward")
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,9 @@ class ExecutionSettings:
     Newton–Schulz; ``bucket_bytes`` and ``max_inflight`` the size and overlap of the
     pipelined buckets; ``replica_mode`` how replicated matrices are shared out;
     ``nonfinite`` what a non-finite gradient or result does; ``cuda_graph`` whether the
-    step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps.
+    step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps;
+    ``overlap="backward"`` starts the buckets from gradient hooks during backward
+    (:mod:`muon_dist.backward_start`).
     """
 
     backend: str = "auto"
@@ -34,6 +37,7 @@ class ExecutionSettings:
     nonfinite: str = "raise"
     cuda_graph: bool = False
     graph_warmup: int = 2
+    overlap: str = "none"
 
     def __post_init__(self) -> None:
         validate_backend(self.backend)
@@ -53,3 +57,11 @@ class ExecutionSettings:
         count("Muon", "graph_warmup", self.graph_warmup, 1)
         if not isinstance(self.cuda_graph, bool):
             raise TypeError(f"Muon: cuda_graph={self.cuda_graph!r}; choose True or False")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"Muon: overlap={self.overlap!r}; choose one of {list(OVERLAP_MODES)}")
+        if self.overlap == "backward" and self.cuda_graph:
+            raise ValueError(
+                "Muon: overlap='backward' starts Newton-Schulz from gradient hooks during "
+                "backward, outside any captured step; use cuda_graph=False with it, or "
+                "overlap='none' to capture the step"
+            )

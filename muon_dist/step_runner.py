@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.agreement import Agreement
+from muon_dist.backward_start import BackwardStart
 from muon_dist.checks import check_grad
 from muon_dist.cuda_graph import StepGraph
 from muon_dist.groups import CommGroups
@@ -86,6 +87,13 @@ class StepRunner:
             [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
         )
         self.muon = self._muon_phase(entries, state, settings, len(groups), comm)
+        # overlap="backward": the Muon phase's buckets start from gradient hooks.
+        self.early = (
+            BackwardStart(self.muon, [self.names[i] for i in self.muon_positions])
+            if self.muon is not None and settings.overlap == "backward"
+            else None
+        )
+        self._muon_index = {id(self.params[i]): j for j, i in enumerate(self.muon_positions)}
         # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
         self._adamw_members: dict[int, list[int]] = {}
         for position, (_, group, _) in enumerate(named):
@@ -123,6 +131,7 @@ class StepRunner:
             itemsize=settings.comm_dtype.itemsize,
             replica_mode=settings.replica_mode,
             steps=[e.group["ns_steps"] for e in entries],
+            backward_order=settings.overlap == "backward",
         )
         logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
         return MuonPhase(plan, entries, state, settings, group_count, comm, self.agreement)
@@ -148,15 +157,33 @@ class StepRunner:
     def _local_grads(self) -> list[torch.Tensor | None]:
         """Local gradient shards; a gradient kept between steps is checked and unwrapped
         only once."""
-        grads: list[torch.Tensor | None] = []
-        for index, p in enumerate(self.params):
-            grad = p.grad
-            source, unwrapped = self._grads[index]
-            if grad is not source:
-                unwrapped = None if grad is None else check_grad(self.names[index], p, grad)
-                self._grads[index] = (grad, unwrapped)
-            grads.append(unwrapped)
+        grads = [self._local_grad(index) for index in range(len(self.params))]
+        if self.early is not None:
+            self.early.check([grads[i] for i in self.muon_positions])
         return grads
+
+    def _local_grad(self, index: int) -> torch.Tensor | None:
+        p = self.params[index]
+        grad = p.grad
+        source, unwrapped = self._grads[index]
+        if grad is not source:
+            unwrapped = None if grad is None else check_grad(self.names[index], p, grad)
+            self._grads[index] = (grad, unwrapped)
+        return unwrapped
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """A Muon parameter's gradient is final (its post-accumulate-grad hook, under
+        ``overlap="backward"``): start the buckets that now can. A gradient this rank
+        refuses starts nothing here; ``step()`` raises it, agreed with the other ranks."""
+        if self.early is None:
+            return
+        j = self._muon_index[id(p)]
+        try:
+            grad = self._local_grad(self.muon_positions[j])
+        except (TypeError, ValueError, RuntimeError):
+            return
+        if grad is not None:
+            self.early.report(j, grad)
 
     def run(
         self, groups: Sequence[dict[str, Any]], refusal: Exception | None = None
@@ -202,13 +229,13 @@ class StepRunner:
 
     def _body(self, groups: Sequence[dict[str, Any]], grads: Sequence[torch.Tensor | None]) -> None:
         """The device work of one step: everything a captured step replays."""
-        self.agreement.decide(grads, self.inputs)
-        if self.muon is not None:
-            self.muon.run(
-                [grads[i] for i in self.muon_positions],
-                self.inputs,
-                transactional=self.settings.nonfinite == "skip_step",
-            )
+        self.agreement.decide(grads, self.inputs, keep_results=self.early is not None)
+        transactional = self.settings.nonfinite == "skip_step"
+        muon_grads = [grads[i] for i in self.muon_positions]
+        if self.early is not None:
+            self.early.finish(muon_grads, self.inputs, transactional=transactional)
+        elif self.muon is not None:
+            self.muon.run(muon_grads, self.inputs, transactional=transactional)
         for index, group in enumerate(groups):
             if group["algorithm"] == "adamw":
                 self._adamw(group, index, grads)

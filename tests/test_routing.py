@@ -358,3 +358,144 @@ def test_numbered_expert_modules_are_matrices_of_their_own() -> None:
     model.layers[0].experts = nn.ModuleList(nn.Linear(8, 6, bias=False) for _ in range(4))
     views = _views(muon_dist.param_groups(model, num_experts=4))
     assert views["layers.0.experts.3.weight"] == "matrix 6x8"
+
+
+# ---------------------------------------------------------------------------------------
+# Structure: convolutions, state-space parameters, small matrices, unknown tensors, audit
+
+
+class Mixer(nn.Module):
+    """A state-space mixer's parameters beside a patch convolution and a depthwise one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 16, kernel_size=4)  # [16, 3, 4, 4]
+        self.depthwise = nn.Conv1d(16, 16, kernel_size=4, groups=16)  # [16, 1, 4]
+        self.A_log = nn.Parameter(torch.zeros(16, 8))
+        self.D = nn.Parameter(torch.ones(16))
+        self.gate = nn.Linear(16, 1, bias=False)  # one output
+        self.proj = nn.Linear(16, 16, bias=False)
+        self.attn = nn.MultiheadAttention(16, 2, bias=False)
+        self.blob = nn.Parameter(torch.randn(4, 4, 4))  # neither a conv nor an expert stack
+
+
+def _audit(capsys: pytest.CaptureFixture[str], model: nn.Module, **kwargs: object) -> str:
+    """The audit param_groups(report=True) prints."""
+    muon_dist.param_groups(model, report=True, **kwargs)  # type: ignore[arg-type]
+    return capsys.readouterr().out
+
+
+def _row(audit: str, name: str) -> str:
+    return next(line for line in audit.splitlines() if line.startswith(name + " "))
+
+
+def test_structure_sends_non_matrices_to_adamw_and_says_why(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        audit = _audit(capsys, Mixer())
+    assert "reason" in audit.splitlines()[0]
+    for name, reason in [
+        ("patch.weight", "Conv2d (conv='adamw')"),
+        ("depthwise.weight", "Conv1d (conv='adamw')"),
+        ("A_log", "state-space parameter (A_log)"),
+        ("D", "state-space parameter (D)"),
+        ("gate.weight", "small matrix 1x16 (side < min_matrix_side=4)"),
+        ("blob", "unknown 3-D tensor"),
+    ]:
+        row = _row(audit, name)
+        assert " adamw " in row and row.endswith(reason), row
+    assert _row(audit, "proj.weight").endswith("Linear [out, in]")
+    attn = _row(audit, "attn.in_proj_weight[0:16]")
+    assert "matrix 16x16" in attn and attn.endswith("nn.MultiheadAttention: q, k, v blocks")
+    # The one guess, with the option that settles it.
+    assert "blob$ (4x4x4) is neither a convolution nor an expert stack" in caplog.text
+    assert "overrides={'blob$': 'muon'} with muon_mode='flat'" in caplog.text
+
+
+def test_conv_muon_flattens_filters_and_small_matrices_follow_the_threshold(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    audit = _audit(capsys, Mixer(), conv="muon", min_matrix_side=1)
+    assert "flat 16x48" in _row(audit, "patch.weight")  # [16, 3*4*4]
+    assert _row(audit, "depthwise.weight").endswith("Conv1d with groups=16: not one linear map")
+    assert "matrix 1x16" in _row(audit, "gate.weight")
+    audit = _audit(capsys, Mixer(), conv="muon", min_matrix_side=17)
+    assert _row(audit, "patch.weight").endswith("small matrix 16x48 (side < min_matrix_side=17)")
+    audit = _audit(capsys, Mixer(), muon_mode="flat")
+    assert "flat 4x16" in _row(audit, "blob")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"conv": "sgd"}, r"conv='sgd'; choose 'adamw'"),
+        ({"min_matrix_side": 0}, r"min_matrix_side=0; pass a positive int"),
+    ],
+)
+def test_bad_structure_options_raise(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        muon_dist.param_groups(Mixer(), **kwargs)  # type: ignore[arg-type]
+
+
+class Stacks(nn.Module):
+    """Expert containers whose shapes do (``known``) and do not (``square``) tell their
+    orientation, and fused 2-D experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.known = nn.Module()
+        self.known.experts = nn.Module()
+        self.known.experts.w_in = nn.Parameter(torch.randn(4, 8, 24))  # [E, H, 2I]: in, out
+        self.known.experts.w_out = nn.Parameter(torch.randn(4, 12, 8))  # [E, I, H]
+        self.square = nn.Module()
+        self.square.experts = nn.Module()
+        self.square.experts.a = nn.Parameter(torch.randn(4, 8, 8))
+        self.square.experts.b = nn.Parameter(torch.randn(4, 8, 8))
+        self.flat = nn.Module()
+        self.flat.experts = nn.Module()
+        self.flat.experts.w = nn.Parameter(torch.randn(4 * 6, 8))
+
+
+def test_expert_containers_read_orientation_from_their_shapes(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        audit = _audit(capsys, Stacks())
+    assert "expert_stack 4x[8x24] in-out parts 12+12" in _row(audit, "known.experts.w_in")
+    assert "expert_stack 4x[12x8] in-out" in _row(audit, "known.experts.w_out")
+    assert "matrix 24x8" in _row(audit, "flat.experts.w")
+    assert "known" not in caplog.text
+    assert r"square\.experts\.a$ (4x8x8): its container's shapes do not tell" in caplog.text
+    assert r"flat\.experts\.w$ (24x8) is a 2-D weight under an expert module" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        audit = _audit(
+            capsys,
+            Stacks(),
+            num_experts=4,
+            fused={r"square\.experts\.[ab]$": {"transposed": True}},
+        )
+    assert "fused_experts 4x[6x8]" in _row(audit, "flat.experts.w")
+    assert _row(audit, "square.experts.a").endswith("fused= declared")
+    assert caplog.text == ""
+    audit = _audit(capsys, Stacks(), muon_mode="flat")  # stacks stay per expert
+    assert "expert_stack 4x[8x24] in-out parts 12+12" in _row(audit, "known.experts.w_in")
+
+
+def test_without_config_or_embeddings_the_matrices_tell_the_hidden_size(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stacks [E, F, D], [E, D, F], [E, F, D] read either way unless D is known to be the
+    hidden size: here it is the input most matrices read."""
+    model = nn.Module()
+    model.attn = nn.ModuleDict({n: nn.Linear(16, 16, bias=False) for n in ("wq", "wk", "wo")})
+    model.experts = nn.Module()
+    for name, shape in (("w1", (4, 24, 16)), ("w2", (4, 16, 24)), ("w3", (4, 24, 16))):
+        setattr(model.experts, name, nn.Parameter(torch.randn(shape)))
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        views = _views(muon_dist.param_groups(model))
+    assert caplog.text == ""
+    assert views["experts.w1"] == "expert_stack 4x[24x16]"
+    assert views["experts.w2"] == "expert_stack 4x[16x24]"

@@ -270,3 +270,24 @@ def test_compare_runs_the_named_optimizers_on_the_same_data(tmp_path: Path) -> N
     assert muon[1] == normuon[1], "same init and data for both optimizers"
     assert muon[10] != normuon[10], "NorMuon's rows are normalized: another trajectory"
     assert (out / "loss.png").stat().st_size > 0
+
+
+def test_overlap_matches_plain_run(resume_runs: dict[str, Path]) -> None:
+    """``--overlap`` (Newton-Schulz started during backward) on 2 ranks: the same losses
+    and bit-for-bit the same weights as the plain run (fp32 exchanges and Newton-Schulz)."""
+    tmp = resume_runs["tmp"]
+    launch(
+        2,
+        [
+            *TINY,
+            "--overlap",
+            "--out",
+            str(tmp / "overlap"),
+            "--save-final",
+            str(tmp / "overlap.pt"),
+        ],
+    )
+    assert losses(tmp / "overlap") == losses(tmp / "full")
+    ref, got = torch.load(tmp / "full.pt"), torch.load(tmp / "overlap.pt")
+    assert ref.keys() == got.keys()
+    assert max_rel_diff(got, ref, list(ref)) == 0.0

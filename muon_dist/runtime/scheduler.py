@@ -16,6 +16,7 @@ and start the next gather only behind it, leaving the GPU idle while it arrives.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 
@@ -34,19 +35,30 @@ class TaskError(RuntimeError):
     """A task failed; the message names the parameters the task was working on."""
 
 
-def run_tasks(tasks: Iterable[Task], max_inflight: int) -> None:
-    """Run tasks as a staggered pipeline with at most ``max_inflight`` started and unfinished."""
-    if max_inflight < 1:
-        raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
-    pending = iter(tasks)
-    active: list[Task] = []  # oldest first
-    while True:
-        if len(active) < max_inflight:
-            task = next(pending, None)
-            if task is not None:
-                active.append(task)
-        if not active:
-            return
+class Pipeline:
+    """The staggered pipeline, fed one task at a time: each :meth:`round` admits at most one
+    queued task and then advances every active task once, newest first. The collectives
+    it issues depend only on the sequence of :meth:`add` and :meth:`round` calls, not on
+    when they happen, so ranks that make the same calls issue the same collectives."""
+
+    def __init__(self, max_inflight: int) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.max_inflight = max_inflight
+        self._queued: deque[Task] = deque()
+        self._active: list[Task] = []  # oldest first
+
+    def add(self, task: Task) -> None:
+        self._queued.append(task)
+
+    @property
+    def idle(self) -> bool:
+        return not self._queued and not self._active
+
+    def round(self) -> None:
+        active = self._active
+        if len(active) < self.max_inflight and self._queued:
+            active.append(self._queued.popleft())
         for task in reversed(list(active)):
             try:
                 next(task.body)
@@ -56,5 +68,20 @@ def run_tasks(tasks: Iterable[Task], max_inflight: int) -> None:
                 for other in active:
                     if other is not task:
                         other.body.close()
+                active.clear()
+                self._queued.clear()
                 names = ", ".join(task.names)
                 raise TaskError(f"muon_dist task for parameters [{names}] failed: {exc}") from exc
+
+    def finish(self) -> None:
+        """Run rounds until every task added has finished."""
+        while not self.idle:
+            self.round()
+
+
+def run_tasks(tasks: Iterable[Task], max_inflight: int) -> None:
+    """Run tasks as a staggered pipeline with at most ``max_inflight`` started and unfinished."""
+    pipeline = Pipeline(max_inflight)
+    for task in tasks:
+        pipeline.add(task)
+    pipeline.finish()

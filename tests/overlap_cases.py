@@ -1,0 +1,343 @@
+"""overlap="backward" against the plain step, on FSDP2 models trained on every rank.
+
+Each case trains the same model twice from the same start, once with each mode, and returns
+whether parameters and optimizer state came out bitwise equal (fp32 exchanges and
+Newton–Schulz), plus what the case checks about the early start itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+import muon_dist
+import muon_dist.runtime.bucket_task as bucket_task_module
+
+IN = 7
+# Uneven widths: no dimension divides 2 or 3 ranks, so some shards are uneven or empty.
+WIDTHS = (11, 13, 5, 9)
+
+
+class Experts(nn.Module):
+    """A 3-D expert stack ``[E, out, in]``, every expert applied to every row (summed)."""
+
+    def __init__(self, experts: int, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, dim_out, dim_in) / dim_in**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bi,eoi->bo", x, self.weight)
+
+
+def _model(world_size: int, layout: str) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """Linear layers (the last with a bias, for AdamW), each its own FSDP2 unit; under
+    "experts" a middle layer is an expert stack sharded on the expert dim (whole matrices
+    on each rank, as expert parallelism leaves them)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    dim = IN
+    for index, width in enumerate(WIDTHS):
+        if layout == "experts" and index == 1:
+            layers.append(Experts(world_size, dim, width))
+        else:
+            layers.append(nn.Linear(dim, width, bias=index == len(WIDTHS) - 1))
+        dim = width
+    model = nn.Sequential(*layers)
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
+    for layer in layers:
+        if isinstance(layer, Experts):
+            fully_shard(layer, mesh=mesh, shard_placement_fn=lambda _p: Shard(0))
+        else:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        (muon if p.ndim >= 2 else adamw).append((name, p))
+    groups: list[dict[str, Any]] = [
+        {
+            "params": [p for _, p in muon],
+            "param_names": [n for n, _ in muon],
+            "experts": layout == "experts",
+        },
+        {
+            "params": [p for _, p in adamw],
+            "param_names": [n for n, _ in adamw],
+            "algorithm": "adamw",
+        },
+    ]
+    if layout == "experts":
+        groups = [
+            {"params": [p], "param_names": [n], "experts": p.ndim == 3} for n, p in muon
+        ] + groups[1:]
+    return model, groups
+
+
+# Options a layout adds to the optimizer (the model is the "fsdp" one).
+OPTIONS: dict[str, dict[str, Any]] = {"magma_cautious": {"magma": True, "cautious_wd": True}}
+
+
+def _optimizer(
+    groups: list[dict[str, Any]], overlap: str, nonfinite: str, **options: Any
+) -> muon_dist.Muon:
+    return muon_dist.Muon(
+        groups,
+        weight_decay=0.1,
+        comm_dtype=torch.float32,
+        ns_dtype=torch.float32,
+        bucket_bytes=64,  # about a matrix per owner and bucket: several buckets
+        max_inflight=2,
+        nonfinite=nonfinite,
+        overlap=overlap,
+        **options,
+    )
+
+
+def _snapshot(model: nn.Module, opt: muon_dist.Muon) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    for p in model.parameters():
+        tensors.append(p.to_local().clone() if isinstance(p, DTensor) else p.clone())
+        for value in opt.state[p].values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                tensors.append(local.clone())
+    return tensors
+
+
+def _batch(step: int, micro: int) -> torch.Tensor:
+    return torch.randn(6, IN, generator=torch.Generator().manual_seed(100 * step + micro))
+
+
+def _train(
+    model: nn.Module,
+    opt: muon_dist.Muon,
+    steps: int,
+    micro_batches: int = 1,
+    no_sync: bool = True,
+    after_backward: Callable[[int, int], None] | None = None,
+) -> None:
+    """``steps`` steps of ``micro_batches`` accumulated micro-batches each; with
+    ``no_sync`` only the last reduces. ``after_backward(step, micro)`` runs after each."""
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(micro_batches):
+            last = micro == micro_batches - 1
+            if no_sync:
+                model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            model(_batch(step, micro)).square().mean().backward()
+            if after_backward is not None:
+                after_backward(step, micro)
+        try:
+            opt.step()
+        except FloatingPointError:
+            pass
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@contextlib.contextmanager
+def _recording_exchanges() -> Iterator[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Each all-to-all this rank starts, as (send splits, receive splits) per peer."""
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    original = bucket_task_module.start_exchange
+
+    def recording(send: Any, sends: Any, recvs: Any, peers: Any) -> Any:
+        calls.append((sends.splits, recvs.splits))
+        return original(send, sends, recvs, peers)
+
+    bucket_task_module.start_exchange = recording  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        bucket_task_module.start_exchange = original  # type: ignore[assignment]
+
+
+def parity(world_size: int, layout: str) -> dict[str, Any]:
+    """Three steps with and without overlap; the plain run's buckets by cost, the
+    overlapped one's in backward order."""
+    snapshots = []
+    started: list[int] = []
+    held: list[int] = []
+    for overlap in ("none", "backward"):
+        model, groups = _model(world_size, "fsdp" if layout in OPTIONS else layout)
+        opt = _optimizer(groups, overlap, "raise", **OPTIONS.get(layout, {}))
+
+        def record(_step: int, _micro: int, opt: muon_dist.Muon = opt) -> None:
+            if opt.runner.early is not None:
+                started.append(opt.runner.early.started)
+                held.append(opt.runner.early.held_bytes)
+
+        with _recording_exchanges() as exchanges:
+            _train(model, opt, 3, after_backward=record)
+        snapshots.append(_snapshot(model, opt))
+    buckets = len(opt.runner.muon.plan.buckets) if opt.runner.muon is not None else 0
+    # fp32 exchanges: the local shards of the Muon tensors, in bytes.
+    shards = sum(p.to_local().numel() * 4 for g in groups[:-1] for p in g["params"])
+    return {
+        "equal": _equal(*snapshots),
+        "started": started,
+        "buckets": buckets,
+        "held": held,
+        "shard_bytes": shards,
+        "exchanges": exchanges,  # of the overlapped run
+    }
+
+
+def accumulation(world_size: int, no_sync: bool) -> dict[str, Any]:
+    """Two micro-batches per step: with ``set_requires_gradient_sync(False)`` on the first
+    nothing starts before the last; without it the first's start is dropped and redone."""
+    snapshots = []
+    started: list[tuple[int, int]] = []
+    restarts = 0
+    for overlap in ("none", "backward"):
+        model, groups = _model(world_size, "fsdp")
+        opt = _optimizer(groups, overlap, "raise")
+
+        def record(_step: int, micro: int, opt: muon_dist.Muon = opt) -> None:
+            if opt.runner.early is not None:
+                started.append((micro, opt.runner.early.started))
+
+        _train(model, opt, 2, micro_batches=2, no_sync=no_sync, after_backward=record)
+        snapshots.append(_snapshot(model, opt))
+        if opt.runner.early is not None:
+            restarts = opt.runner.early.restarts
+    return {"equal": _equal(*snapshots), "started": started, "restarts": restarts}
+
+
+def nonfinite(world_size: int, policy: str, target: str) -> dict[str, Any]:
+    """A NaN on rank 0 in the gradient of the last layer (first bucket) or of the first
+    layer (last bucket) in the second of three steps: both modes leave parameters and
+    state as they were in that step, and end bitwise equal."""
+    bad_step = 1
+    snapshots = []
+    unchanged = []
+    for overlap in ("none", "backward"):
+        model, groups = _model(world_size, "fsdp")
+        layer = model[len(WIDTHS) - 1] if target == "last" else model[0]
+        current = [0]  # the step whose backward runs
+
+        def poison(p: torch.Tensor, current: list[int] = current) -> None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if current[0] == bad_step and torch.distributed.get_rank() == 0 and grad.numel():
+                grad.view(-1)[0] = math.nan
+
+        # Registered before the optimizer's hook, so the early start reads the NaN.
+        layer.weight.register_post_accumulate_grad_hook(poison)
+        opt = _optimizer(groups, overlap, policy)
+        for step in range(3):
+            current[0] = step
+            opt.zero_grad()
+            model(_batch(step, 0)).square().mean().backward()
+            before = _snapshot(model, opt)
+            try:
+                opt.step()
+            except FloatingPointError:
+                pass
+            if step == bad_step:
+                unchanged.append(_equal(before, _snapshot(model, opt)))
+        snapshots.append(_snapshot(model, opt))
+    return {"equal": _equal(*snapshots), "unchanged": unchanged}
+
+
+def resume(world_size: int) -> dict[str, Any]:
+    """Two steps, DCP state dicts loaded into a fresh model and optimizer, one more step,
+    in each mode: the resumed runs are bitwise equal across modes, and the overlapped one
+    started buckets during backward after the load."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    snapshots = []
+    started = 0
+    for overlap in ("none", "backward"):
+        model, groups = _model(world_size, "fsdp")
+        opt = _optimizer(groups, overlap, "raise")
+        _train(model, opt, 2)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        fresh, fresh_groups = _model(world_size, "fsdp")
+        fresh_opt = _optimizer(fresh_groups, overlap, "raise")
+        set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        fresh_opt.zero_grad()
+        fresh(_batch(2, 0)).square().mean().backward()
+        if fresh_opt.runner.early is not None:
+            started = fresh_opt.runner.early.started
+        fresh_opt.step()
+        snapshots.append(_snapshot(fresh, fresh_opt))
+    return {"equal": _equal(*snapshots), "started": started}
+
+
+def changed_grad(world_size: int) -> dict[str, Any]:
+    """Rank 0 scales its gradients in place between backward and step: every rank refuses
+    that step and changes nothing; the next step runs."""
+    model, groups = _model(world_size, "fsdp")
+    opt = _optimizer(groups, "backward", "raise")
+    errors: list[str] = []
+    unchanged = False
+    for step in range(3):
+        opt.zero_grad()
+        model(_batch(step, 0)).square().mean().backward()
+        if step != 1:
+            opt.step()
+            continue
+        if torch.distributed.get_rank() == 0:
+            torch._foreach_mul_([p.grad.to_local() for p in model.parameters()], 0.5)
+        before = _snapshot(model, opt)
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        unchanged = _equal(before, _snapshot(model, opt))
+    finite = all(bool(torch.isfinite(t).all()) for t in _snapshot(model, opt))
+    return {"errors": errors, "unchanged": unchanged, "finite": finite}
+
+
+def early_gather(world_size: int) -> dict[str, Any]:
+    """The first gather is issued during backward, before the first layer's gradient
+    (the last backward finishes) is reduced, and it is the last layer's bucket's."""
+    model, groups = _model(world_size, "fsdp")
+    opt = _optimizer(groups, "backward", "raise")
+    events: list[str] = []
+    original = bucket_task_module.start_exchange
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        events.append("exchange")
+        return original(*args, **kwargs)
+
+    model[0].weight.register_post_accumulate_grad_hook(lambda _p: events.append("first layer"))
+    bucket_task_module.start_exchange = recording  # type: ignore[assignment]
+    try:
+        model(_batch(0, 0)).square().mean().backward()
+        events.append("backward done")
+        opt.step()
+    finally:
+        bucket_task_module.start_exchange = original  # type: ignore[assignment]
+    muon = opt.runner.muon
+    assert muon is not None
+    last_layer = f"{len(WIDTHS) - 1}.weight"
+    return {
+        "events": events,
+        "first_bucket_names": list(muon.plan.buckets[0].names),
+        "last_layer": last_layer,
+    }
+
+
+def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[str, Any]:
+    cases: dict[str, Callable[..., dict[str, Any]]] = {
+        "parity": parity,
+        "accumulation": accumulation,
+        "nonfinite": nonfinite,
+        "early_gather": early_gather,
+        "changed_grad": changed_grad,
+        "resume": resume,
+    }
+    return cases[case](world_size, *args)
