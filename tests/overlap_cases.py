@@ -84,7 +84,10 @@ def _model(world_size: int, layout: str) -> tuple[nn.Module, list[dict[str, Any]
 
 
 # Options a layout adds to the optimizer (the model is the "fsdp" one).
-OPTIONS: dict[str, dict[str, Any]] = {"magma_cautious": {"magma": True, "cautious_wd": True}}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "magma_cautious": {"magma": True, "cautious_wd": True},
+    "normuon": {"rule": "normuon"},
+}
 
 
 def _optimizer(

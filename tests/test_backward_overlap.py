@@ -20,6 +20,7 @@ import muon_dist
         pytest.param(2, "hsdp", marks=pytest.mark.slow),
         pytest.param(2, "experts", marks=pytest.mark.slow),
         pytest.param(2, "magma_cautious", marks=pytest.mark.slow),
+        (2, "normuon"),
     ],
 )
 def test_bitwise_equal_to_plain_step(world_size: int, layout: str) -> None:
