@@ -20,39 +20,35 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.agreement import Outcome
-from muon_dist.backward_start import check_hookable, register_grad_hooks
-from muon_dist.checks import by_name, check_saved_routing, check_saved_state, matrix_count
+from muon_dist.backward_start import register_grad_hooks
 from muon_dist.consensus import agree, describe
-from muon_dist.flat import own_copy, zeros_like_flat
+from muon_dist.group_state import (
+    checked_group,
+    checked_load,
+    held_before_load,
+    init_state,
+    param_list,
+    restore_after_load,
+    saved_copies,
+)
 from muon_dist.grouping import UnlabelledRouting
 from muon_dist.groups import CommGroups, comm_groups, dedicated
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
 from muon_dist.rebind import follow_params, storage
 from muon_dist.routing import (
-    ALGORITHMS,
     format_routing_table,
-    group_param_names,
-    matrix_views,
     named_params,
     routing_entries,
 )
-from muon_dist.row_moments import STATE_KEY as ROW_MOMENT
-from muon_dist.row_moments import row_count
 from muon_dist.settings import ExecutionSettings
 from muon_dist.step_runner import StepRunner
 from muon_dist.step_scalars import NS_NORM_LIMIT
-from muon_dist.tensors import local
 from muon_dist.validation import (
-    check_group_keys,
     check_step_values,
-    check_unique_names,
-    validate_group,
 )
 
 logger = logging.getLogger(__name__)
 
-# State tensors a load copies into rather than replaces.
-_OWN_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 # Device types whose autocast the step turns off (those torch knows that can be enabled).
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
 
@@ -295,7 +291,7 @@ class Muon(torch.optim.Optimizer):
     ) -> CommGroups:
         """The collectives' groups for ``groups``, after every rank that holds them agreed on
         them (see :mod:`muon_dist.consensus`); raises on every rank otherwise."""
-        params = [p for g in groups for p in _param_list(g.get("params", []))]
+        params = [p for g in groups for p in param_list(g.get("params", []))]
         comm = comm_groups(
             [p for p in params if isinstance(p, torch.Tensor)],
             "split" if refused else self.settings.replica_mode,
@@ -347,25 +343,10 @@ class Muon(torch.optim.Optimizer):
         self._add_group(group)
 
     def _checked_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
-        """``param_group`` with its algorithm's defaults filled in, every option, parameter
-        and name checked; nothing changes here."""
-        algorithm = param_group.get("algorithm", "muon")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"algorithm={algorithm!r} is not supported; choose one of {ALGORITHMS}"
-            )
-        defaults_of = self._defaults_by_algorithm[algorithm]
-        where = f"param group {len(self.param_groups)} ({algorithm})"
-        other = "adamw" if algorithm == "muon" else "muon"
-        check_group_keys(param_group, defaults_of, self._defaults_by_algorithm[other], where)
-        group = {**defaults_of, **param_group, "params": _param_list(param_group["params"])}
-        validate_group(group, len(self.param_groups))
-        check_unique_names(self.param_groups, group)
-        if algorithm == "muon" and self.settings.overlap == "backward":
-            check_hookable(group["params"], group_param_names(group, len(self.param_groups)))
-        group.setdefault("steps", 0)
-        group.setdefault("skipped_steps", 0)
-        return group
+        """``param_group`` checked and completed (:func:`muon_dist.group_state.checked_group`)."""
+        return checked_group(
+            param_group, self.param_groups, self._defaults_by_algorithm, self.settings.overlap
+        )
 
     def _add_group(self, group: dict[str, Any]) -> None:
         """Add a checked group and its state: momenta in one flat buffer per group, so the
@@ -379,24 +360,9 @@ class Muon(torch.optim.Optimizer):
         finally:
             self.defaults = defaults
         self._runner = None
-        names = group_param_names(group, len(self.param_groups) - 1)
         if algorithm == "muon" and self.settings.overlap == "backward":
             register_grad_hooks(group["params"], self._grad_ready)
-        momenta = zeros_like_flat(group["params"]) if algorithm == "muon" else []
-        for index, (p, name) in enumerate(zip(group["params"], names, strict=True)):
-            state = self.state[p]
-            if algorithm == "muon":
-                state["momentum_buffer"] = momenta[index]
-                if group["magma"]:
-                    count = matrix_count(group, p, name)
-                    state["magma_score"] = torch.ones(count, device=local(p).device)
-                if group["rule"] == "normuon":
-                    rows = row_count(matrix_views(p.shape, group, name))
-                    state[ROW_MOMENT] = torch.zeros(rows, device=local(p).device)
-            else:
-                state["step"] = torch.tensor(0.0, device=local(p).device)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
+        init_state(group, len(self.param_groups) - 1, self.state)
 
     def state_dict(self) -> dict[str, Any]:
         """The state, after reading the last step's outcome (see :meth:`check_finite`).
@@ -404,12 +370,7 @@ class Muon(torch.optim.Optimizer):
         Momenta are copies: the optimizer keeps them as views of one flat buffer per group,
         which torch cannot pickle as DTensors, so ``torch.save(opt.state_dict())`` works."""
         self.check_finite()
-        saved = super().state_dict()
-        saved["state"] = {
-            key: {k: own_copy(v) if k == "momentum_buffer" else v for k, v in entry.items()}
-            for key, entry in saved["state"].items()
-        }
-        return saved
+        return saved_copies(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by Muon, matching parameters by name. Everything is checked
@@ -420,7 +381,7 @@ class Muon(torch.optim.Optimizer):
         loaded: dict[str, Any] | None = None
         refused: Exception | None = None
         try:
-            loaded = self._checked_load(state_dict)
+            loaded = checked_load(state_dict, self.param_groups, self._defaults_by_algorithm)
         except (ValueError, TypeError, KeyError) as exc:
             refused = exc
         self._agree(
@@ -441,64 +402,11 @@ class Muon(torch.optim.Optimizer):
             self.state, self.param_groups, self._runner = before
             raise
 
-    def _checked_load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` arranged in this optimizer's order by name, every part checked."""
-        check_saved_routing(state_dict, self.param_groups)
-        loaded = by_name(state_dict, self.param_groups)
-        for index, (saved, group) in enumerate(
-            zip(loaded["param_groups"], self.param_groups, strict=True)
-        ):
-            algorithm = group["algorithm"]
-            other = "adamw" if algorithm == "muon" else "muon"
-            where = f"load_state_dict: saved param group {index} ({algorithm})"
-            check_group_keys(
-                saved,
-                self._defaults_by_algorithm[algorithm],
-                self._defaults_by_algorithm[other],
-                where,
-            )
-            options = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-            validate_group({**group, **options}, index)
-        check_saved_state(loaded, self.param_groups)
-        return loaded
-
     def _load(self, loaded: dict[str, Any]) -> None:
         """Replace the state and groups with checked ``loaded`` ones (see load_state_dict)."""
-        # Loaded values go into this optimizer's own tensors (momenta are views of one
-        # buffer per group, see _add_group), never shared with the dict they came from.
-        own = {
-            p: {k: v for k, v in state.items() if k in _OWN_TENSORS}
-            for p, state in self.state.items()
-        }
-        # Optimizer.load_state_dict casts state to the parameter dtype; scores stay fp32.
-        params = [p for g in self.param_groups for p in g["params"]]
-        scores = {
-            p: loaded["state"][i]["magma_score"]
-            for i, p in enumerate(params)
-            if "magma_score" in loaded["state"][i]
-        }
-        moments = {
-            p: loaded["state"][i][ROW_MOMENT]
-            for i, p in enumerate(params)
-            if ROW_MOMENT in loaded["state"][i]
-        }
+        own, fp32 = held_before_load(self.state, loaded, self.param_groups)
         super().load_state_dict(loaded)
-        for p, tensors in own.items():
-            for key, mine in tensors.items():
-                value = local(self.state[p][key])
-                if value.data_ptr() != local(mine).data_ptr():
-                    local(mine).copy_(value)
-                self.state[p][key] = mine
-        # It keeps AdamW's step on the host; steps live with the fused AdamW's tensors.
-        for p, score in scores.items():
-            self.state[p]["magma_score"] = score.to(local(p).device, torch.float32, copy=True)
-        for p, moment in moments.items():
-            self.state[p][ROW_MOMENT] = moment.to(local(p).device, torch.float32, copy=True)
-        for group in self.param_groups:
-            if group["algorithm"] == "adamw":
-                for p in group["params"]:
-                    step = torch.as_tensor(self.state[p]["step"])
-                    self.state[p]["step"] = step.to(local(p).device, torch.float32, copy=True)
+        restore_after_load(self.state, own, fp32, self.param_groups)
         # Optimizer.load_state_dict replaces the group dicts, which the step reads its
         # momentum, Nesterov and lr scale from: bind a step to the loaded groups.
         self._runner = None
@@ -696,7 +604,7 @@ def _split_by_algorithm(
     routes it (by name where its parameters are named); each part keeps the keys the other
     algorithm's part alone reads out of it (a Muon part drops ``betas``, an AdamW part
     ``momentum``)."""
-    items = _param_list(params)
+    items = param_list(params)
     if not items:
         raise ValueError("Muon got an empty parameter list")
     if not isinstance(items[0], dict):
@@ -705,7 +613,7 @@ def _split_by_algorithm(
     unlabelled = UnlabelledRouting()
     for group in items:
         group = dict(group)
-        raw = _param_list(group["params"])
+        raw = param_list(group["params"])
         if raw and isinstance(raw[0], tuple):
             group["param_names"] = [name for name, _ in raw]
             raw = [p for _, p in raw]
@@ -730,20 +638,6 @@ def _split_by_algorithm(
             groups.append(part)
     unlabelled.warn()
     return groups
-
-
-def _param_list(params: Any) -> list[Any]:
-    """A list of parameters (or groups), in the order given; a set has none, so the ranks
-    would list its parameters in different orders, and is refused as torch refuses it."""
-    if isinstance(params, torch.Tensor):
-        return [params]
-    if isinstance(params, (set, frozenset)):
-        raise TypeError(
-            f"Muon takes parameters in an ordered collection, got a {type(params).__name__}: "
-            "a set's order differs between processes, so ranks would pair different tensors; "
-            "pass a list, e.g. list(model.named_parameters()) or muon_dist.param_groups(model)"
-        )
-    return list(params)
 
 
 def _autocast_off() -> contextlib.ExitStack[bool | None]:
