@@ -5,7 +5,7 @@ reduce-scatter (and, under HSDP, all-reduce), in ``foreach_reduce``. From there 
 whose every tensor has its final gradient starts: its momentum and Newton–Schulz input,
 gather, Newton–Schulz and scatter run while backward goes on. ``step()`` starts the
 buckets no hook started, waits for all, agrees on the gradients and results, and only then
-writes the parameters and commits the momenta (:meth:`MuonPhase.finish_early`), so a
+writes the parameters and commits the momenta (:meth:`MuonPhase.close_early`), so a
 non-finite gradient anywhere still leaves everything as it was on every rank.
 
 Every rank issues the same collectives in the same order: buckets start strictly in plan
@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from muon_dist.muon_phase import MuonPhase
+from muon_dist.runtime import Pipeline
 from muon_dist.step_scalars import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class BackwardStart:
         self._open = False
         self.restarts = 0  # steps restarted by a gradient reported twice
         self.held_bytes = 0  # updates held for step() at the end of the last backward
+        # The open step's pipeline, and how many buckets, in plan order, it has started.
+        self._pipeline = Pipeline(phase.settings.max_inflight)
+        self._started = 0
         device = phase.device
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
@@ -92,7 +96,7 @@ class BackwardStart:
     @property
     def started(self) -> int:
         """Buckets started so far in the open step."""
-        return self.phase.started if self._open else 0
+        return self._started if self._open else 0
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:
@@ -118,20 +122,33 @@ class BackwardStart:
                         "micro-batch so nothing starts early for nothing",
                         self.names[j],
                     )
-                self.phase.drain_early()
+                self._pipeline.finish()  # the results are dropped: their gradients changed
+                self.phase.transaction.end()
                 self._open = False
                 self._reported.clear()
             if not self._open:
-                self.phase.begin_early()
-                self._open = True
+                self._begin()
             self._reported[j] = (grad, grad._version)
             if not self._versions_queued:
                 self._versions_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
             self.phase.grads.set_one(j, grad)
             needs, reported = self._needs, self._reported.keys()
-            while self.phase.started < len(needs) and needs[self.phase.started] <= reported:
-                self.phase.start_next()
+            while self._started < len(needs) and needs[self._started] <= reported:
+                self._start_next()
+
+    def _begin(self) -> None:
+        self.phase.open_early()
+        self._pipeline = Pipeline(self.phase.settings.max_inflight)
+        self._started = 0
+        self._open = True
+
+    def _start_next(self) -> None:
+        """Start the next bucket in plan order: one pipeline round, as ``run_tasks`` makes
+        per bucket, so the collectives are the plain step's, in its order."""
+        self._pipeline.add(self.phase.bucket(self._started))
+        self._started += 1
+        self._pipeline.round()
 
     def _backward_done(self) -> None:
         """Record the reported gradients' versions once backward (and FSDP's own
@@ -155,12 +172,17 @@ class BackwardStart:
     def finish(
         self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, *, transactional: bool
     ) -> None:
-        """Finish the step after the agreement (see :meth:`MuonPhase.finish_early`)."""
+        """Finish the step after the agreement: start the buckets no hook started, wait for
+        all, then commit where kept (see :meth:`MuonPhase.close_early`)."""
         with self._side_stream():
             if not self._open:
-                self.phase.begin_early()
+                self._begin()
             try:
-                self.phase.finish_early(grads, inputs, transactional=transactional)
+                self.phase.set_grads(grads)
+                while self._started < len(self._needs):
+                    self._start_next()
+                self._pipeline.finish()
+                self.phase.close_early(inputs, transactional=transactional)
             finally:
                 self._open = False
                 self._reported.clear()

@@ -39,7 +39,7 @@ from muon_dist.plan import (
 )
 from muon_dist.routing import MatrixView, PartSplit
 from muon_dist.row_moments import STATE_KEY, row_moments
-from muon_dist.runtime import Pipeline, run_tasks
+from muon_dist.runtime import Task, run_tasks
 from muon_dist.runtime.bucket_task import bucket_task
 from muon_dist.settings import ExecutionSettings
 from muon_dist.step_scalars import MuonScalars, StepInputs
@@ -200,6 +200,8 @@ class SkipTransaction:
 class MuonPhase:
     """The Muon phase of every step for one plan; the bucket tasks' context."""
 
+    # Long for a constructor: it wires the phase's parts from one plan (state, gradients,
+    # NorMuon moments, scalars, piece I/O, result flags), each built by its own module.
     def __init__(
         self,
         plan: Plan,
@@ -263,7 +265,7 @@ class MuonPhase:
         self.fusable_reads, self.fusable_writes = _fusable(
             plan, self._views_of, self.groups, self.shards
         )
-        self.scalars, forms = self._scalars_and_forms(group_count, stack_tensor)
+        self.scalars, forms = _scalars_and_forms(self, group_count, stack_tensor)
         self.io = PieceIO(forms, self.shards, self.state, self.grads, self.scalars)
         self.transaction = SkipTransaction()
         self._stack_tensor = torch.tensor(stack_tensor, dtype=torch.long, device=self.device)
@@ -271,11 +273,9 @@ class MuonPhase:
         self._result_sums = torch.zeros(len(stack_tensor), device=self.device)
         self._sums_of_stack = self._result_sums.split_with_sizes(sizes)
         self._dropped_of_stack = self.scalars.dropped.split_with_sizes(sizes)
-        # A step begun from gradient hooks (see begin_early): its pipeline and how many
-        # buckets, in plan order, it has started.
-        self.pipeline = Pipeline(settings.max_inflight)
-        self.started = 0
-        self.early = False  # between begin_early and the end of finish_early
+        # Between open_early and the end of close_early: a step begun from gradient hooks
+        # (muon_dist.backward_start), whose held updates must not pin their stacks.
+        self.early = False
 
     # -- plan time ----------------------------------------------------------------------
 
@@ -292,49 +292,16 @@ class MuonPhase:
         self.row_moments.bind(self._moment_tensors(state))
         self.io.bind()
 
-    def _scalars_and_forms(
-        self, group_count: int, stack_tensor: list[int]
-    ) -> tuple[MuonScalars, PieceForms]:
-        """The device scalars, and each piece's tensor, group, step class and forms."""
-        entries = self.entries
-        classes: dict[tuple[int, float], int] = {}
-        scales = [e.view.lr_scale(e.group["adjust_lr"]) for e in entries]
-        class_of = tuple(
-            classes.setdefault((e.group_index, scale), len(classes))
-            for e, scale in zip(entries, scales, strict=True)
-        )
-        scalars = MuonScalars(
-            group_of=self._group_of,
-            cautious=[g["cautious_wd"] for g in self.groups],
-            piece_tensor=[e.param_index for e in entries],
-            neg_scale=[-scale for scale in scales],
-            class_group=[g for g, _ in classes],
-            class_neg_scale=[-scale for _, scale in classes],
-            stack_tensor=stack_tensor,
-            group_count=group_count,
-            device=self.device,
-        )
-        tensor_of = [e.param_index for e in entries]
-        backend, momenta = self.settings.backend, self.state.momenta
-        fused_reads = _fused(self.fusable_reads, tensor_of, self.shards, momenta, backend)
-        fused_writes = _fused(self.fusable_writes, tensor_of, self.shards, momenta, backend)
-        plain = frozenset(
-            i
-            for i, e in enumerate(entries)
-            if i not in fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
-        )
-        forms = PieceForms(
-            tensor_of=tuple(tensor_of),
-            group_of=tuple(e.group_index for e in entries),
-            groups=tuple(e.group for e in entries),
-            class_of=class_of,
-            fused_reads=fused_reads,
-            fused_writes=fused_writes,
-            plain_writes=plain,
-        )
-        return scalars, forms
-
     # -- the step -----------------------------------------------------------------------
+
+    def set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """This step's local gradients (None where absent), read by the bucket tasks."""
+        if self.grads.set(grads):
+            self.io.forget_writes()
+
+    def bucket(self, index: int) -> Task:
+        """Bucket ``index``'s task, in plan order."""
+        return bucket_task(self.plan.buckets[index], self.maps[index], self)
 
     def run(
         self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, *, transactional: bool
@@ -343,80 +310,55 @@ class MuonPhase:
         agreement decided on them; ``transactional`` holds every write and state update
         until the ranks agree that each Newton–Schulz result is finite."""
         self.error = None
-        if self.grads.set(grads):
-            self.io.forget_writes()
-        agreement = self.agreement
-        self.scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=True)
+        self.set_grads(grads)
+        self.scalars.stage(self.agreement.keep, self.agreement.found_inf, inputs, drop=True)
         if transactional:
             self.transaction.begin()
         else:
             self._advance_state(store_all=False)
         self.row_moments.start()
         run_tasks(
-            (bucket_task(b, m, self) for b, m in zip(self.plan.buckets, self.maps, strict=True)),
-            self.settings.max_inflight,
+            (self.bucket(i) for i in range(len(self.plan.buckets))), self.settings.max_inflight
         )
-        bad = torch.isfinite(self._result_sums).logical_not_().float()
-        agreement.count_bad_results(self._stack_tensor, bad)
-        agreement.agree_on_results(transactional)
+        self._agree_on_results(torch.isfinite(self._result_sums), transactional)
         if transactional:
-            pieces, updates, key = self.transaction.end()
-            self.scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=False)
-            self._advance_state(store_all=True)
-            self.io.write(pieces, updates, key=key, unchecked=True)
+            self._commit(inputs)
         self.row_moments.finish(self.scalars.keep_of)
 
-    # -- a step begun during backward (overlap="backward", muon_dist.backward_start) ------
-
-    def begin_early(self) -> None:
-        """Open a step whose buckets start before the agreement: no matrix is dropped
-        before Newton–Schulz (which ones is not known yet), and every write and state update
-        waits in the transaction for :meth:`finish_early`."""
+    def open_early(self) -> None:
+        """Open a step whose buckets start before the agreement (``overlap="backward"``): no
+        matrix is dropped before Newton–Schulz (which ones is not known yet), and every
+        write and state update waits in the transaction for :meth:`close_early`."""
         self.error = None
         self.agreement.clear_results()
         self.scalars.dropped.zero_()
         self.transaction.begin()
         self.row_moments.start()
-        self.pipeline = Pipeline(self.settings.max_inflight)
-        self.started = 0
         self.early = True
 
-    def start_next(self) -> None:
-        """Start the next bucket in plan order: one pipeline round, as :func:`run_tasks`
-        makes per bucket, so the collectives are the plain step's, in its order."""
-        index = self.started
-        self.started += 1
-        self.pipeline.add(bucket_task(self.plan.buckets[index], self.maps[index], self))
-        self.pipeline.round()
-
-    def drain_early(self) -> None:
-        """Finish the started buckets and drop their results (their gradients changed)."""
-        self.pipeline.finish()
-        self.transaction.end()
-
-    def finish_early(
-        self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, *, transactional: bool
-    ) -> None:
-        """Finish a step opened by :meth:`begin_early`, after the agreement on ``grads``:
-        start the buckets no hook started, wait for all, agree on the results of the
-        matrices kept, and commit the held writes and state updates where kept. Under
-        ``transactional`` a non-finite result skips the step, as in :meth:`run`."""
-        if self.grads.set(grads):
-            self.io.forget_writes()
-        while self.started < len(self.plan.buckets):
-            self.start_next()
-        self.pipeline.finish()
-        agreement, scalars = self.agreement, self.scalars
-        scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=True)
-        bad = torch.isfinite(self._result_sums).logical_or_(scalars.dropped).logical_not_()
-        agreement.count_bad_results(self._stack_tensor, bad.float())
-        agreement.agree_on_results(transactional)
-        pieces, updates, key = self.transaction.end()
+    def close_early(self, inputs: StepInputs, *, transactional: bool) -> None:
+        """Close a step opened by :meth:`open_early` once all its buckets ran, after the
+        agreement on the gradients: agree on the results of the matrices kept and commit
+        the held writes and state updates where kept. Under ``transactional`` a non-finite
+        result skips the step, as in :meth:`run`."""
+        self.scalars.stage(self.agreement.keep, self.agreement.found_inf, inputs, drop=True)
+        finite = torch.isfinite(self._result_sums).logical_or_(self.scalars.dropped)
+        self._agree_on_results(finite, transactional)
         self.early = False
-        scalars.stage(agreement.keep, agreement.found_inf, inputs, drop=False)
+        self._commit(inputs)
+        self.row_moments.finish(self.scalars.keep_of)
+
+    def _agree_on_results(self, finite: torch.Tensor, transactional: bool) -> None:
+        """Flag every matrix whose result is not ``finite`` and agree with the other ranks."""
+        self.agreement.count_bad_results(self._stack_tensor, finite.logical_not().float())
+        self.agreement.agree_on_results(transactional)
+
+    def _commit(self, inputs: StepInputs) -> None:
+        """Apply the held writes and state updates where the agreement keeps them."""
+        pieces, updates, key = self.transaction.end()
+        self.scalars.stage(self.agreement.keep, self.agreement.found_inf, inputs, drop=False)
         self._advance_state(store_all=True)
         self.io.write(pieces, updates, key=key, unchecked=True)
-        self.row_moments.finish(scalars.keep_of)
 
     def _advance_state(self, store_all: bool) -> None:
         """Momentum (one foreach pass per coefficient; with ``store_all`` also of the
@@ -515,3 +457,47 @@ class MuonPhase:
         if not isinstance(tensors, torch.Tensor):
             tensors = torch.tensor(list(tensors), dtype=torch.long, device=self.device)
         self.agreement.record_failure(self.rank, tensors)
+
+
+def _scalars_and_forms(
+    phase: MuonPhase, group_count: int, stack_tensor: list[int]
+) -> tuple[MuonScalars, PieceForms]:
+    """A phase's device scalars, and each piece's tensor, group, step class and forms
+    (plan time, from its entries, groups and fusable pieces)."""
+    entries = phase.entries
+    classes: dict[tuple[int, float], int] = {}
+    scales = [e.view.lr_scale(e.group["adjust_lr"]) for e in entries]
+    class_of = tuple(
+        classes.setdefault((e.group_index, scale), len(classes))
+        for e, scale in zip(entries, scales, strict=True)
+    )
+    scalars = MuonScalars(
+        group_of=phase._group_of,
+        cautious=[g["cautious_wd"] for g in phase.groups],
+        piece_tensor=[e.param_index for e in entries],
+        neg_scale=[-scale for scale in scales],
+        class_group=[g for g, _ in classes],
+        class_neg_scale=[-scale for _, scale in classes],
+        stack_tensor=stack_tensor,
+        group_count=group_count,
+        device=phase.device,
+    )
+    tensor_of = [e.param_index for e in entries]
+    backend, momenta = phase.settings.backend, phase.state.momenta
+    fused_reads = _fused(phase.fusable_reads, tensor_of, phase.shards, momenta, backend)
+    fused_writes = _fused(phase.fusable_writes, tensor_of, phase.shards, momenta, backend)
+    plain = frozenset(
+        i
+        for i, e in enumerate(entries)
+        if i not in fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
+    )
+    forms = PieceForms(
+        tensor_of=tuple(tensor_of),
+        group_of=tuple(e.group_index for e in entries),
+        groups=tuple(e.group for e in entries),
+        class_of=class_of,
+        fused_reads=fused_reads,
+        fused_writes=fused_writes,
+        plain_writes=plain,
+    )
+    return scalars, forms
