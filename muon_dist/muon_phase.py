@@ -349,8 +349,9 @@ class MuonPhase:
         self.row_moments.finish(self.scalars.keep_of)
 
     def _agree_on_results(self, finite: torch.Tensor, transactional: bool) -> None:
-        """Flag every matrix whose result is not ``finite`` and agree with the other ranks."""
-        self.agreement.count_bad_results(self._stack_tensor, finite.logical_not().float())
+        """Flag every matrix whose result is not ``finite`` (a scratch mask, negated in place)
+        and agree with the other ranks."""
+        self.agreement.count_bad_results(self._stack_tensor, finite.logical_not_().float())
         self.agreement.agree_on_results(transactional)
 
     def _commit(self, inputs: StepInputs) -> None:
