@@ -102,7 +102,8 @@ def normuon_update_(
     eps: float,
     transposed: bool = False,
 ) -> None:
-    """One NorMuon step of one matrix, in place: the reference for its distributed form.
+    """One NorMuon step of one matrix, in place: Muon's step (:func:`muon_update_`) on
+    row-normalized orthogonalized updates; the reference for its distributed form.
 
     NorMuon (Li et al. 2025, arXiv 2510.05491, Algorithm 1) keeps Muon's momentum and
     orthogonalization, then normalizes each output row (neuron) of ``O = NS(·)``, an
@@ -118,25 +119,28 @@ def normuon_update_(
     and an orthogonal ``O`` (``‖O‖_F = √min(m, n)``) the two steps are the same.
     ``second_moment`` (shape ``[m]``) advances only where ``keep``.
     """
-    advanced = advance_momentum(grad, momentum, beta)
-    store_momentum_(momentum, advanced, keep)
-    ortho = orthogonalize(momentum_input(grad, advanced, nesterov_mix(beta, nesterov)))
-    ortho = torch.where(keep, ortho, 0.0)
-    rows = ortho.mT if transposed else ortho
-    squares = row_squares(rows)
-    advanced_moment = second_moment_next(
-        second_moment, squares, beta2, (1.0 - beta2) / rows.shape[-1]
-    )
-    # The normalized update travels in Newton–Schulz's dtype, as Muon's does.
-    normalized = normalize_rows(rows, squares, advanced_moment, eps).to(ortho.dtype)
-    torch.where(keep, advanced_moment, second_moment, out=second_moment)
-    kept = keep.float()
-    post_orthogonalize_(
+
+    def normalized(update: torch.Tensor) -> torch.Tensor:
+        ortho = torch.where(keep, orthogonalize(update), 0.0)
+        rows = ortho.mT if transposed else ortho
+        squares = row_squares(rows)
+        advanced = second_moment_next(second_moment, squares, beta2, (1.0 - beta2) / rows.shape[-1])
+        # The normalized update travels in Newton–Schulz's dtype, as Muon's does.
+        out = normalize_rows(rows, squares, advanced, eps).to(ortho.dtype)
+        torch.where(keep, advanced, second_moment, out=second_moment)
+        return out.mT if transposed else out
+
+    muon_update_(
         param,
-        normalized.mT if transposed else normalized,
-        step=step_size(lr, kept, torch.tensor(-scale)),
+        grad,
+        momentum,
+        normalized,
+        lr=lr,
+        weight_decay=weight_decay,
+        beta=beta,
+        nesterov=nesterov,
+        scale=scale,
         keep=keep,
-        decay=decay_factor(decay_rate(lr, weight_decay, kept)),
     )
 
 

@@ -228,7 +228,8 @@ def _magma_model(world_size: int) -> tuple[nn.Module, muon_dist.Muon]:
     return model, muon_dist.Muon(groups, magma=True, comm_dtype=torch.float32)
 
 
-def _train(model: nn.Module, opt: muon_dist.Muon, steps: int, seed: int) -> None:
+def train(model: nn.Module, opt: muon_dist.Muon, steps: int, seed: int) -> None:
+    """``steps`` steps on random inputs of width 8 from ``seed`` (shared by the NorMuon cases)."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         opt.zero_grad()
@@ -239,10 +240,10 @@ def _train(model: nn.Module, opt: muon_dist.Muon, steps: int, seed: int) -> None
 def magma_checkpoint_round_trip(world_size: int, path: str) -> float:
     """Save model and optimizer (Magma scores included) with DCP, resume, compare."""
     model, opt = _magma_model(world_size)
-    _train(model, opt, 3, 0)
+    train(model, opt, 3, 0)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    _train(model, opt, 2, 1)
+    train(model, opt, 2, 1)
     resumed, resumed_opt = _magma_model(world_size)
     model_sd, optim_sd = get_state_dict(resumed, resumed_opt)
     state = {"model": model_sd, "optim": optim_sd}
@@ -250,7 +251,7 @@ def magma_checkpoint_round_trip(world_size: int, path: str) -> float:
     set_state_dict(
         resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    _train(resumed, resumed_opt, 2, 1)
+    train(resumed, resumed_opt, 2, 1)
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(opt.state[a]["magma_score"], resumed_opt.state[b]["magma_score"])
     return max(

@@ -9,11 +9,11 @@ agree to fp32 rounding. The checkpoint case saves at one world size and resumes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from feature_cases import BASE, STEPS, F, train
 from parity_cases import full_value, set_grads
 from reference_muon import reference_muon_step
 from torch import nn
@@ -24,18 +24,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import muon_dist
 
-STEPS = 3
-BASE: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1}
 _REFERENCE_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "normuon_beta2", "normuon_eps")
-
-
-@dataclass
-class F:
-    """One parameter: its name, full shape and group options."""
-
-    name: str
-    shape: tuple[int, ...]
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 def specs() -> list[F]:
@@ -187,14 +176,6 @@ def _model(world_size: int) -> tuple[nn.Module, muon_dist.Muon]:
     return model, opt
 
 
-def _train(model: nn.Module, opt: muon_dist.Muon, steps: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(4, 8, generator=gen)).square().mean().backward()
-        opt.step()
-
-
 def _full_state(model: nn.Module, opt: muon_dist.Muon) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for p in model.parameters():
@@ -206,10 +187,10 @@ def _full_state(model: nn.Module, opt: muon_dist.Muon) -> list[torch.Tensor]:
 def save(world_size: int, path: str) -> list[torch.Tensor]:
     """Train 3 steps and save through DCP, then 2 more; returns the final full state."""
     model, opt = _model(world_size)
-    _train(model, opt, 3, 0)
+    train(model, opt, 3, 0)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    _train(model, opt, 2, 1)
+    train(model, opt, 2, 1)
     return _full_state(model, opt)
 
 
@@ -220,7 +201,7 @@ def resume(world_size: int, path: str) -> list[torch.Tensor]:
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    _train(model, opt, 2, 1)
+    train(model, opt, 2, 1)
     return _full_state(model, opt)
 
 

@@ -9,29 +9,16 @@ checks that the pieces' views are taken per run of like pieces, laid out once pe
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import pytest
 import torch
+from dispatch_count import CountOps
 from dist_harness import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import muon_dist
-
-
-class _CountAll(TorchDispatchMode):
-    """Counts every operation that reaches the dispatcher, views included."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _steady_state_ops(layers: int, nonfinite: str, sharded: bool) -> Counter[str]:
@@ -52,7 +39,7 @@ def _steady_state_ops(layers: int, nonfinite: str, sharded: bool) -> Counter[str
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    counter = _CountAll()
+    counter = CountOps()
     with counter:
         opt.step()
     return counter.ops

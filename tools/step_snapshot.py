@@ -19,25 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from dispatch_count import CountOps
 from dist_harness import close_pools, run_distributed
 
 WORLD_SIZES = (1, 2, 3, 4)
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts every operation of a step that reaches the dispatcher, views included."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +71,7 @@ def parity_snapshot(rank: int, world_size: int, name: str, bad_step: int) -> dic
         **case.extra,
     )
     raised: list[str] = []
-    counter = _CountOps()
+    counter = CountOps()
     for step, step_grads in enumerate(grads):
         pc.set_grads(params, step_grads)
         try:
