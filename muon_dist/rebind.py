@@ -1,6 +1,6 @@
 """Parameters whose storage was replaced after the step was built, and their state moved.
 
-The step binds views of each parameter's local tensor once (:mod:`muon_dist.muon_step`).
+The step binds views of each parameter's local tensor once (:mod:`muon_dist.piece_io`).
 ``p.data = ...``, ``module.to(torch.bfloat16)`` or FSDP2's own resets give a parameter new
 storage; the bound views would keep updating the old one while the model reads the new,
 so the step looks at where each local tensor lives (a pointer per parameter, no device
@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from muon_dist.flat import zeros_like_flat
-from muon_dist.row_moments import STATE_KEY as ROW_MOMENT
+from muon_dist.group_state import FP32_TENSORS
 from muon_dist.tensors import local
 
 
@@ -33,10 +33,6 @@ def storage(params: Sequence[torch.Tensor]) -> list[int]:
 _data_ptr = torch._C.TensorBase.data_ptr
 
 
-# Per-matrix and per-row state kept in fp32 whatever the parameter's dtype.
-_FP32_STATE = ("magma_score", ROW_MOMENT)
-
-
 def follow_params(groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, Any]) -> None:
     """Move the state of every parameter whose dtype or device changed to its new dtype and
     device; a group's momenta stay views of one buffer (see :mod:`muon_dist.flat`)."""
@@ -50,7 +46,7 @@ def follow_params(groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, An
                 and v.is_floating_point()
                 and (local(v).dtype, local(v).device) != (local(p).dtype, local(p).device)
                 for k, v in state[p].items()
-                if k not in _FP32_STATE
+                if k not in FP32_TENSORS
             )
             or any(
                 local(v).device != local(p).device
@@ -65,7 +61,7 @@ def follow_params(groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, An
             for p, momentum in zip(params, momenta, strict=True):
                 local(momentum).copy_(local(state[p]["momentum_buffer"]))
                 state[p]["momentum_buffer"] = momentum
-                for key in _FP32_STATE:
+                for key in FP32_TENSORS:
                     if key in state[p]:
                         state[p][key] = state[p][key].to(local(p).device)
             continue
