@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import bench_backward
+import comm_bytes
 import tables
 import torch
 import torch.distributed as dist
@@ -313,12 +314,18 @@ def time_method(
     make: Callable[[], torch.optim.Optimizer],
     args: argparse.Namespace,
     device: torch.device,
+    counted: bool = True,
 ) -> dict[str, Any]:
-    """Build a fresh optimizer, time its step, and report its peak memory including its state."""
+    """Build a fresh optimizer, time its step, and report its peak memory including its state
+    and, where ``counted``, the bytes each rank sent in one more step (:mod:`comm_bytes` sees
+    torch.distributed's collectives only, not the baseline's functional ones)."""
     free_memory(device)
     optimizer = make()
     times = time_steps(optimizer.step, args.warmup, args.steps, device)
     peak = all_ranks(peak_gib(device))
+    with comm_bytes.counting() as sent:
+        optimizer.step()
+    sync(device)
     del optimizer
     free_memory(device)
     return {
@@ -326,6 +333,7 @@ def time_method(
         "times_ms": [t * 1e3 for t in times],
         "median_ms": statistics.median(times) * 1e3,
         "peak_gib_per_rank": peak,
+        "sent_mib_per_rank": all_ranks(sent.total / MIB) if counted else None,
     }
 
 
@@ -352,14 +360,17 @@ def print_table(report: dict[str, Any]) -> None:
         f"shard rel {parity['shard_rel']:.2e} (tolerance {parity['tolerance']:.0e}) -> "
         f"{'OK' if parity['ok'] else 'FAIL'}",
         "",
-        f"{'method':<40} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}",
+        f"{'method':<40} {'median ms':>10} {'x floor':>8} {'vs all-gather':>14} {'peak GiB':>9}"
+        f" {'sent MiB':>9}",
     ]
     for row in report["methods"]:
         peaks = [p for p in row["peak_gib_per_rank"] if p is not None]
         peak = f"{max(peaks):9.2f}" if peaks else f"{'-':>9}"
+        sent_mib = row["sent_mib_per_rank"]
+        sent = f"{max(sent_mib):9.1f}" if sent_mib is not None else f"{'-':>9}"
         lines.append(
             f"{row['name']:<40} {row['median_ms']:10.2f} {row['floor_multiple']:8.2f} "
-            f"{row['speedup_vs_allgather']:13.2f}x {peak}"
+            f"{row['speedup_vs_allgather']:13.2f}x {peak} {sent}"
         )
     print("\n".join(lines), flush=True)
 
@@ -580,7 +591,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
         name = f"muon_dist graph {ns_method} inflight={k}"
         methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
     log("timing the all-gather baseline")
-    methods.append(time_method("allgather_muon", make_baseline, args, device))
+    methods.append(time_method("allgather_muon", make_baseline, args, device, counted=False))
     log("timing AdamW")
     adamw_name = "adamw fused" if device.type == "cuda" else "adamw foreach"
     methods.append(time_method(adamw_name, make_adamw, args, device))
