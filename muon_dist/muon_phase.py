@@ -253,6 +253,7 @@ class MuonPhase:
             [(b, m.stacks) for b, m in zip(plan.buckets, self.maps, strict=True)],
             comm.holders,
             self.device,
+            settings.backend,
         )
         self.row_moments.bind(self._moment_tensors(state))
         # Per matrix of every stack, its tensor, and the sum of its result (finite exactly

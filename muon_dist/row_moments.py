@@ -5,7 +5,7 @@ Each NorMuon parameter keeps one fp32 vector (``state[p][STATE_KEY]``), replicat
 rank that holds a piece of it: the second moment of each output row of each of its
 matrices, matrix after matrix in the order of its views. The owner of a matrix sees the
 whole orthogonalized update, so it computes the rows' sums of squares and advances their
-moments for its own normalization (:func:`muon_dist.update_rule.normalize_rows`). One owner
+moments for its own normalization (:func:`muon_dist.update_rule.row_factors`). One owner
 per matrix, its primary one, writes the sums into this step's vector over all NorMuon rows,
 zero elsewhere: under ``replica_mode="redundant"`` each replica has an owner, and only the
 first replica's (coordinate 0 on the replicated mesh dims) counts. After the buckets, one
@@ -29,7 +29,7 @@ from muon_dist.bucket_map import StackSpec
 from muon_dist.groups import Peers
 from muon_dist.plan import BucketPlan
 from muon_dist.routing import MatrixView
-from muon_dist.update_rule import normalize_rows, row_squares, second_moment_next
+from muon_dist.update_rule import row_factors, row_squares, scale_rows_, second_moment_next
 
 STATE_KEY = "row_second_moment"
 
@@ -80,6 +80,7 @@ class RowMoments:
         stacks: dict[int, StackRows],
         peers: Peers,
         device: torch.device,
+        backend: str,
     ) -> None:
         self.spans = spans  # NorMuon tensor -> its rows [start, stop) in the vector
         self._groups = groups  # NorMuon tensor -> its group, whose β₂ and ε each step reads
@@ -90,6 +91,7 @@ class RowMoments:
         self._read: dict[int, tuple[float, float]] = {}
         self.stacks = stacks
         self._peers = peers
+        self._backend = backend  # the optimizer's: whether the row scaling may be fused
         self._moments: dict[int, torch.Tensor] = {}
         self._current = torch.zeros(0, device=device)
         self._sums = torch.zeros(0, device=device)
@@ -120,24 +122,23 @@ class RowMoments:
 
     def normalize(self, result: torch.Tensor, rows: StackRows, part: int | None) -> torch.Tensor:
         """NorMuon's row normalization of an orthogonalized ``[k, ·, ·]`` stack (or of one
-        part of its matrices, already ``[k, rows, cols]`` by output rows), in its dtype;
-        records the rows' sums of squares for :meth:`finish`."""
+        part of its matrices, already ``[k, rows, cols]`` by output rows), in place in its
+        dtype; records the rows' sums of squares for :meth:`finish`."""
         index = rows.index
-        x = result
+        columns = False
         if part is not None and rows.parts is not None:
             index = index[:, rows.parts[part]]
         elif rows.transposed:
-            x = result.mT
-        squares = row_squares(x)
+            columns = True
+        squares = row_squares(result.mT if columns else result)
         moment = second_moment_next(
             self._current[index], squares, self._beta2[index], self._weight[index]
         )
         reported = squares if rows.primary is None else torch.where(rows.primary, squares, 0.0)
         self._sums.index_copy_(0, index.reshape(-1), reported.reshape(-1))
-        normalized = normalize_rows(x, squares, moment, self._eps[index]).to(result.dtype)
-        if part is None and rows.transposed:
-            return normalized.mT.contiguous()
-        return normalized
+        factors = row_factors(squares, moment, self._eps[index])
+        scale_rows_(result, factors, columns=columns, backend=self._backend)
+        return result
 
     def finish(self, keep_of: Sequence[torch.Tensor]) -> None:
         """Complete the sums among the holders and advance every copy where kept."""
@@ -159,11 +160,13 @@ def row_moments(
     stacks: Sequence[tuple[BucketPlan, Sequence[StackSpec]]],
     peers: Peers,
     device: torch.device,
+    backend: str,
 ) -> RowMoments:
     """Lay out the rows of the NorMuon tensors (``groups[j]["rule"] == "normuon"``) and
     index every stack of their matrices. ``views`` are the plan's views, ``primary`` whether
     this rank is the primary owner of each view's matrices it owns, ``views_of`` each
-    tensor's views, ``stacks`` each bucket's plan and stacks, ``peers`` the holders."""
+    tensor's views, ``stacks`` each bucket's plan and stacks, ``peers`` the holders, ``backend`` the
+    optimizer's kernel backend."""
     spans: dict[int, tuple[int, int]] = {}
     base_of_view: dict[int, int] = {}
     in_dims: list[float] = []
@@ -203,4 +206,4 @@ def row_moments(
                 None if all(flags) else torch.tensor(flags, device=device).view(-1, 1),
             )
     normuon_groups = {j: groups[j] for j in spans}
-    return RowMoments(spans, normuon_groups, in_dims, indexed, peers, device)
+    return RowMoments(spans, normuon_groups, in_dims, indexed, peers, device, backend)

@@ -125,10 +125,10 @@ def normuon_update_(
         rows = ortho.mT if transposed else ortho
         squares = row_squares(rows)
         advanced = second_moment_next(second_moment, squares, beta2, (1.0 - beta2) / rows.shape[-1])
-        # The normalized update travels in Newton–Schulz's dtype, as Muon's does.
-        out = normalize_rows(rows, squares, advanced, eps).to(ortho.dtype)
+        # The normalized update stays in Newton–Schulz's dtype, as Muon's does.
+        scale_rows_(ortho, row_factors(squares, advanced, eps), columns=transposed)
         torch.where(keep, advanced, second_moment, out=second_moment)
-        return out.mT if transposed else out
+        return ortho
 
     muon_update_(
         param,
@@ -327,9 +327,11 @@ def magma_damping(score: torch.Tensor) -> torch.Tensor:
 
 
 def row_squares(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's sum of squares in fp32, shape ``[..., m]``; summed over a matrix's
+    """Each row's sum of squares in fp32, shape ``[..., m]``, read straight from ``rows``
+    (any dtype, any strides: a transposed view costs no copy); summed over a matrix's
     holders (each row counted once) they are the whole matrix's."""
-    return rows.float().square().sum(-1)
+    norms: torch.Tensor = torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
+    return norms.square()
 
 
 def second_moment_next(
@@ -344,22 +346,39 @@ def second_moment_next(
     return second_moment * beta2 + squares * weight
 
 
-def normalize_rows(
-    rows: torch.Tensor,
-    squares: torch.Tensor,
-    second_moment: torch.Tensor,
-    eps: float | torch.Tensor,
+def row_factors(
+    squares: torch.Tensor, second_moment: torch.Tensor, eps: float | torch.Tensor
 ) -> torch.Tensor:
-    """``O / (√v + ε)`` by rows, rescaled to ``O``'s Frobenius norm per matrix (fp32).
+    """Each row's factor in ``Ô = O / (√v + ε)`` rescaled to ``O``'s Frobenius norm, per
+    matrix (fp32, shape of ``squares``).
 
     Both norms come from the row sums of squares: ``‖Ô‖² = Σᵢ squaresᵢ / (√vᵢ + ε)²``.
-    A zero matrix (dropped by the step) stays zero.
+    A zero matrix (dropped by the step) gets zero factors and stays zero.
     """
     denom = second_moment.sqrt() + eps
     before = squares.sum(-1, keepdim=True)
     after = (squares / denom.square()).sum(-1, keepdim=True)
     ratio = (before / after.clamp_min(torch.finfo(torch.float32).tiny)).sqrt()
-    return rows.float() * (ratio / denom).unsqueeze(-1)
+    return ratio / denom
+
+
+def scale_rows_(
+    x: torch.Tensor, factors: torch.Tensor, *, columns: bool = False, backend: str = "torch"
+) -> None:
+    """``x``'s rows (columns with ``columns``: a matrix stored ``[in, out]``) times their
+    fp32 ``factors``, in place, the product rounded once to ``x``'s dtype.
+
+    One pass over ``x``; torch's broadcast multiply is not vectorised, so on CUDA the fused
+    Triton pass runs where :func:`fused_form` chooses it (a contiguous ``x``).
+    """
+    if not x.is_contiguous() and x.mT.is_contiguous():
+        x, columns = x.mT, not columns  # Newton–Schulz hands tall matrices back transposed
+    if fused_form(backend, x):
+        from muon_dist.kernels.triton_elementwise import scale_rows_triton
+
+        scale_rows_triton(x, factors, columns)
+        return
+    x.mul_(factors.unsqueeze(-2) if columns else factors.unsqueeze(-1))
 
 
 # -- after Newton–Schulz ----------------------------------------------------------------

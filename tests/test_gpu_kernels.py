@@ -249,3 +249,17 @@ def test_fused_momentum_pass_past_2_31_elements() -> None:
     momentum_input_triton(grad, momentum, out, 0.5, 1.0, True, _keep())
     assert bool((out[-5000:] == 3.0).all()), "Newton–Schulz input tail not written"
     assert bool((momentum[-5000:] == 2.0).all()), "momentum tail changed"
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fused_row_scaling_matches_torch(dtype: torch.dtype, columns: bool) -> None:
+    """NorMuon's row scaling: fp32 product rounded once to the dtype, as torch's in-place
+    broadcast multiply rounds it: bitwise equal."""
+    from muon_dist.kernels.triton_elementwise import scale_rows_triton
+
+    x = torch.randn(5, 777, 513, device="cuda", dtype=dtype)
+    factors = torch.rand(5, 513 if columns else 777, device="cuda")
+    expected = x.clone().mul_(factors.unsqueeze(-2) if columns else factors.unsqueeze(-1))
+    scale_rows_triton(x, factors, columns)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)

@@ -32,6 +32,7 @@ from muon_dist.update_rule import (
     ns_inputs_,
     post_orthogonalize_,
     pre_orthogonalize_,
+    scale_rows_,
     shared_step_updates_,
     step_size,
     store_momenta_,
@@ -249,3 +250,34 @@ def test_the_reference_matches_the_independent_test_reference(
     if score is not None:
         assert got_score is not None
         torch.testing.assert_close(got_score, score, **EXACT)
+
+
+@pytest.mark.skipif(
+    not interpret_mode(), reason="the fused form runs on CPU in Triton's interpreter"
+)
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
+def test_fused_row_scaling_matches_the_torch_form(columns: bool) -> None:
+    """NorMuon's in-place row scaling: the Triton pass equals torch's broadcast multiply
+    bitwise (fp32, the interpreter's exact dtype), on rows and on columns."""
+    pytest.importorskip("triton")
+    from muon_dist.kernels.triton_elementwise import scale_rows_triton
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 37, 53, generator=generator)
+    factors = torch.rand(3, 53 if columns else 37, generator=generator)
+    expected = x.clone()
+    scale_rows_(expected, factors, columns=columns)
+    scale_rows_triton(x, factors, columns)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+def test_row_scaling_of_a_transposed_view_scales_its_rows() -> None:
+    """A view whose transpose is contiguous (Newton–Schulz's tall results) is scaled
+    through that transpose: the same values as scaling the view's rows directly."""
+    generator = torch.Generator().manual_seed(4)
+    base = torch.randn(2, 40, 24, generator=generator)
+    factors = torch.rand(2, 24, generator=generator)
+    view = base.clone().mT  # [2, 24, 40], rows are base's columns
+    expected = view.contiguous() * factors.unsqueeze(-1)
+    scale_rows_(view, factors)
+    torch.testing.assert_close(view, expected, rtol=0, atol=0)

@@ -72,6 +72,29 @@ def _decay_and_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
     tl.store(param_ptr + offsets, tl.where(keep, param, stored), mask=mask)
 
 
+@triton.jit
+def _scale_rows_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    x_ptr,
+    factor_ptr,
+    numel,
+    rows,
+    cols,
+    COLUMNS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``x[b, i, j] *= f[b, i]`` (``f[b, j]`` with COLUMNS) in place on a contiguous
+    ``[B, rows, cols]`` tensor, the product taken in fp32 and rounded once to x's dtype."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    if COLUMNS:
+        index = (offsets // (rows * cols)) * cols + offsets % cols
+    else:
+        index = offsets // cols
+    x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+    factor = tl.load(factor_ptr + index, mask=mask)
+    tl.store(x_ptr + offsets, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
+
+
 def _grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, _BLOCK),)
 
@@ -121,4 +144,25 @@ def decay_and_update_triton(
     with on_device(param.device):
         _decay_and_update_kernel[_grid(numel)](
             param, update, decay, step, keep, numel, BLOCK=_BLOCK, num_warps=_WARPS
+        )
+
+
+def scale_rows_triton(x: torch.Tensor, factors: torch.Tensor, columns: bool) -> None:
+    """Fused form of :func:`muon_dist.update_rule.scale_rows_` (``x`` contiguous
+    ``[..., rows, cols]``, ``factors`` fp32 ``[..., rows]``, or ``[..., cols]`` with
+    ``columns``, on x's device)."""
+    numel = x.numel()
+    if numel == 0:
+        return
+    rows, cols = x.shape[-2], x.shape[-1]
+    with on_device(x.device):
+        _scale_rows_kernel[_grid(numel)](
+            x,
+            factors.contiguous(),
+            numel,
+            rows,
+            cols,
+            COLUMNS=columns,
+            BLOCK=_BLOCK,
+            num_warps=_WARPS,
         )
