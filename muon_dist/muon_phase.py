@@ -44,7 +44,13 @@ from muon_dist.runtime.bucket_task import bucket_task
 from muon_dist.settings import ExecutionSettings
 from muon_dist.step_scalars import MuonScalars, StepInputs
 from muon_dist.tensors import local
-from muon_dist.update_rule import decay_, fused_form, mask_stack_
+from muon_dist.update_rule import (
+    decay_,
+    fused_form,
+    mask_stack_,
+    momentum_carry,
+    selected_orthogonalize,
+)
 
 
 @dataclass(frozen=True)
@@ -68,18 +74,23 @@ class MuonEntry:
 
 def ns_key(
     group: dict[str, Any], view: MatrixView
-) -> tuple[int, Hashable, PartSplit | None, str, tuple[str, bool] | None]:
+) -> tuple[int, Hashable, PartSplit | None, str, tuple[Any, ...] | None]:
     """What the owner runs on a view's matrices besides the shape: Newton–Schulz's steps,
     coefficients, the parts it cuts each matrix into (with their lr scales) and method, and
-    the rule's step after it (NorMuon's row normalization, which reads the orientation), so
-    that a stack holds matrices of one rule. Groups loaded from a checkpoint saved before
-    ``ns_method`` or ``rule`` existed lack the key: its default."""
+    the rule's own part (NorMuon's row normalization, which reads the orientation; Dion2's
+    selection, which also reads the fraction), so that a stack holds matrices of one rule.
+    Groups loaded from a checkpoint saved before ``ns_method`` or ``rule`` existed lack the
+    key: its default."""
     coefficients = group["coefficients"]
     if not isinstance(coefficients, str):
         coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
     parts = view.part_split(group["adjust_lr"])
     rule = group.get("rule", "muon")
-    after = None if rule == "muon" else (rule, view.transposed)
+    after: tuple[Any, ...] | None = None
+    if rule == "normuon":
+        after = (rule, view.transposed)
+    elif rule == "dion2":
+        after = (rule, view.transposed, float(group["dion2_fraction"]))
     return (group["ns_steps"], coefficients, parts, group.get("ns_method", "auto"), after)
 
 
@@ -369,7 +380,7 @@ class MuonPhase:
         by_beta: dict[float, list[int]] = {}
         for j, group in enumerate(self.groups):
             if store_all or self._views_of[j][0] not in fused_reads:
-                by_beta.setdefault(group["momentum"], []).append(j)
+                by_beta.setdefault(momentum_carry(group), []).append(j)
         self.state.advance_momenta(by_beta, grads.tensors, grads.local, scalars.ok, scalars.keep_of)
         if self.state.magma:
             for j, damping in self.state.advance_magma(grads.tensors, scalars.keep_of).items():
@@ -407,13 +418,13 @@ class MuonPhase:
 
     def orthogonalize(self, stack: torch.Tensor, spec: StackSpec) -> torch.Tensor:
         mask_stack_(stack, self._dropped_of_stack[spec.index])
-        steps, coefficients, parts, method, _ = cast(
-            tuple[int, Coefficients, PartSplit | None, str, object], spec.ns_key
+        steps, coefficients, parts, method, after = cast(
+            tuple[int, Coefficients, PartSplit | None, str, tuple[Any, ...] | None], spec.ns_key
         )
         rows = self.row_moments.stacks.get(spec.index)
 
-        def run(x: torch.Tensor, part: int | None = None) -> torch.Tensor:
-            result = newton_schulz(
+        def orthogonalize(x: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(
                 x,
                 steps=steps,
                 coefficients=coefficients,
@@ -421,6 +432,13 @@ class MuonPhase:
                 backend=self.settings.backend,
                 method=method,
             )
+
+        def run(x: torch.Tensor, part: int | None = None) -> torch.Tensor:
+            if after is not None and after[0] == "dion2":
+                # A part is handed over by output rows, whatever the storage.
+                transposed = after[1] and part is None
+                return selected_orthogonalize(x, orthogonalize, after[2], transposed)
+            result = orthogonalize(x)
             return result if rows is None else self.row_moments.normalize(result, rows, part)
 
         try:

@@ -41,7 +41,7 @@ from muon_dist.routing import (
     routing_entries,
 )
 from muon_dist.settings import ExecutionSettings
-from muon_dist.step_runner import StepRunner
+from muon_dist.step_runner import StepRunner, fractions
 from muon_dist.step_scalars import NS_NORM_LIMIT
 from muon_dist.validation import (
     check_step_values,
@@ -82,6 +82,14 @@ class Muon(torch.optim.Optimizer):
     :math:`\hat O = O / (\sqrt{v} + \epsilon)` rescaled to :math:`\|O\|_F`, and
     :math:`\hat O` replaces :math:`O` above; :math:`v` is one fp32 entry per output row of
     every matrix (``state[p]["row_second_moment"]``), exact on every layout.
+
+    With ``rule="dion2"`` (Dion2, microsoft/dion;
+    :func:`muon_dist.update_rule.dion2_update_`) the gradient is added to :math:`M`
+    without decay, Newton–Schulz runs on the ``dion2_fraction`` of each matrix's slices
+    (output rows, or input columns where there are more outputs than inputs) whose
+    :math:`M` has the largest L1 norms, chosen by the owner from the whole matrix, so
+    exactly and whatever the layout; only those slices of :math:`W` move and only their
+    momentum decays by :math:`\beta` (error feedback). ``dion2_fraction=1`` is Muon.
 
     Groups carry ``"algorithm": "muon" | "adamw"``; a group without it is split, >=2-D
     parameters to Muon and the rest to AdamW. Muon parameters may be plain tensors or
@@ -136,12 +144,15 @@ class Muon(torch.optim.Optimizer):
         magma (bool, default False): damp each matrix's update by how well its gradient
             agrees with its momentum (Magma-lite).
         magma_beta (float, default 0.9): EMA coefficient of Magma's score.
-        rule (str, default "muon"): the update rule of Muon groups, ``"muon"`` or
-            ``"normuon"`` (per group as ``"rule"``).
+        rule (str, default "muon"): the update rule of Muon groups, ``"muon"``,
+            ``"normuon"`` or ``"dion2"`` (per group as ``"rule"``).
         normuon_beta2 (float, default 0.95): NorMuon's EMA coefficient :math:`\beta_2` of
             the row second moments.
         normuon_eps (float, default 1e-8): NorMuon's :math:`\epsilon`, added to
             :math:`\sqrt{v}` (> 0).
+        dion2_fraction (float, default 0.25): the share of each matrix's slices Dion2
+            orthogonalizes, in (0, 1] (1 is Muon); its error-feedback decay is ``momentum``.
+            Fixed when the step is built: a change rebuilds it.
         cautious_wd (bool, default False): decay only weights whose sign the update shares.
         qk_clip (sequence of QKClip, default ()): MuonClip: rescale attention query and
             key heads whose logits exceed tau after each step (:mod:`muon_dist.qk_clip`).
@@ -194,6 +205,7 @@ class Muon(torch.optim.Optimizer):
         rule: str = "muon",
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
+        dion2_fraction: float = 0.25,
         cautious_wd: bool = False,
         qk_clip: Sequence[QKClip] = (),
         max_logits: MaxLogitTracker | None = None,
@@ -242,6 +254,7 @@ class Muon(torch.optim.Optimizer):
             "rule": rule,
             "normuon_beta2": normuon_beta2,
             "normuon_eps": normuon_eps,
+            "dion2_fraction": dion2_fraction,
             "cautious_wd": cautious_wd,
         }
         self._defaults_by_algorithm: dict[str, dict[str, Any]] = {
@@ -492,7 +505,11 @@ class Muon(torch.optim.Optimizer):
 
     def _follow_params(self) -> None:
         """Rebuild the step when a parameter got new storage since it was built (see
-        :mod:`muon_dist.rebind`), its state moved along where its dtype or device changed."""
+        :mod:`muon_dist.rebind`), its state moved along where its dtype or device changed,
+        or when a group's ``dion2_fraction`` changed (its stacks have other shapes)."""
+        if self._runner is not None and self._runner.fractions != fractions(self.param_groups):
+            logger.info("muon_dist.Muon: dion2_fraction changed; rebuilding the step")
+            self._runner = None
         if self._runner is None or storage(self._runner.params) == self._runner.storage:
             return
         logger.info("muon_dist.Muon: parameter storage changed; rebuilding the step")

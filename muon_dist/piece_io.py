@@ -22,6 +22,8 @@ from muon_dist.plan import Slices, is_whole
 from muon_dist.step_scalars import MuonScalars
 from muon_dist.update_rule import (
     drop_unkept,
+    error_feedback_,
+    momentum_carry,
     nesterov_mix,
     ns_inputs_,
     post_orthogonalize_,
@@ -29,6 +31,11 @@ from muon_dist.update_rule import (
     shared_step_updates_,
     updates_,
 )
+
+
+def _rule(group: dict[str, Any]) -> str:
+    """A group's update rule (groups saved before rules existed are Muon's)."""
+    return str(group.get("rule", "muon"))
 
 
 class LocalGrads:
@@ -100,6 +107,7 @@ class _Writes:
     positions whose unchecked updates are selected one by one."""
 
     masked: tuple[int, ...]
+    feedback: tuple[int, ...]  # Dion2's pieces, whose selected slices' momenta decay
     alone: tuple[int, ...]
     loose: tuple[int, ...]
     loose_targets: tuple[torch.Tensor, ...]
@@ -184,7 +192,7 @@ class PieceIO:
                 [self._grad(*pieces[i]) for i in positions],
                 [self._pieces(*pieces[i])[1] for i in positions],
                 [outs[i] for i in positions],
-                beta=group["momentum"],
+                beta=momentum_carry(group),
                 mix=nesterov_mix(group["momentum"], group["nesterov"]),
                 keeps=[keep_of[self.forms.tensor_of[pieces[i][0]]] for i in positions],
                 store=store,
@@ -248,6 +256,14 @@ class PieceIO:
             for i in writes.masked:
                 j = self.forms.tensor_of[pieces[i][0]]
                 updates[i] = drop_unkept(updates[i], scalars.keep_of[j])
+        for i in writes.feedback:
+            index, slices = pieces[i]
+            error_feedback_(
+                self._pieces(index, slices)[1],
+                updates[i],
+                self.forms.groups[index]["momentum"],
+                scalars.keep_of[self.forms.tensor_of[index]],
+            )
         for i in writes.alone:
             self._write_one(*pieces[i], updates[i])
         if writes.loose:
@@ -280,6 +296,7 @@ class PieceIO:
         targets = [self._pieces(*piece)[0] for piece in pieces]
         return _Writes(
             tuple(i for i in alone + loose if pieces[i][0] not in forms.fused_writes),
+            tuple(i for i, (j, _) in enumerate(pieces) if _rule(forms.groups[j]) == "dion2"),
             tuple(alone),
             tuple(loose),
             tuple(targets[i] for i in loose),

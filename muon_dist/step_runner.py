@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 _NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
 
 
+def fractions(groups: Sequence[dict[str, Any]]) -> list[float | None]:
+    """Each group's ``dion2_fraction`` (None for AdamW groups): the stacks' shapes follow it."""
+    return [g.get("dion2_fraction") for g in groups]
+
+
 def muon_entries(groups: Sequence[dict[str, Any]]) -> tuple[list[MuonEntry], list[int]]:
     """Every matrix view of the Muon parameters, in plan order, and each Muon parameter's
     position among all parameters."""
@@ -69,6 +74,7 @@ class StepRunner:
         comm: CommGroups,
     ) -> None:
         self.settings = settings
+        self.fractions = fractions(groups)  # what the plan was built for
         self.rank = comm.rank
         named = list(named_params(groups))
         self.names = [name for name, _, _ in named]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from muon_dist.flat import Span
 
 # The update rules of Muon groups (a group's "rule"): the reference of each is below.
-RULES = ("muon", "normuon")
+RULES = ("muon", "normuon", "dion2")
 
 # Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
 # an EMA of (1 + cos(momentum, gradient)) / 2 over steps, started at 1 (no damping).
@@ -58,13 +58,16 @@ def muon_update_(
     cautious: bool = False,
     magma_score: torch.Tensor | None = None,
     magma_beta: float = 0.9,
+    carry: float | None = None,
 ) -> None:
     """One Muon step of one matrix, in place: the reference for every form below.
 
     ``lr`` and ``weight_decay`` are fp32 device scalars and ``keep`` a bool one, as the
     step holds them; ``scale`` is the lr scale of the full matrix shape (:func:`lr_scale`).
+    ``carry`` is the factor on the stored momentum when the gradient is added (default
+    ``beta``; see :func:`momentum_carry`).
     """
-    advanced = advance_momentum(grad, momentum, beta)
+    advanced = advance_momentum(grad, momentum, beta if carry is None else carry)
     store_momentum_(momentum, advanced, keep)
     ortho = orthogonalize(momentum_input(grad, advanced, nesterov_mix(beta, nesterov)))
     kept = keep.float()
@@ -142,6 +145,61 @@ def normuon_update_(
         scale=scale,
         keep=keep,
     )
+
+
+def dion2_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum: torch.Tensor,
+    orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    lr: torch.Tensor,
+    weight_decay: torch.Tensor,
+    beta: float,
+    nesterov: bool,
+    scale: float,
+    keep: torch.Tensor,
+    fraction: float,
+    transposed: bool = False,
+) -> None:
+    """One Dion2 step of one matrix, in place: Muon's step (:func:`muon_update_`) on a
+    fraction of the matrix's slices; the reference for its distributed form.
+
+    Dion2 (Ahn et al., microsoft/dion ``dion2.py``) orthogonalizes only the ``k`` slices
+    (output rows when the matrix has no more outputs than inputs, else input columns: the
+    shorter side) whose momentum has the largest L1 norms, and decays only those::
+
+        A = M + G                                     (no decay here)
+        S = top_k(A)                                  (:func:`select_slices`)
+        O = NS(A[S])  (Nesterov: NS(G[S] + β·A[S]))   (k slices; zero elsewhere)
+        M = A, then M[S] ← β·A[S]                     (error feedback, :func:`error_feedback_`)
+        W ← W·(1 − η·λ) − η·scale·O
+
+    ``β`` is the group's ``momentum`` (the paper's error-feedback decay; its Dion2 is
+    ``nesterov=False``), ``scale`` the lr scale of the full matrix, ``k = ⌈fraction·L⌉``
+    for ``L`` slices. With ``fraction=1`` every slice is selected every step, so the stored
+    momentum is ``β·(M + G)`` and the step is Muon's. ``transposed``: stored ``[in, out]``.
+    """
+    results: list[torch.Tensor] = []
+
+    def selected(x: torch.Tensor) -> torch.Tensor:
+        results.append(selected_orthogonalize(x, orthogonalize, fraction, transposed))
+        return results[0]
+
+    muon_update_(
+        param,
+        grad,
+        momentum,
+        selected,
+        lr=lr,
+        weight_decay=weight_decay,
+        beta=beta,
+        nesterov=nesterov,
+        scale=scale,
+        keep=keep,
+        carry=1.0,
+    )
+    error_feedback_(momentum, results[0], beta, keep)
 
 
 # -- scalars ----------------------------------------------------------------------------
@@ -319,6 +377,75 @@ def magma_score_(
 def magma_damping(score: torch.Tensor) -> torch.Tensor:
     """Each matrix's factor on its step: ``MIN + (1 − MIN)·score``."""
     return MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score
+
+
+# -- Dion2's selection -------------------------------------------------------------------
+
+
+def momentum_carry(group: dict[str, Any]) -> float:
+    """The factor on a group's stored momentum when a gradient is added: ``momentum`` (β),
+    but 1 under Dion2, whose decay hits only the slices it orthogonalized."""
+    return 1.0 if group.get("rule", "muon") == "dion2" else float(group["momentum"])
+
+
+def selected_count(length: int, fraction: float) -> int:
+    """How many of ``length`` slices Dion2 orthogonalizes: ``⌈fraction·length⌉``, at least 1."""
+    return min(length, max(1, math.ceil(fraction * length)))
+
+
+def select_slices(x: torch.Tensor, axis: int, count: int) -> torch.Tensor:
+    """The ``count`` slices of each matrix of ``x`` (``[..., m, n]``) along ``axis`` (-2:
+    rows, -1: columns) with the largest L1 norms, ascending (shape ``[..., count]``).
+
+    The norms are summed in float64 and ties go to the lower index (a stable sort), so the
+    choice depends on the values only, never on how they were batched or laid out.
+    """
+    norms = x.abs().sum(-1 if axis == -2 else -2, dtype=torch.float64)
+    order = torch.sort(norms, dim=-1, descending=True, stable=True).indices
+    return order[..., :count].sort(dim=-1).values
+
+
+def selected_orthogonalize(
+    x: torch.Tensor,
+    orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+    fraction: float,
+    transposed: bool,
+) -> torch.Tensor:
+    """Dion2's Newton–Schulz: ``orthogonalize`` on the selected slices of each matrix of
+    ``x`` (``[..., m, n]``, stored ``[in, out]`` when ``transposed``), zero elsewhere.
+
+    The slices are output rows when a matrix has no more outputs than inputs, else input
+    columns. Every entry of a selected slice that comes out zero is stored as ``-0.0``, so
+    the result alone marks the selection (:func:`selected_mask`) wherever it travels.
+    """
+    rows, cols = x.shape[-2], x.shape[-1]
+    out_dim, in_dim = (cols, rows) if transposed else (rows, cols)
+    outputs = -1 if transposed else -2
+    axis = outputs if out_dim <= in_dim else (-1 if outputs == -2 else -2)
+    count = selected_count(x.shape[axis], fraction)
+    index = select_slices(x, axis, count)
+    if axis == -2:
+        spread = index.unsqueeze(-1).expand(*index.shape, cols)
+    else:
+        spread = index.unsqueeze(-2).expand(*index.shape[:-1], rows, count)
+    result = orthogonalize(torch.gather(x, axis, spread))
+    result = torch.where(result == 0, -0.0, result)
+    return result.new_zeros(x.shape).scatter_(axis, spread, result)
+
+
+def selected_mask(update: torch.Tensor) -> torch.Tensor:
+    """Where an update of :func:`selected_orthogonalize` lies in a selected slice: nonzero
+    or a negative zero (the slices left out are positive zeros)."""
+    return (update != 0).logical_or_(torch.signbit(update))
+
+
+def error_feedback_(
+    momentum: torch.Tensor, update: torch.Tensor, beta: float, keep: torch.Tensor
+) -> None:
+    """Dion2's error feedback: ``momentum ← β·momentum`` on the selected slices, where
+    ``keep``; elsewhere unchanged (bitwise)."""
+    decay = selected_mask(update).logical_and_(keep)
+    torch.where(decay, momentum * beta, momentum, out=momentum)
 
 
 # -- NorMuon's row normalization --------------------------------------------------------

@@ -173,6 +173,21 @@ def _validate_muon(group: dict[str, Any], where: str) -> None:
         raise ValueError(
             f"{where}: rule={group['rule']!r} is not supported; choose one of {list(RULES)}"
         )
+    fraction = _number(where, "dion2_fraction", group["dion2_fraction"])
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(
+            f"{where}: dion2_fraction={group['dion2_fraction']!r} is out of range; it must "
+            "lie in (0.0, 1.0] (the share of each matrix's slices Dion2 orthogonalizes; "
+            "0.25 is the paper's choice, 1.0 is Muon)"
+        )
+    if group["rule"] == "dion2":
+        for key in ("magma", "cautious_wd"):
+            if group[key]:
+                raise ValueError(
+                    f"{where}: {key}=True with rule='dion2'; Dion2 updates only its selected "
+                    f"slices, which {key} does not account for: set {key}=False in this "
+                    "group or use rule='muon'"
+                )
     _in_unit(where, "normuon_beta2", group["normuon_beta2"])
     if _number(where, "normuon_eps", group["normuon_eps"]) <= 0.0:
         raise ValueError(
