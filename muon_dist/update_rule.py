@@ -167,11 +167,13 @@ def dion2_update_(
 
     Dion2 (Ahn et al., microsoft/dion ``dion2.py``) orthogonalizes only the ``k`` slices
     (output rows when the matrix has no more outputs than inputs, else input columns: the
-    shorter side) whose momentum has the largest L1 norms, and decays only those::
+    shorter side) whose Newton–Schulz input has the largest L1 norms, and decays only
+    those::
 
         A = M + G                                     (no decay here)
-        S = top_k(A)                                  (:func:`select_slices`)
-        O = NS(A[S])  (Nesterov: NS(G[S] + β·A[S]))   (k slices; zero elsewhere)
+        X = A  (Nesterov: X = G + β·A)                (Newton–Schulz's input, as Muon's)
+        S = top_k(X)                                  (:func:`select_slices`)
+        O = NS(X[S])                                  (k slices; zero elsewhere)
         M = A, then M[S] ← β·A[S]                     (error feedback, :func:`error_feedback_`)
         W ← W·(1 − η·λ) − η·scale·O
 

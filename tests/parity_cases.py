@@ -104,6 +104,7 @@ MUON_SETS: dict[str, dict[str, Any]] = {
     "gram": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1, "ns_method": "gram"},
 }
 FUSED_EXPERTS = 4
+DION2_FRACTION = 0.25  # the optimizer's default, which the runs under Dion2 keep
 
 
 def _groups(case: Case, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
@@ -157,8 +158,16 @@ def _reference(
             elif spec.kind == "fused":
                 matrices = (FUSED_EXPERTS, p.shape[0] // FUSED_EXPERTS, p.shape[1])
             moment = v if rule == "normuon" else None
+            fraction = DION2_FRACTION if rule == "dion2" else None
             reference_muon_step(
-                p, g, m, matrices=matrices, ns_dtype=ns_dtype, row_moment=moment, **hp
+                p,
+                g,
+                m,
+                matrices=matrices,
+                ns_dtype=ns_dtype,
+                row_moment=moment,
+                dion2_fraction=fraction,
+                **hp,
             )
         if adamw is not None:
             for ap, g in zip(

@@ -51,6 +51,7 @@ def reference_muon_step(
     row_moment: torch.Tensor | None = None,
     normuon_beta2: float = 0.95,
     normuon_eps: float = 1e-8,
+    dion2_fraction: float | None = None,
 ) -> None:
     """Update ``param`` in place; ``matrices=(count, rows, cols)`` reshapes it (experts).
 
@@ -63,7 +64,30 @@ def reference_muon_step(
     ``row_moment`` (one entry per row of each matrix, updated in place) turns on NorMuon
     (Li et al. 2025): v = beta2 * v + (1 - beta2) * mean over columns of O^2, the update
     O / (sqrt(v) + eps) rescaled to the Frobenius norm of O.
+    ``dion2_fraction`` turns on Dion2: the gradient is added to the momentum without decay;
+    of each matrix's slices along its shorter side (rows on a tie), the ceil(fraction * L)
+    with the largest L1 norms of the Newton–Schulz input (ties: lower index) are
+    orthogonalized as one submatrix, the rest of the update is zero, and only the selected
+    slices' momentum decays by ``momentum``.
     """
+    if dion2_fraction is not None:
+        _dion2_step(
+            param,
+            grad,
+            momentum_buffer,
+            dion2_fraction,
+            lr,
+            ns_dtype,
+            momentum,
+            nesterov,
+            weight_decay,
+            adjust_lr,
+            ns_steps,
+            coefficients,
+            ns_method,
+            matrices,
+        )
+        return
     # fp32 arithmetic throughout: a bf16 multiply would round the scalar itself to bf16.
     momentum_buffer.copy_(torch.add(grad.float(), momentum_buffer.float(), alpha=momentum))
     update = torch.add(grad, momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
@@ -101,3 +125,51 @@ def reference_muon_step(
     else:
         param.copy_(param.float() * (1 - lr * weight_decay))
     param.add_(ortho, alpha=-lr * lr_scale(rows, cols, adjust_lr))
+
+
+def _dion2_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    fraction: float,
+    lr: float,
+    ns_dtype: torch.dtype,
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    adjust_lr: str | None,
+    ns_steps: int,
+    coefficients: str,
+    ns_method: str,
+    matrices: tuple[int, int, int] | None,
+) -> None:
+    momentum_buffer.add_(grad.float())
+    update = torch.add(grad, momentum_buffer, alpha=beta) if nesterov else momentum_buffer
+    count, rows, cols = matrices if matrices is not None else (1, *param.shape)
+    stack = update.reshape(count, rows, cols)
+    moms = momentum_buffer.view(count, rows, cols)
+    ortho = torch.zeros(count, rows, cols, dtype=ns_dtype)
+    by_rows = rows <= cols
+    for i in range(count):
+        x = stack[i] if by_rows else stack[i].T
+        norms = [float(x[j].double().abs().sum()) for j in range(x.shape[0])]
+        k = max(1, math.ceil(fraction * len(norms)))
+        chosen = sorted(sorted(range(len(norms)), key=lambda j: (-norms[j], j))[:k])
+        with ReorderedProducts():
+            sub = newton_schulz(
+                x[chosen].unsqueeze(0),
+                steps=ns_steps,
+                coefficients=coefficients,
+                dtype=ns_dtype,
+                backend="torch",
+                method=ns_method,
+            )[0]
+        target = ortho[i] if by_rows else ortho[i].T
+        mom = moms[i] if by_rows else moms[i].T
+        for row, j in enumerate(chosen):
+            target[j] = sub[row]
+            mom[j] = mom[j] * beta
+    param.copy_(param.float() * (1 - lr * weight_decay))
+    param.add_(
+        ortho.reshape(param.shape).to(param.dtype), alpha=-lr * lr_scale(rows, cols, adjust_lr)
+    )
