@@ -1,4 +1,5 @@
-"""NorMuon under sharding, against the plain reference run on each matrix separately.
+"""NorMuon and Dion2 under sharding, against the plain reference run on each matrix
+separately.
 
 Every parameter is cut into its matrices by flat index (``matrices``): heads and row blocks,
 parts cut on the owner (interleaved, and of ``[in, out]`` weights), experts and fused
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from feature_cases import BASE, STEPS, F, train
-from parity_cases import full_value, set_grads
+from parity_cases import DION2_FRACTION, full_value, set_grads
 from reference_muon import reference_muon_step
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -30,6 +31,7 @@ _REFERENCE_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "normuon_beta2"
 def specs() -> list[F]:
     return [
         F("plain", (13, 9)),
+        F("ties", (8, 12)),  # two equal rows compete for the last selected slot: see _tie
         F("wide", (5, 24), {"nesterov": False, "normuon_beta2": 0.9, "normuon_eps": 1e-6}),
         F("in_out", (12, 7), {"transposed": True}),
         F("qkv", (25, 12), {"split_sizes": [15, 5, 5], "num_heads": [3, 1, 1]}),
@@ -74,10 +76,14 @@ def matrices(spec: F) -> list[torch.Tensor]:
 
 
 def reference(
-    spec_list: list[F], fulls: list[torch.Tensor], grads: list[list[torch.Tensor]]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parameters after the steps, and each one's row second moments laid out as the
-    optimizer's state: output row after output row of the whole parameter."""
+    spec_list: list[F],
+    fulls: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    rule: str = "normuon",
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters and momenta after the steps under ``rule``, and (NorMuon) each one's
+    row second moments laid out as the optimizer's state: output row after output row of
+    the whole parameter."""
     params = [f.clone().reshape(-1) for f in fulls]
     moms = [torch.zeros_like(p) for p in params]
     cuts = [matrices(s) for s in spec_list]
@@ -90,7 +96,10 @@ def reference(
             g = g.reshape(-1)
             for index, v in zip(cut, vs, strict=True):
                 p2, m2 = p[index], m[index]
-                reference_muon_step(p2, g[index], m2, ns_dtype=torch.float32, row_moment=v, **hp)
+                rule_options: dict[str, Any] = (
+                    {"row_moment": v} if rule == "normuon" else {"dion2_fraction": DION2_FRACTION}
+                )
+                reference_muon_step(p2, g[index], m2, ns_dtype=torch.float32, **rule_options, **hp)
                 p[index], m[index] = p2, m2
     states = []
     for spec, cut, vs in zip(spec_list, cuts, moments, strict=True):
@@ -102,7 +111,17 @@ def reference(
             )
             state[rows] = v
         states.append(state)
-    return [p.reshape(f.shape) for p, f in zip(params, fulls, strict=True)], states
+    shaped = [p.reshape(f.shape) for p, f in zip(params, fulls, strict=True)]
+    return shaped, states, [m.reshape(f.shape) for m, f in zip(moms, fulls, strict=True)]
+
+
+def _tie(spec_list: list[F], tensors: list[torch.Tensor]) -> None:
+    """In the "ties" matrix, row 0 dominates and rows 1 and 2 are equal and next: with 2 of
+    its 8 rows selected, the second slot is a tie, which the lower index wins."""
+    t = tensors[[s.name for s in spec_list].index("ties")]
+    t[0] *= 10.0
+    t[2] = t[1]
+    t[1:3] *= 5.0
 
 
 def _distribute(layout: str, fulls: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
@@ -121,12 +140,15 @@ def _distribute(layout: str, fulls: list[torch.Tensor], world_size: int) -> list
     return [nn.Parameter(distribute_tensor(f.clone(), mesh, placements)) for f in fulls]
 
 
-def run_layout(layout: str, world_size: int) -> float:
-    """Max error of the sharded NorMuon run relative to each parameter's total change."""
+def run_layout(layout: str, world_size: int, rule: str = "normuon") -> float:
+    """Max error of the sharded run under ``rule`` relative to each parameter's total
+    change (weights, and under Dion2 also the momenta, which show its error feedback)."""
     spec_list = specs()
     gen = torch.Generator().manual_seed(7)
     fulls = [torch.randn(s.shape, generator=gen) for s in spec_list]
     grads = [[torch.randn(s.shape, generator=gen) for s in spec_list] for _ in range(STEPS)]
+    for tensors in (fulls, *grads):
+        _tie(spec_list, tensors)
     params = _distribute(layout, fulls, world_size)
     groups = [
         {"params": [p], "param_names": [s.name], "algorithm": "muon", **BASE, **s.options}
@@ -134,7 +156,7 @@ def run_layout(layout: str, world_size: int) -> float:
     ]
     opt = muon_dist.Muon(
         groups,
-        rule="normuon",
+        rule=rule,
         comm_dtype=torch.float32,
         ns_dtype=torch.float32,
         replica_mode="redundant" if layout == "hsdp_redundant" else "split",
@@ -142,15 +164,21 @@ def run_layout(layout: str, world_size: int) -> float:
     for step_grads in grads:
         set_grads(params, step_grads)
         opt.step()
-    moments = [opt.state[p]["row_second_moment"] for p in params]
-    _assert_moments_agree(moments)
-    expected, expected_moments = reference(spec_list, fulls, grads)
-    for moment, want in zip(moments, expected_moments, strict=True):
-        torch.testing.assert_close(moment, want, rtol=1e-5, atol=1e-9)
+    expected, expected_moments, expected_momenta = reference(spec_list, fulls, grads, rule)
+    if rule == "normuon":
+        moments = [opt.state[p]["row_second_moment"] for p in params]
+        _assert_moments_agree(moments)
+        for moment, want in zip(moments, expected_moments, strict=True):
+            torch.testing.assert_close(moment, want, rtol=1e-5, atol=1e-9)
     worst = 0.0
     for p, ref, full in zip(params, expected, fulls, strict=True):
         change = (ref - full).abs().max().item()
         worst = max(worst, (full_value(p) - ref).abs().max().item() / max(change, 1e-30))
+    if rule == "dion2":  # the error feedback: only the selected slices' momenta decayed
+        for p, want in zip(params, expected_momenta, strict=True):
+            got = full_value(opt.state[p]["momentum_buffer"])
+            scale = want.abs().max().item()
+            worst = max(worst, (got - want).abs().max().item() / max(scale, 1e-30))
     return worst
 
 
@@ -164,7 +192,7 @@ def _assert_moments_agree(moments: list[torch.Tensor]) -> None:
             assert torch.equal(other, moment), "NorMuon's row moments differ across ranks"
 
 
-def _model(world_size: int) -> tuple[nn.Module, muon_dist.Muon]:
+def _model(world_size: int, rule: str) -> tuple[nn.Module, muon_dist.Muon]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 13, bias=False), nn.Linear(13, 9, bias=False))
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
@@ -172,7 +200,7 @@ def _model(world_size: int) -> tuple[nn.Module, muon_dist.Muon]:
         {"params": [model[0].weight], "param_names": ["0.weight"]},
         {"params": [model[1].weight], "param_names": ["1.weight"], "split_sizes": [5, 4]},
     ]
-    opt = muon_dist.Muon(groups, rule="normuon", comm_dtype=torch.float32, ns_dtype=torch.float32)
+    opt = muon_dist.Muon(groups, rule=rule, comm_dtype=torch.float32, ns_dtype=torch.float32)
     return model, opt
 
 
@@ -180,13 +208,14 @@ def _full_state(model: nn.Module, opt: muon_dist.Muon) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for p in model.parameters():
         out += [full_value(p), full_value(opt.state[p]["momentum_buffer"])]
-        out.append(opt.state[p]["row_second_moment"])
+        if "row_second_moment" in opt.state[p]:
+            out.append(opt.state[p]["row_second_moment"])
     return [t.detach().clone() for t in out]
 
 
-def save(world_size: int, path: str) -> list[torch.Tensor]:
+def save(world_size: int, path: str, rule: str) -> list[torch.Tensor]:
     """Train 3 steps and save through DCP, then 2 more; returns the final full state."""
-    model, opt = _model(world_size)
+    model, opt = _model(world_size, rule)
     train(model, opt, 3, 0)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -194,9 +223,9 @@ def save(world_size: int, path: str) -> list[torch.Tensor]:
     return _full_state(model, opt)
 
 
-def resume(world_size: int, path: str) -> list[torch.Tensor]:
+def resume(world_size: int, path: str, rule: str) -> list[torch.Tensor]:
     """Load the checkpoint on ``world_size`` ranks and take the same 2 steps."""
-    model, opt = _model(world_size)
+    model, opt = _model(world_size, rule)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -214,10 +243,12 @@ def layouts(world_size: int) -> list[str]:
     return names
 
 
-def normuon_worker(rank: int, world_size: int, case: str, path: str = "") -> Any:
-    """A layout's error, or ``save``/``resume``'s full state, on this rank."""
+def normuon_worker(
+    rank: int, world_size: int, case: str, path: str = "", rule: str = "normuon"
+) -> Any:
+    """A layout's error, or ``save``/``resume``'s full state, on this rank, under ``rule``."""
     if case == "save":
-        return save(world_size, path)
+        return save(world_size, path, rule)
     if case == "resume":
-        return resume(world_size, path)
-    return run_layout(case, world_size)
+        return resume(world_size, path, rule)
+    return run_layout(case, world_size, rule)

@@ -12,8 +12,12 @@ Newton–Schulz throughout.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from dist_harness import run_distributed
+from normuon_cases import layouts, normuon_worker
 from parity_cases import case_names, parity_worker
 
 QUICK = {(2, "fsdp"), (3, "fsdp")}
@@ -36,3 +40,28 @@ def test_parity_layouts_under_dion2(world_size: int, name: str) -> None:
     for rank, err in enumerate(results):
         assert err["update"] <= 1e-5, f"rank {rank}: {err}"
         assert err["bf16_param"] <= 3e-2, f"rank {rank}: {err}"
+
+
+@pytest.mark.parametrize(
+    ("world_size", "layout"),
+    [
+        pytest.param(w, n, id=f"w{w}-{n}", marks=_mark(w, n))
+        for w in (1, 2, 3, 4)
+        for n in layouts(w)
+    ],
+)
+def test_views_parts_and_ties_under_dion2(world_size: int, layout: str) -> None:
+    """Heads, row blocks, parts cut on the owner (each part selects on its own), ``[in,
+    out]`` storage (the shorter side read in the output orientation), experts, fused experts,
+    and an exact tie for the last selected slot; weights and momenta."""
+    results = run_distributed(world_size, normuon_worker, layout, "", "dion2")
+    for rank, err in enumerate(results):
+        assert err <= 1e-5, f"rank {rank} layout {layout}: {err}"
+
+
+def test_checkpoint_saved_on_two_ranks_resumes_exactly_on_three(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_distributed(2, normuon_worker, "save", path, "dion2")
+    resumed = run_distributed(3, normuon_worker, "resume", path, "dion2")
+    for a, b in zip(uninterrupted[0], resumed[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
