@@ -446,7 +446,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--rules",
         default="muon",
-        help="comma-separated update rules to time muon_dist under (muon, normuon); the "
+        help="comma-separated update rules to time muon_dist under (muon, normuon, dion2); the "
         "parity check and the captured row run under muon",
     )
     parser.add_argument(

@@ -50,8 +50,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import muon_dist
 
-# "muon" and "normuon" are muon_dist.Muon under that update rule (AdamW for the rest).
-OPTIMIZERS = ("muon", "normuon", "adamw")
+# "muon", "normuon" and "dion2" are muon_dist.Muon under that update rule (AdamW for the rest).
+OPTIMIZERS = ("muon", "normuon", "dion2", "adamw")
 # Swept on the default config, single process (same numbers as any world size), score = mean
 # loss of the last 10 of 300 steps; floor 1.927, unigram 5.410. AdamW alone, lr 3e-3 / 5e-3 /
 # 8e-3 / 1.2e-2: 2.0096 / 2.0063 / 2.0055 / 2.0109. Muon lr 0.02 / 0.03 / 0.05 / 0.08 (AdamW
@@ -327,10 +327,10 @@ def qk_clip_options(model: nn.Module, tau: float | None) -> dict[str, Any]:
 
 
 def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """Muon or NorMuon (hidden matrices) + AdamW (the rest) via muon_dist, or plain AdamW
-    everywhere."""
+    """Muon, NorMuon or Dion2 (hidden matrices) + AdamW (the rest) via muon_dist, or plain
+    AdamW everywhere."""
     betas = (0.9, 0.95)
-    if name in ("muon", "normuon"):
+    if name != "adamw":
         groups = muon_dist.param_groups(
             model,
             lr=args.lr,

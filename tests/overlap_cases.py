@@ -87,6 +87,7 @@ def _model(world_size: int, layout: str) -> tuple[nn.Module, list[dict[str, Any]
 OPTIONS: dict[str, dict[str, Any]] = {
     "magma_cautious": {"magma": True, "cautious_wd": True},
     "normuon": {"rule": "normuon"},
+    "dion2": {"rule": "dion2"},
 }
 
 

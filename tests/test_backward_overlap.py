@@ -21,6 +21,7 @@ import muon_dist
         pytest.param(2, "experts", marks=pytest.mark.slow),
         pytest.param(2, "magma_cautious", marks=pytest.mark.slow),
         (2, "normuon"),
+        pytest.param(2, "dion2", marks=pytest.mark.slow),
     ],
 )
 def test_bitwise_equal_to_plain_step(world_size: int, layout: str) -> None:
