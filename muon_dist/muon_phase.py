@@ -278,7 +278,9 @@ class MuonPhase:
             plan, self._views_of, self.groups, self.shards
         )
         self.scalars, forms = _scalars_and_forms(self, group_count, stack_tensor)
-        self.io = PieceIO(forms, self.shards, self.state, self.grads, self.scalars)
+        self.io = PieceIO(
+            forms, self.shards, self.state, self.grads, self.scalars, settings.backend
+        )
         self.transaction = SkipTransaction()
         self._stack_tensor = torch.tensor(stack_tensor, dtype=torch.long, device=self.device)
         self._tensors_of_stack = self._stack_tensor.split_with_sizes(sizes)
@@ -437,7 +439,9 @@ class MuonPhase:
             if after is not None and after[0] == "dion2":
                 # A part is handed over by output rows, whatever the storage.
                 transposed = after[1] and part is None
-                return selected_orthogonalize(x, orthogonalize, after[2], transposed)
+                return selected_orthogonalize(
+                    x, orthogonalize, after[2], transposed, self.settings.backend
+                )
             result = orthogonalize(x)
             return result if rows is None else self.row_moments.normalize(result, rows, part)
 

@@ -140,8 +140,10 @@ class PieceIO:
         state: MuonState,
         grads: LocalGrads,
         scalars: MuonScalars,
+        backend: str,
     ) -> None:
         self.forms = forms
+        self._backend = backend  # the optimizer's: whether Dion2's error feedback fuses
         self._shards = list(shards)
         self._state = state
         self._grads = grads
@@ -263,6 +265,7 @@ class PieceIO:
                 updates[i],
                 self.forms.groups[index]["momentum"],
                 scalars.keep_of[self.forms.tensor_of[index]],
+                self._backend,
             )
         for i in writes.alone:
             self._write_one(*pieces[i], updates[i])

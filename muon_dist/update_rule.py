@@ -395,14 +395,24 @@ def selected_count(length: int, fraction: float) -> int:
     return min(length, max(1, math.ceil(fraction * length)))
 
 
-def select_slices(x: torch.Tensor, axis: int, count: int) -> torch.Tensor:
-    """The ``count`` slices of each matrix of ``x`` (``[..., m, n]``) along ``axis`` (-2:
-    rows, -1: columns) with the largest L1 norms, ascending (shape ``[..., count]``).
+def slice_norms(x: torch.Tensor, axis: int, backend: str = "torch") -> torch.Tensor:
+    """The L1 norm of each slice of each matrix of ``x`` (``[..., m, n]``) along ``axis``
+    (-2: rows, -1: columns), summed in float64: exact for bf16 entries and, for fp32 ones,
+    far below their rounding, so the same for any batching or summation order. On CUDA a
+    fused Triton pass reads ``x`` in place (torch would first copy it to float64)."""
+    if x.ndim == 3 and fused_form(backend, x):
+        from muon_dist.kernels.triton_elementwise import slice_l1_triton
 
-    The norms are summed in float64 and ties go to the lower index (a stable sort), so the
-    choice depends on the values only, never on how they were batched or laid out.
-    """
-    norms = x.abs().sum(-1 if axis == -2 else -2, dtype=torch.float64)
+        return slice_l1_triton(x, axis)
+    return x.abs().sum(-1 if axis == -2 else -2, dtype=torch.float64)
+
+
+def select_slices(x: torch.Tensor, axis: int, count: int, backend: str = "torch") -> torch.Tensor:
+    """The ``count`` slices of each matrix of ``x`` (``[..., m, n]``) along ``axis`` (-2:
+    rows, -1: columns) with the largest L1 norms (:func:`slice_norms`), ascending (shape
+    ``[..., count]``); ties go to the lower index (a stable sort), so the choice depends on
+    the values only, never on how they were batched or laid out."""
+    norms = slice_norms(x, axis, backend)
     order = torch.sort(norms, dim=-1, descending=True, stable=True).indices
     return order[..., :count].sort(dim=-1).values
 
@@ -412,6 +422,7 @@ def selected_orthogonalize(
     orthogonalize: Callable[[torch.Tensor], torch.Tensor],
     fraction: float,
     transposed: bool,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Dion2's Newton–Schulz: ``orthogonalize`` on the selected slices of each matrix of
     ``x`` (``[..., m, n]``, stored ``[in, out]`` when ``transposed``), zero elsewhere.
@@ -425,7 +436,7 @@ def selected_orthogonalize(
     outputs = -1 if transposed else -2
     axis = outputs if out_dim <= in_dim else (-1 if outputs == -2 else -2)
     count = selected_count(x.shape[axis], fraction)
-    index = select_slices(x, axis, count)
+    index = select_slices(x, axis, count, backend)
     if axis == -2:
         spread = index.unsqueeze(-1).expand(*index.shape, cols)
     else:
@@ -442,10 +453,19 @@ def selected_mask(update: torch.Tensor) -> torch.Tensor:
 
 
 def error_feedback_(
-    momentum: torch.Tensor, update: torch.Tensor, beta: float, keep: torch.Tensor
+    momentum: torch.Tensor,
+    update: torch.Tensor,
+    beta: float,
+    keep: torch.Tensor,
+    backend: str = "torch",
 ) -> None:
     """Dion2's error feedback: ``momentum ← β·momentum`` on the selected slices, where
-    ``keep``; elsewhere unchanged (bitwise)."""
+    ``keep``; elsewhere unchanged (bitwise). One fused pass on CUDA (:func:`fused_form`)."""
+    if fused_form(backend, momentum, update):
+        from muon_dist.kernels.triton_elementwise import error_feedback_triton
+
+        error_feedback_triton(momentum, update, beta, keep)
+        return
     decay = selected_mask(update).logical_and_(keep)
     torch.where(decay, momentum * beta, momentum, out=momentum)
 

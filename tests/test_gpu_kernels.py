@@ -263,3 +263,27 @@ def test_fused_row_scaling_matches_torch(dtype: torch.dtype, columns: bool) -> N
     expected = x.clone().mul_(factors.unsqueeze(-2) if columns else factors.unsqueeze(-1))
     scale_rows_triton(x, factors, columns)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
+def test_fused_slice_norms_match_torch(axis: int) -> None:
+    """Dion2's float64 L1 norms of bf16 slices: exact sums, so equal to torch's bitwise."""
+    from muon_dist.kernels.triton_elementwise import slice_l1_triton
+
+    x = torch.randn(5, 777, 513, device="cuda", dtype=torch.bfloat16)
+    expected = x.abs().sum(-1 if axis == -2 else -2, dtype=torch.float64)
+    torch.testing.assert_close(slice_l1_triton(x, axis), expected, rtol=0, atol=0)
+
+
+def test_fused_error_feedback_matches_torch() -> None:
+    from muon_dist.kernels.triton_elementwise import error_feedback_triton
+    from muon_dist.update_rule import error_feedback_
+
+    update = torch.randn(5, 777, 513, device="cuda", dtype=torch.bfloat16)
+    update[:, ::3] = 0.0
+    update[:, 1::3, ::2] = -0.0
+    momentum = torch.randn(5, 777, 513, device="cuda")
+    expected = momentum.clone()
+    error_feedback_(expected, update, 0.95, _keep())
+    error_feedback_triton(momentum, update, 0.95, _keep())
+    torch.testing.assert_close(momentum, expected, rtol=0, atol=0)

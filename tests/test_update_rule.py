@@ -22,6 +22,7 @@ from muon_dist.update_rule import (
     decay_,
     decay_factor,
     decay_rate,
+    error_feedback_,
     lr_scale,
     magma_damping,
     magma_score_,
@@ -34,6 +35,7 @@ from muon_dist.update_rule import (
     pre_orthogonalize_,
     scale_rows_,
     shared_step_updates_,
+    slice_norms,
     step_size,
     store_momenta_,
     updates_,
@@ -281,3 +283,38 @@ def test_row_scaling_of_a_transposed_view_scales_its_rows() -> None:
     expected = view.contiguous() * factors.unsqueeze(-1)
     scale_rows_(view, factors)
     torch.testing.assert_close(view, expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(
+    not interpret_mode(), reason="the fused form runs on CPU in Triton's interpreter"
+)
+@pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
+def test_fused_slice_norms_match_the_torch_form(axis: int) -> None:
+    """Dion2's float64 L1 norms of a strided stack: the Triton pass equals torch's sum."""
+    pytest.importorskip("triton")
+    from muon_dist.kernels.triton_elementwise import slice_l1_triton
+
+    x = torch.randn(3, 70, 37, generator=torch.Generator().manual_seed(6)).mT  # strided
+    expected = slice_norms(x, axis)
+    torch.testing.assert_close(slice_l1_triton(x, axis), expected, rtol=1e-15, atol=0)
+
+
+@pytest.mark.skipif(
+    not interpret_mode(), reason="the fused form runs on CPU in Triton's interpreter"
+)
+@pytest.mark.parametrize("keep", [True, False])
+def test_fused_error_feedback_matches_the_torch_form(keep: bool) -> None:
+    """Selected entries (nonzero, or a negative zero) decay; positive zeros do not."""
+    pytest.importorskip("triton")
+    from muon_dist.kernels.triton_elementwise import error_feedback_triton
+
+    generator = torch.Generator().manual_seed(7)
+    update = torch.randn(6, 50, generator=generator)
+    update[1] = 0.0
+    update[2] = -0.0
+    update[3, ::2] = -0.0
+    momentum = torch.randn(6, 50, generator=generator)
+    expected = momentum.clone()
+    error_feedback_(expected, update, 0.9, torch.tensor(keep))
+    error_feedback_triton(momentum, update, 0.9, torch.tensor(keep))
+    torch.testing.assert_close(momentum, expected, rtol=0, atol=0)

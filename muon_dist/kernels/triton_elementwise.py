@@ -95,6 +95,53 @@ def _scale_rows_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotati
     tl.store(x_ptr + offsets, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _error_feedback_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    momentum_ptr,
+    update_ptr,
+    keep_ptr,
+    numel,
+    beta,
+    BLOCK: tl.constexpr,
+):
+    """``m = β·m`` where the update is nonzero or a negative zero (Dion2's selected slices)
+    and keep; computed in fp32, rounded once to m's dtype."""
+    keep = tl.load(keep_ptr) != 0
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    stored = tl.load(momentum_ptr + offsets, mask=mask)
+    # A negative zero (sign bit set) marks a selected entry, a positive one does not.
+    selected = (update != 0.0) | (update.to(tl.int32, bitcast=True) < 0)
+    decayed = (stored.to(tl.float32) * beta).to(momentum_ptr.dtype.element_ty)
+    tl.store(momentum_ptr + offsets, tl.where(selected & keep, decayed, stored), mask=mask)
+
+
+@triton.jit
+def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    x_ptr,
+    out_ptr,
+    slices,
+    length,
+    batch_stride,
+    slice_stride,
+    step_stride,
+    BLOCK_S: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """``out[b, s] = Σ_l |x[b, s, l]|`` in float64 over strided slices, in a fixed order."""
+    batch = tl.program_id(0).to(tl.int64)
+    index = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    rows = index.to(tl.int64)[:, None] * slice_stride + batch * batch_stride
+    total = tl.zeros((BLOCK_S,), dtype=tl.float64)
+    for start in range(0, length, BLOCK_L):
+        steps = start + tl.arange(0, BLOCK_L)
+        inside = (index[:, None] < slices) & (steps[None, :] < length)
+        values = tl.load(x_ptr + rows + steps.to(tl.int64)[None, :] * step_stride, mask=inside)
+        total += tl.sum(tl.abs(values.to(tl.float64)), axis=1)
+    tl.store(out_ptr + batch * slices + index, total, mask=index < slices)
+
+
 def _grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, _BLOCK),)
 
@@ -166,3 +213,46 @@ def scale_rows_triton(x: torch.Tensor, factors: torch.Tensor, columns: bool) -> 
             BLOCK=_BLOCK,
             num_warps=_WARPS,
         )
+
+
+def error_feedback_triton(
+    momentum: torch.Tensor, update: torch.Tensor, beta: float, keep: torch.Tensor
+) -> None:
+    """Fused form of :func:`muon_dist.update_rule.error_feedback_` (contiguous, same-shape
+    tensors on one device; ``keep`` a one-element tensor there)."""
+    numel = momentum.numel()
+    if numel == 0:
+        return
+    with on_device(momentum.device):
+        _error_feedback_kernel[_grid(numel)](
+            momentum, update, keep, numel, float(beta), BLOCK=_BLOCK, num_warps=_WARPS
+        )
+
+
+def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Fused form of :func:`muon_dist.update_rule.slice_norms`: the float64 L1 norm of each
+    row (``axis=-2``) or column (``axis=-1``) of each matrix of a ``[k, m, n]`` tensor,
+    read in place whatever its strides."""
+    k, m, n = x.shape
+    slices, length = (m, n) if axis == -2 else (n, m)
+    slice_stride, step_stride = (
+        (x.stride(1), x.stride(2)) if axis == -2 else (x.stride(2), x.stride(1))
+    )
+    out = torch.empty(k, slices, dtype=torch.float64, device=x.device)
+    if out.numel() == 0:
+        return out
+    block_s = 64
+    with on_device(x.device):
+        _slice_l1_kernel[(k, triton.cdiv(slices, block_s))](
+            x,
+            out,
+            slices,
+            length,
+            x.stride(0),
+            slice_stride,
+            step_stride,
+            BLOCK_S=block_s,
+            BLOCK_L=64,
+            num_warps=4,
+        )
+    return out
