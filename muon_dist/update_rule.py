@@ -397,8 +397,9 @@ def selected_count(length: int, fraction: float) -> int:
 
 def slice_norms(x: torch.Tensor, axis: int, backend: str = "torch") -> torch.Tensor:
     """The L1 norm of each slice of each matrix of ``x`` (``[..., m, n]``) along ``axis``
-    (-2: rows, -1: columns), summed in float64: exact for bf16 entries and, for fp32 ones,
-    far below their rounding, so the same for any batching or summation order. On CUDA a
+    (-2: rows, -1: columns), summed in float64: exact for bf16 entries within 2^45 of each
+    other and, for fp32 ones, rounded far below their own precision, so the same for any
+    batching or summation order. On CUDA a
     fused Triton pass reads ``x`` in place (torch would first copy it to float64)."""
     if x.ndim == 3 and fused_form(backend, x):
         from muon_dist.kernels.triton_elementwise import slice_l1_triton
