@@ -87,7 +87,7 @@ class Muon(torch.optim.Optimizer):
     :func:`muon_dist.update_rule.dion2_update_`) the gradient is added to :math:`M`
     without decay, Newton–Schulz runs on the ``dion2_fraction`` of each matrix's slices
     (output rows, or input columns where there are more outputs than inputs) whose
-    :math:`M` has the largest L1 norms, chosen by the owner from the whole matrix, so
+    Newton–Schulz input has the largest L1 norms, chosen by the owner from the whole matrix, so
     exactly and whatever the layout; only those slices of :math:`W` move and only their
     momentum decays by :math:`\beta` (error feedback). ``dion2_fraction=1`` is Muon.
 
