@@ -89,21 +89,31 @@ def pack(
 
 
 def start_exchange(
-    send: torch.Tensor, sends: Packing, recvs: Packing, peers: Peers
+    send: torch.Tensor, sends: Sequence[int], recvs: Sequence[int], peers: Peers
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Issue the asynchronous all-to-all among ``peers``; the caller waits on the work."""
-    recv = torch.empty(recvs.numel, dtype=send.dtype, device=send.device)
+    """Issue the asynchronous all-to-all among ``peers``, ``sends[i]`` elements to and
+    ``recvs[i]`` from its i-th rank; the caller waits on the work."""
+    recv = torch.empty(sum(recvs), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(
         recv,
         send,
-        output_split_sizes=list(recvs.splits),
-        input_split_sizes=list(sends.splits),
+        output_split_sizes=list(recvs),
+        input_split_sizes=list(sends),
         group=peers.group,
         async_op=True,
     )
     if work is None:
         raise RuntimeError("all_to_all_single(async_op=True) returned no work handle")
     return recv, work
+
+
+def peer_splits(pieces: Iterable[tuple[int, int]], world_size: int, peers: Peers) -> list[int]:
+    """Elements exchanged with each of ``peers`` (group rank order), from ``(peer,
+    elements)`` per piece: a step's sizes where they follow its values (Dion2's)."""
+    sizes = [0] * world_size
+    for peer, numel in pieces:
+        sizes[peer] += numel
+    return _on_peers(sizes, peers)
 
 
 def _on_peers(sizes: list[int], peers: Peers) -> list[int]:

@@ -32,15 +32,18 @@ from muon_dist.piece_io import LocalGrads, PieceForms, PieceIO
 from muon_dist.plan import (
     Plan,
     covers_exactly,
+    local_boxes,
     local_pieces,
     local_rows,
     mesh_coords,
     placement_of,
 )
-from muon_dist.routing import MatrixView, PartSplit
+from muon_dist.routing import Box, MatrixView, PartSplit
 from muon_dist.row_moments import STATE_KEY, row_moments
 from muon_dist.runtime import Task, run_tasks
 from muon_dist.runtime.bucket_task import bucket_task
+from muon_dist.runtime.selected_bucket import DeviceSelection, selected_bucket_task
+from muon_dist.selection import BucketSelection
 from muon_dist.settings import ExecutionSettings
 from muon_dist.step_scalars import MuonScalars, StepInputs
 from muon_dist.tensors import local
@@ -226,7 +229,9 @@ class MuonPhase:
         self.plan = plan
         self.peers = comm.exchange  # this rank's bucket all-to-alls
         self.rank = comm.rank
+        self.world_size = comm.world_size
         self.settings = settings
+        self.backend = settings.backend
         self.comm_dtype = settings.comm_dtype
         self.agreement = agreement
         # The first exception this rank's own work (Newton–Schulz, a read or a write of an
@@ -290,6 +295,22 @@ class MuonPhase:
         # Between open_early and the end of close_early: a step begun from gradient hooks
         # (muon_dist.backward_start), whose held updates must not pin their stacks.
         self.early = False
+        self._comm = comm
+        # Dion2's views (fraction, parts), and the buckets where only selected slices
+        # travel: those that exchange, unless the step is captured (its sizes are fixed).
+        self._selects = {
+            i: (float(e.group["dion2_fraction"]), e.view.part_split(e.group["adjust_lr"]))
+            for i, e in enumerate(entries)
+            if e.group.get("rule", "muon") == "dion2"
+        }
+        self.selected = frozenset(
+            index
+            for index, bucket in enumerate(plan.buckets)
+            if bucket.communicates
+            and not settings.cuda_graph
+            and any(b.view in self._selects and b.owner in self.peers.ranks for b in bucket.blocks)
+        )
+        self._selections: dict[int, DeviceSelection] = {}
 
     # -- plan time ----------------------------------------------------------------------
 
@@ -315,7 +336,40 @@ class MuonPhase:
 
     def bucket(self, index: int) -> Task:
         """Bucket ``index``'s task, in plan order."""
+        if index in self.selected:
+            return selected_bucket_task(
+                self.plan.buckets[index], self.maps[index], lambda: self._selection(index), self
+            )
         return bucket_task(self.plan.buckets[index], self.maps[index], self)
+
+    def _selection(self, index: int) -> DeviceSelection:
+        """Bucket ``index``'s Dion2 layout, laid out on its first step."""
+        found = self._selections.get(index)
+        if found is None:
+            bucket, where = self.plan.buckets[index], self.maps[index]
+            place = {
+                block: (position, offset * spec.shape[1])
+                for position, spec in enumerate(where.stacks)
+                for block, offset in zip(spec.blocks, spec.offsets, strict=True)
+            }
+            found = self._selections[index] = DeviceSelection(
+                BucketSelection(
+                    bucket,
+                    self.rank,
+                    self.peers.ranks,
+                    [e.view for e in self.entries],
+                    self._selects,
+                    self._local_box,
+                    [place[i] for i in range(len(bucket.owned))],
+                ),
+                self.device,
+            )
+        return found
+
+    def _local_box(self, view: int) -> Box:
+        e = self.entries[view]
+        placement = placement_of(e.param, e.name, e.view, self._comm.holders.ranks)
+        return local_boxes(placement)[self.rank]
 
     def run(
         self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, *, transactional: bool
@@ -418,7 +472,9 @@ class MuonPhase:
             torch._foreach_zero_(list(outs))
             self._fail(exc, [self.entries[index].param_index for index, _ in pieces])
 
-    def orthogonalize(self, stack: torch.Tensor, spec: StackSpec) -> torch.Tensor:
+    def orthogonalize(
+        self, stack: torch.Tensor, spec: StackSpec, chosen: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         mask_stack_(stack, self._dropped_of_stack[spec.index])
         steps, coefficients, parts, method, after = cast(
             tuple[int, Coefficients, PartSplit | None, str, tuple[Any, ...] | None], spec.ns_key
@@ -439,8 +495,9 @@ class MuonPhase:
             if after is not None and after[0] == "dion2":
                 # A part is handed over by output rows, whatever the storage.
                 transposed = after[1] and part is None
+                index = None if chosen is None else chosen[part or 0]
                 return selected_orthogonalize(
-                    x, orthogonalize, after[2], transposed, self.settings.backend
+                    x, orthogonalize, after[2], transposed, self.settings.backend, index
                 )
             result = orthogonalize(x)
             return result if rows is None else self.row_moments.normalize(result, rows, part)

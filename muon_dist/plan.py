@@ -385,6 +385,7 @@ class BucketPlan:
 
     names: tuple[str, ...]
     views: tuple[int, ...] = ()
+    blocks: tuple[Block, ...] = ()  # all its blocks, in one order on every rank
     owned: list[OwnedBlock] = field(default_factory=list)
     gather_sends: list[LocalPiece] = field(default_factory=list)
     gather_recvs: list[BlockPiece] = field(default_factory=list)
@@ -462,6 +463,7 @@ def _rank_bucket(
     plan = BucketPlan(
         names=tuple(sorted({placements[b.view].name for b in bucket})),
         views=tuple(sorted({b.view for b in bucket})),
+        blocks=tuple(bucket),
         communicates=any(b.crosses_ranks for b in bucket),
     )
     for block in bucket:

@@ -413,7 +413,12 @@ def select_slices(x: torch.Tensor, axis: int, count: int, backend: str = "torch"
     rows, -1: columns) with the largest L1 norms (:func:`slice_norms`), ascending (shape
     ``[..., count]``); ties go to the lower index (a stable sort), so the choice depends on
     the values only, never on how they were batched or laid out."""
-    norms = slice_norms(x, axis, backend)
+    return top_slices(slice_norms(x, axis, backend), count)
+
+
+def top_slices(norms: torch.Tensor, count: int) -> torch.Tensor:
+    """The positions of the ``count`` largest of each row of ``norms`` (``[..., L]``),
+    ascending; ties go to the lower position (a stable sort)."""
     order = torch.sort(norms, dim=-1, descending=True, stable=True).indices
     return order[..., :count].sort(dim=-1).values
 
@@ -424,20 +429,24 @@ def selected_orthogonalize(
     fraction: float,
     transposed: bool,
     backend: str = "torch",
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dion2's Newton–Schulz: ``orthogonalize`` on the selected slices of each matrix of
     ``x`` (``[..., m, n]``, stored ``[in, out]`` when ``transposed``), zero elsewhere.
 
     The slices are output rows when a matrix has no more outputs than inputs, else input
-    columns. Every entry of a selected slice that comes out zero is stored as ``-0.0``, so
-    the result alone marks the selection (:func:`selected_mask`) wherever it travels.
+    columns; ``index`` (``[..., count]``, ascending) names them where they were chosen
+    before (from norms summed across ranks), else :func:`select_slices` chooses. Every
+    entry of a selected slice that comes out zero is stored as ``-0.0``, so the result
+    alone marks the selection (:func:`selected_mask`) wherever it travels.
     """
     rows, cols = x.shape[-2], x.shape[-1]
     out_dim, in_dim = (cols, rows) if transposed else (rows, cols)
     outputs = -1 if transposed else -2
     axis = outputs if out_dim <= in_dim else (-1 if outputs == -2 else -2)
     count = selected_count(x.shape[axis], fraction)
-    index = select_slices(x, axis, count, backend)
+    if index is None:
+        index = select_slices(x, axis, count, backend)
     if axis == -2:
         spread = index.unsqueeze(-1).expand(*index.shape, cols)
     else:

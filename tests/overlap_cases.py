@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import muon_dist
 import muon_dist.runtime.bucket_task as bucket_task_module
+import muon_dist.runtime.selected_bucket as selected_bucket_module
+from muon_dist import comm
 
 IN = 7
 # Uneven widths: no dimension divides 2 or 3 ranks, so some shards are uneven or empty.
@@ -155,17 +157,27 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def _recording_exchanges() -> Iterator[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
     """Each all-to-all this rank starts, as (send splits, receive splits) per peer."""
     calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    original = bucket_task_module.start_exchange
+    original = comm.start_exchange
 
     def recording(send: Any, sends: Any, recvs: Any, peers: Any) -> Any:
-        calls.append((sends.splits, recvs.splits))
+        calls.append((tuple(sends), tuple(recvs)))
         return original(send, sends, recvs, peers)
 
-    bucket_task_module.start_exchange = recording  # type: ignore[assignment]
-    try:
+    with _exchanges_through(recording):
         yield calls
+
+
+@contextlib.contextmanager
+def _exchanges_through(replacement: Any) -> Iterator[None]:
+    """Both bucket tasks (plain and Dion2's) start their all-to-alls through ``replacement``."""
+    modules = (bucket_task_module, selected_bucket_module)
+    for module in modules:
+        module.start_exchange = replacement  # type: ignore[attr-defined]
+    try:
+        yield
     finally:
-        bucket_task_module.start_exchange = original  # type: ignore[assignment]
+        for module in modules:
+            module.start_exchange = comm.start_exchange  # type: ignore[attr-defined]
 
 
 def parity(world_size: int, layout: str) -> dict[str, Any]:
@@ -311,20 +323,16 @@ def early_gather(world_size: int) -> dict[str, Any]:
     model, groups = _model(world_size, "fsdp")
     opt = _optimizer(groups, "backward", "raise")
     events: list[str] = []
-    original = bucket_task_module.start_exchange
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         events.append("exchange")
-        return original(*args, **kwargs)
+        return comm.start_exchange(*args, **kwargs)
 
     model[0].weight.register_post_accumulate_grad_hook(lambda _p: events.append("first layer"))
-    bucket_task_module.start_exchange = recording  # type: ignore[assignment]
-    try:
+    with _exchanges_through(recording):
         model(_batch(0, 0)).square().mean().backward()
         events.append("backward done")
         opt.step()
-    finally:
-        bucket_task_module.start_exchange = original  # type: ignore[assignment]
     muon = opt.runner.muon
     assert muon is not None
     last_layer = f"{len(WIDTHS) - 1}.weight"

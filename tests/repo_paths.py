@@ -1,4 +1,4 @@
-"""The repository's folders, and its benchmark tables module for tests that read or write it."""
+"""The repository's folders, and the benchmark modules tests read, write or count with."""
 
 from __future__ import annotations
 
@@ -12,9 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def benchmark_tables() -> ModuleType:
     """benchmarks/tables.py, loaded by path: benchmarks/ is a folder of programs, not a package."""
-    name = "benchmark_tables"
+    return _benchmark_module("benchmark_tables", "tables.py")
+
+
+def comm_bytes() -> ModuleType:
+    """benchmarks/comm_bytes.py: the bytes a rank sends in a step."""
+    return _benchmark_module("benchmark_comm_bytes", "comm_bytes.py")
+
+
+def _benchmark_module(name: str, file: str) -> ModuleType:
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "tables.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up there

@@ -89,7 +89,7 @@ def _start(
 ) -> tuple[torch.Tensor, dist.Work]:
     """Pack the pieces this rank sends and start the all-to-all; returns the receive buffer."""
     send = pack(sends, fill, ctx.comm_dtype, ctx.device)
-    return start_exchange(send, sends, recvs, ctx.peers)
+    return start_exchange(send, sends.splits, recvs.splits, ctx.peers)
 
 
 def _assemble(

@@ -1,0 +1,250 @@
+"""One bucket holding Dion2 matrices as a generator task: only the selected slices travel.
+
+Norms, choose, gather, orthogonalize, scatter, apply: every rank adds its source pieces'
+partial slice norms (float64) into the bucket's norm vector and one all-reduce sums them;
+every rank then takes the same top slices (:func:`muon_dist.update_rule.top_slices`), so
+the choice is exact and independent of the layout. One host copy of the choice per bucket
+sizes both exchanges (:mod:`muon_dist.selection`); each moves the selected elements only.
+The owner orthogonalizes exactly the slices chosen; a holder writes its piece's update with
+zeros in the slices left out, the form the plain bucket hands over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from muon_dist.bucket_map import BucketMap, LocalSlices, StackSpec, region_views
+from muon_dist.comm import flat_views, pack, peer_splits, start_exchange
+from muon_dist.groups import Peers
+from muon_dist.plan import BucketPlan
+from muon_dist.runtime.scheduler import Task, TaskBody
+from muon_dist.selection import BucketSelection, PieceGrid, Rect, put_, rects_to, take
+from muon_dist.update_rule import slice_norms, top_slices
+
+
+class SelectedContext(Protocol):
+    """What a Dion2 bucket task needs from the optimizer for one step (as a plain bucket's
+    context, and the owner's Newton–Schulz on the chosen slices)."""
+
+    peers: Peers
+    comm_dtype: torch.dtype
+    device: torch.device
+    world_size: int
+    backend: str
+
+    def read_updates(self, pieces: Sequence[LocalSlices], outs: Sequence[torch.Tensor]) -> None:
+        """As :meth:`muon_dist.runtime.bucket_task.StepContext.read_updates`."""
+        ...
+
+    def orthogonalize(
+        self, stack: torch.Tensor, spec: StackSpec, chosen: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Newton–Schulz on a stack; for a Dion2 stack on the ``chosen`` slices of each
+        matrix (per part, ``[matrices, count]``)."""
+        ...
+
+    def apply(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
+        """As :meth:`muon_dist.runtime.bucket_task.StepContext.apply`."""
+        ...
+
+
+class DeviceSelection:
+    """A bucket's selection layout with its fixed index tensors on the device (copied on
+    the first step, kept for the plan)."""
+
+    def __init__(self, selection: BucketSelection, device: torch.device) -> None:
+        self.host = selection
+        self.send_tiles = [_tiles_to(selection.tiles(p), device) for p in selection.gather_sends]
+        self.own_tiles = [_tiles_to(selection.tiles(p), device) for p in selection.own]
+        self.stack_chosen = {
+            stack: [index.to(device) for index in parts]
+            for stack, parts in selection.stack_chosen.items()
+        }
+
+
+def _tiles_to(
+    tiles: Sequence[tuple[Rect, int, torch.Tensor]], device: torch.device
+) -> list[tuple[Rect, int, torch.Tensor]]:
+    moved = rects_to([[rect for rect, _, _ in tiles]], device)[0]
+    return [
+        (rect, axis, slots.to(device)) for rect, (_, axis, slots) in zip(moved, tiles, strict=True)
+    ]
+
+
+def selected_bucket_task(
+    bucket: BucketPlan,
+    where: BucketMap,
+    selection: Callable[[], DeviceSelection],
+    ctx: SelectedContext,
+) -> Task:
+    """Wrap one communicating bucket with Dion2 matrices as a task; it yields once per
+    collective or host copy it waits on. ``selection`` gives the bucket's layout."""
+    return Task(bucket.names, _run(where, selection, ctx))
+
+
+def _run(
+    where: BucketMap, selection: Callable[[], DeviceSelection], ctx: SelectedContext
+) -> TaskBody:
+    layout = selection()
+    sel = layout.host
+    dtype, device = ctx.comm_dtype, ctx.device
+    staged = pack(
+        where.gather_send, lambda outs: ctx.read_updates(where.gather_reads, outs), dtype, device
+    )
+    inputs = [
+        view.view(len(p.rows), len(p.cols))
+        for view, p in zip(
+            flat_views(staged, where.gather_send.runs), sel.gather_sends, strict=True
+        )
+    ]
+    stacks = [torch.zeros(s.shape, dtype=dtype, device=device) for s in where.stacks]
+    ctx.read_updates(where.own, region_views(stacks, where.own_regions))
+    planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
+
+    norms = torch.zeros(sel.slots, dtype=torch.float64, device=device)
+    for x, tiles in zip(inputs, layout.send_tiles, strict=True):
+        _add_norms(norms, x, tiles, ctx.backend)
+    for piece, tiles in zip(sel.own, layout.own_tiles, strict=True):
+        _add_norms(norms, planes[piece.stack], tiles, ctx.backend)
+    work = dist.all_reduce(norms, group=ctx.peers.group, async_op=True)
+    yield
+    _wait(work)
+
+    chosen = torch.empty(sel.chosen_count, dtype=torch.long, device=device)
+    for slot, n, length, count, first in sel.batches:
+        top = top_slices(norms[slot : slot + n * length].view(n, length), count)
+        chosen[first : first + n * count].view(n, count).copy_(top)
+    del norms
+    host, ready = _to_host(chosen)
+    yield
+    ready()
+
+    lists = (sel.gather_sends, sel.gather_recvs, sel.scatter_sends, sel.scatter_recvs)
+    moves = iter(rects_to([sel.rects(p, host) for pieces in lists for p in pieces], device))
+    gather_sends, gather_recvs, scatter_sends, scatter_recvs = (
+        [next(moves) for _ in pieces] for pieces in lists
+    )
+    recv, work = _exchange(
+        [take(x, r) for x, rects in zip(inputs, gather_sends, strict=True) for r in rects],
+        sel.gather_sends,
+        gather_sends,
+        sel.gather_recvs,
+        gather_recvs,
+        ctx,
+    )
+    del staged, inputs
+    yield
+    _wait(work)
+    _put_all([planes[p.stack] for p in sel.gather_recvs], gather_recvs, recv)
+    del recv, planes
+
+    results = [
+        ctx.orthogonalize(t, s, _chosen(layout, position, chosen))
+        for position, (t, s) in enumerate(zip(stacks, where.stacks, strict=True))
+    ]
+    del stacks
+    ctx.apply(where.own, region_views(results, where.own_regions))
+    outputs = [r.view(-1, r.shape[-1]) for r in results]
+    recv, work = _exchange(
+        [
+            take(outputs[p.stack], r)
+            for p, rects in zip(sel.scatter_sends, scatter_sends, strict=True)
+            for r in rects
+        ],
+        sel.scatter_sends,
+        scatter_sends,
+        sel.scatter_recvs,
+        scatter_recvs,
+        ctx,
+    )
+    del results, outputs
+    yield
+    _wait(work)
+    updates = torch.zeros(where.scatter_recv.numel, dtype=dtype, device=device)
+    pieces = flat_views(updates, where.scatter_recv.runs)
+    _put_all(
+        [v.view(len(p.rows), len(p.cols)) for v, p in zip(pieces, sel.scatter_recvs, strict=True)],
+        scatter_recvs,
+        recv,
+    )
+    ctx.apply(where.scatter_writes, pieces)
+
+
+def _chosen(
+    layout: DeviceSelection, position: int, chosen: torch.Tensor
+) -> list[torch.Tensor] | None:
+    parts = layout.stack_chosen.get(position)
+    return None if parts is None else [chosen[index] for index in parts]
+
+
+def _add_norms(
+    norms: torch.Tensor,
+    x: torch.Tensor,
+    tiles: Sequence[tuple[Rect, int, torch.Tensor]],
+    backend: str,
+) -> None:
+    """Add the slice norms of ``x``'s tiles (L1, float64) at their slots."""
+    for rect, axis, slots in tiles:
+        g, a, b = rect.rows.shape[0], rect.rows.shape[1], rect.cols.shape[1]
+        values = take(x, rect).view(g, a, b)
+        norms.index_add_(
+            0, slots.reshape(-1), slice_norms(values, -2 if axis == 0 else -1, backend).reshape(-1)
+        )
+
+
+def _exchange(
+    values: list[torch.Tensor],
+    sends: Sequence[PieceGrid],
+    send_rects: Sequence[Sequence[Rect]],
+    recvs: Sequence[PieceGrid],
+    recv_rects: Sequence[Sequence[Rect]],
+    ctx: SelectedContext,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Start the all-to-all of the selected elements, sized by this step's rectangles."""
+    send = (
+        torch.cat(values).to(ctx.comm_dtype)
+        if values
+        else torch.empty(0, dtype=ctx.comm_dtype, device=ctx.device)
+    )
+    return start_exchange(
+        send,
+        peer_splits(_sizes(sends, send_rects), ctx.world_size, ctx.peers),
+        peer_splits(_sizes(recvs, recv_rects), ctx.world_size, ctx.peers),
+        ctx.peers,
+    )
+
+
+def _sizes(pieces: Sequence[PieceGrid], rects: Sequence[Sequence[Rect]]) -> list[tuple[int, int]]:
+    return [(p.peer, sum(r.numel for r in rs)) for p, rs in zip(pieces, rects, strict=True)]
+
+
+def _put_all(
+    targets: Sequence[torch.Tensor], rects: Sequence[Sequence[Rect]], values: torch.Tensor
+) -> None:
+    """Write the received flat ``values`` to each piece's rectangles, in order."""
+    offset = 0
+    for target, piece_rects in zip(targets, rects, strict=True):
+        for rect in piece_rects:
+            put_(target, rect, values[offset : offset + rect.numel])
+            offset += rect.numel
+
+
+def _to_host(chosen: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Start copying the choice to the host; the callable waits until it has arrived."""
+    if chosen.device.type != "cuda":
+        return chosen.cpu(), lambda: None
+    host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+    host.copy_(chosen, non_blocking=True)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return host, event.synchronize
+
+
+def _wait(work: dist.Work | None) -> None:
+    if work is None:
+        raise RuntimeError("an asynchronous collective returned no work handle")
+    work.wait()

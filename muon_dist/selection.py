@@ -1,0 +1,381 @@
+"""Where Dion2's slices lie in a bucket, and which elements of each piece travel: pure
+planning on the host, no communication and no kernels.
+
+Every matrix view is seen as a grid of *flat rows* (its leading dimensions flattened) by
+*flat columns* (the trailing ones), so a matrix, a part of one, a shard and a piece of a
+shard are each a product of a row set and a column set. A :class:`Segment` is what Dion2
+selects in: one matrix, or one part of it, with the axis its slices run along. A bucket
+lays its segments out in a vector of slice norms (:class:`BucketSelection`); every rank
+adds its pieces' partial norms there (:class:`NormTiles`), one all-reduce sums them, every
+rank takes the same top slices (:func:`muon_dist.update_rule.top_slices`), and each piece
+then moves only its elements in selected slices, as a few rectangles (:class:`Rects`).
+
+Coordinates: *flat* ones index the whole parameter; a local piece is read as ``[len(rows),
+len(cols)]`` of its own flat ids; an owner's stack as ``[matrices·rows, cols]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from muon_dist.plan import Block, BucketPlan
+from muon_dist.routing import Box, MatrixView, PartSplit
+from muon_dist.update_rule import selected_count
+
+_LONG = torch.long
+
+
+def _ids(box: Sequence[tuple[int, int]], shape: Sequence[int]) -> torch.Tensor:
+    """Row-major flat ids of a box of a tensor of ``shape`` (sorted ascending)."""
+    ids = torch.zeros((), dtype=_LONG)
+    for (lo, hi), size in zip(box, shape, strict=True):
+        ids = (ids.unsqueeze(-1) * size + torch.arange(lo, hi, dtype=_LONG)).reshape(-1)
+    return ids.reshape(-1)
+
+
+def _leading(view: MatrixView) -> int:
+    """How many leading dimensions of the parameter form a view's flat rows."""
+    return 2 if view.kind in ("expert_stack", "slice") else 1
+
+
+def grid(view: MatrixView, box: Box) -> tuple[torch.Tensor, torch.Tensor]:
+    """A box of the parameter as (flat rows, flat columns)."""
+    j = _leading(view)
+    return _ids(box[:j], view.shape[:j]), _ids(box[j:], view.shape[j:])
+
+
+def first_row(view: MatrixView, matrix: int) -> int:
+    """The flat row where ``matrix`` of ``view`` begins."""
+    return int(grid(view, view.box(matrix, matrix + 1))[0][0])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One matrix, or one part of it, that Dion2 selects in: the product of ``rows`` and
+    ``cols`` (flat ids, ascending), whose slices are its rows (``axis`` 0) or columns (1);
+    ``count`` of them are chosen. Its norms start at ``slot``, its choice at ``chosen``."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    axis: int
+    count: int
+    slot: int = 0
+    chosen: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.rows if self.axis == 0 else self.cols)
+
+
+def _slice_axis(out_dim: int, in_dim: int, output_axis: int) -> int:
+    """The stored axis Dion2 selects along: the outputs when there are no more of them than
+    inputs, else the inputs (as :func:`muon_dist.update_rule.selected_orthogonalize`)."""
+    return output_axis if out_dim <= in_dim else 1 - output_axis
+
+
+def matrix_segments(
+    view: MatrixView, matrix: int, fraction: float, parts: PartSplit | None
+) -> list[Segment]:
+    """The segments of one matrix: itself, or each of its parts in order."""
+    rows, cols = grid(view, view.box(matrix, matrix + 1))
+    output_axis = 1 if view.transposed else 0
+    if parts is None:
+        out_dim, in_dim = view.out_in
+        axis = _slice_axis(out_dim, in_dim, output_axis)
+        length = len(rows if axis == 0 else cols)
+        return [Segment(rows, cols, axis, selected_count(length, fraction))]
+    outputs = rows if output_axis == 0 else cols
+    inputs = cols if output_axis == 0 else rows
+    per_group = len(outputs) // parts.groups
+    segments: list[Segment] = []
+    offset = 0
+    for size in parts.sizes:
+        mine = torch.cat(
+            [
+                outputs[g * per_group + offset : g * per_group + offset + size]
+                for g in range(parts.groups)
+            ]
+        )
+        offset += size
+        axis = _slice_axis(len(mine), len(inputs), output_axis)
+        part_rows, part_cols = (mine, inputs) if output_axis == 0 else (inputs, mine)
+        length = len(part_rows if axis == 0 else part_cols)
+        segments.append(Segment(part_rows, part_cols, axis, selected_count(length, fraction)))
+    return segments
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The elements of ``segment`` (its index in the bucket; -1: a whole piece that moves
+    as it is, not Dion2's) inside a piece, as flat ``rows`` x ``cols``."""
+
+    segment: int
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PieceGrid:
+    """A piece of a bucket: its flat ``rows`` and ``cols``, its overlaps with the segments,
+    and its peer; ``stack_row``, for an owner's piece, maps a flat row to a row of its
+    stack's ``[matrices·rows, cols]`` view (add it), and is None for a piece of a local
+    shard."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    overlaps: tuple[Overlap, ...]
+    peer: int  # the rank it comes from or goes to
+    width: int  # columns of the 2-D tensor it is read from: its own, or its stack's
+    stack: int = -1  # an owner's piece: its stack's position in the bucket
+    stack_row: int | None = None
+
+
+@dataclass(frozen=True)
+class Rect:
+    """Elements of a piece that travel together: for each of ``g`` groups, the product of
+    ``rows[i]`` and ``cols[i]`` (``[g, a]`` and ``[g, b]``, in the piece's or the stack's
+    coordinates), their values laid out ``[g, a, b]``. ``whole_cols`` (``whole_rows``): the
+    columns (rows) are all of the tensor's, in order."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    whole_rows: bool
+    whole_cols: bool
+
+    @property
+    def numel(self) -> int:
+        return self.rows.numel() * self.cols.shape[-1]
+
+
+def take(x: torch.Tensor, rect: Rect) -> torch.Tensor:
+    """The values of ``rect`` in a 2-D ``x``, flat."""
+    if rect.whole_rows and rect.whole_cols:
+        return x.reshape(-1)
+    if rect.rows.shape[0] == 1 and rect.whole_cols:
+        return x.index_select(0, rect.rows[0]).reshape(-1)
+    if rect.cols.shape[0] == 1 and rect.whole_rows:
+        return x.index_select(1, rect.cols[0]).reshape(-1)
+    return x[rect.rows.unsqueeze(-1), rect.cols.unsqueeze(-2)].reshape(-1)
+
+
+def put_(x: torch.Tensor, rect: Rect, values: torch.Tensor) -> None:
+    """Write flat ``values`` to ``rect`` of a 2-D ``x``."""
+    g, a, b = rect.rows.shape[0], rect.rows.shape[1], rect.cols.shape[1]
+    if g == 1 and rect.whole_cols:
+        x.index_copy_(0, rect.rows[0], values.view(a, b))
+    elif g == 1 and rect.whole_rows:
+        x.index_copy_(1, rect.cols[0], values.view(a, b))
+    else:
+        x.index_put_((rect.rows.unsqueeze(-1), rect.cols.unsqueeze(-2)), values.view(g, a, b))
+
+
+class BucketSelection:
+    """Dion2's layout in one bucket: the segments of its Dion2 blocks (in the bucket's
+    order, the same on every rank) with their places in the norm vector, batched for the
+    top-k by (length, count), and the grid of each piece this rank sends, receives or
+    owns. Built once per plan; :meth:`rects` turns a step's choice into what moves."""
+
+    def __init__(
+        self,
+        bucket: BucketPlan,
+        rank: int,
+        members: Collection[int],
+        views: Sequence[MatrixView],
+        selects: Mapping[int, tuple[float, PartSplit | None]],
+        local_box: Callable[[int], Box],
+        stack_rows: Sequence[tuple[int, int]],
+    ) -> None:
+        """``members``: the ranks this rank exchanges with (a block owned elsewhere is
+        another group's); ``selects``: per Dion2 view (plan index), its fraction and parts;
+        ``local_box``: this rank's box of a view; ``stack_rows``: per owned block, its
+        stack's position in the bucket and its first row in the stack's 2-D view."""
+        self._views = views
+        found: list[Segment] = []
+        self._of_block: dict[int, list[int]] = {}
+        self._of_matrix: dict[tuple[int, int], list[int]] = {}
+        for block in bucket.blocks:
+            if block.view not in selects or block.owner not in members:
+                continue
+            fraction, parts = selects[block.view]
+            for matrix in range(block.start, block.stop):
+                for s in matrix_segments(views[block.view], matrix, fraction, parts):
+                    self._of_block.setdefault(id(block), []).append(len(found))
+                    self._of_matrix.setdefault((id(block), matrix), []).append(len(found))
+                    found.append(s)
+        kinds: dict[tuple[int, int], list[int]] = {}
+        for i, s in enumerate(found):
+            kinds.setdefault((s.length, s.count), []).append(i)
+        self.segments = list(found)
+        # Per batch: (first slot, segments, length, count, first chosen position).
+        self.batches: list[tuple[int, int, int, int, int]] = []
+        slot = chosen = 0
+        for (length, count), members in kinds.items():
+            self.batches.append((slot, len(members), length, count, chosen))
+            for i in members:
+                s = found[i]
+                self.segments[i] = Segment(s.rows, s.cols, s.axis, s.count, slot, chosen)
+                slot += length
+                chosen += count
+        self.slots, self.chosen_count = slot, chosen
+        blocks = {(b.view, b.owner, b.start, b.stop): b for b in bucket.blocks}
+        owned = [blocks[(o.view, rank, o.start, o.stop)] for o in bucket.owned]
+
+        def local_piece(view: int, owner: int, slices: tuple[slice, ...]) -> PieceGrid:
+            full = _shifted(local_box(view), slices)
+            block = next(
+                b
+                for b in bucket.blocks
+                if (b.view, b.owner) == (view, owner) and b.box[0][0] <= full[0][0] < b.box[0][1]
+            )
+            rows, cols = grid(views[view], full)
+            return PieceGrid(rows, cols, self._overlaps(block, rows, cols), owner, len(cols))
+
+        def owned_piece(index: int, slices: tuple[slice, ...], peer: int) -> PieceGrid:
+            block = owned[index]
+            view = views[block.view]
+            rows, cols = grid(view, _shifted(block.box, slices))
+            stack, first = stack_rows[index]
+            shift = first - first_row(view, block.start)
+            overlaps = self._overlaps(block, rows, cols)
+            return PieceGrid(rows, cols, overlaps, peer, view.cols, stack, shift)
+
+        self.gather_sends = [local_piece(p.view, p.peer, p.slices) for p in bucket.gather_sends]
+        self.gather_recvs = [owned_piece(p.block, p.slices, p.peer) for p in bucket.gather_recvs]
+        self.scatter_sends = [owned_piece(p.block, p.slices, p.peer) for p in bucket.scatter_sends]
+        self.scatter_recvs = [local_piece(p.view, p.peer, p.slices) for p in bucket.scatter_recvs]
+        self.own = [
+            owned_piece(i, b.own_slices[1], rank)
+            for i, b in enumerate(bucket.owned)
+            if b.own_slices is not None
+        ]
+        # Per stack position, per part: each matrix's chosen positions, [matrices, count].
+        self.stack_chosen: dict[int, list[torch.Tensor]] = {}
+        for index, block in enumerate(owned):
+            if id(block) not in self._of_block:
+                continue
+            position = stack_rows[index][0]
+            per_part = list(
+                zip(
+                    *(self._of_matrix[(id(block), m)] for m in range(block.start, block.stop)),
+                    strict=True,
+                )
+            )
+            rows = [torch.stack([self._choice(i) for i in members]) for members in per_part]
+            held = self.stack_chosen.get(position)
+            self.stack_chosen[position] = (
+                rows if held is None else [torch.cat(pair) for pair in zip(held, rows, strict=True)]
+            )
+
+    def _choice(self, segment: int) -> torch.Tensor:
+        s = self.segments[segment]
+        return torch.arange(s.chosen, s.chosen + s.count, dtype=_LONG)
+
+    def _overlaps(
+        self, block: Block, rows: torch.Tensor, cols: torch.Tensor
+    ) -> tuple[Overlap, ...]:
+        members = self._of_block.get(id(block))
+        if members is None:  # not Dion2's: the piece moves whole
+            return (Overlap(-1, rows, cols),)
+        overlaps: list[Overlap] = []
+        for i in members:
+            s = self.segments[i]
+            inner_rows = rows[torch.isin(rows, s.rows)]
+            inner_cols = cols[torch.isin(cols, s.cols)]
+            if len(inner_rows) and len(inner_cols):
+                overlaps.append(Overlap(i, inner_rows, inner_cols))
+        return tuple(overlaps)
+
+    # -- norms ------------------------------------------------------------------------------
+
+    def tiles(self, piece: PieceGrid) -> list[tuple[Rect, int, torch.Tensor]]:
+        """A source piece's share of the norms: per batch of like overlaps, its rectangle
+        (in the piece's or, for an owner, the stack's coordinates), the axis its slices run
+        along, and their slots ``[g, a]`` (rows) or ``[g, b]``."""
+        batches: dict[tuple[int, int, int], list[Overlap]] = {}
+        for o in piece.overlaps:
+            if o.segment < 0:
+                continue
+            axis = self.segments[o.segment].axis
+            batches.setdefault((axis, len(o.rows), len(o.cols)), []).append(o)
+        out = []
+        for (axis, _, _), members in batches.items():
+            slots = []
+            for o in members:
+                s = self.segments[o.segment]
+                ids, within = (s.rows, o.rows) if axis == 0 else (s.cols, o.cols)
+                slots.append(s.slot + torch.searchsorted(ids, within))
+            rect = _rect(piece, [o.rows for o in members], [o.cols for o in members])
+            out.append((rect, axis, torch.stack(slots)))
+        return out
+
+    # -- what moves -------------------------------------------------------------------------
+
+    def rects(self, piece: PieceGrid, chosen: torch.Tensor) -> list[Rect]:
+        """The elements of ``piece`` in selected slices (all of a piece that is not
+        Dion2's), given the step's host copy of the chosen positions, as rectangles in the
+        piece's or the stack's coordinates, batched by shape in a fixed order."""
+        batches: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for o in piece.overlaps:
+            rows, cols = o.rows, o.cols
+            if o.segment >= 0:
+                s = self.segments[o.segment]
+                picked = chosen[s.chosen : s.chosen + s.count]
+                if s.axis == 0:
+                    selected = s.rows[picked]
+                    rows = selected[torch.isin(selected, rows)]
+                else:
+                    selected = s.cols[picked]
+                    cols = selected[torch.isin(selected, cols)]
+            if len(rows) and len(cols):
+                pair = batches.setdefault((len(rows), len(cols)), ([], []))
+                pair[0].append(rows)
+                pair[1].append(cols)
+        return [_rect(piece, rows, cols) for rows, cols in batches.values()]
+
+
+def _rect(piece: PieceGrid, rows: Sequence[torch.Tensor], cols: Sequence[torch.Tensor]) -> Rect:
+    """Flat ids to a rectangle in the piece's (local) or the stack's coordinates."""
+    row_ids, col_ids = torch.stack(list(rows)), torch.stack(list(cols))
+    if piece.stack_row is None:
+        row_ids = torch.searchsorted(piece.rows, row_ids)
+        col_ids = torch.searchsorted(piece.cols, col_ids)
+        height = len(piece.rows)
+    else:
+        row_ids = row_ids + piece.stack_row
+        height = -1  # a stack's rows are never all one piece's
+    single = row_ids.shape[0] == 1
+    return Rect(
+        row_ids,
+        col_ids,
+        whole_rows=single and row_ids.shape[1] == height,
+        whole_cols=single and col_ids.shape[1] == piece.width,
+    )
+
+
+def _shifted(box: Box, slices: Sequence[slice]) -> Box:
+    """``slices`` of a tensor holding ``box``, as a box of the parameter."""
+    return tuple((lo + s.start, lo + s.stop) for (lo, _), s in zip(box, slices, strict=True))
+
+
+def rects_to(rects: Sequence[Sequence[Rect]], device: torch.device) -> list[list[Rect]]:
+    """The rectangles' index tensors on ``device``, in one host-to-device copy."""
+    host = [t for piece in rects for r in piece for t in (r.rows, r.cols)]
+    if not host:
+        return [[] for _ in rects]
+    flat = torch.cat([t.reshape(-1) for t in host]).to(device, non_blocking=True)
+    parts = iter(flat.split_with_sizes([t.numel() for t in host]))
+    return [
+        [
+            Rect(
+                next(parts).view(r.rows.shape),
+                next(parts).view(r.cols.shape),
+                r.whole_rows,
+                r.whole_cols,
+            )
+            for r in piece
+        ]
+        for piece in rects
+    ]
