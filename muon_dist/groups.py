@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 _CREATED: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_DEDICATED: dict[tuple[int, ...], dist.ProcessGroup] = {}  # see dedicated()
+_DEDICATED: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}  # see dedicated()
 
 
 @dataclass(frozen=True)
@@ -136,13 +136,15 @@ def comm_groups(
     return CommGroups(rank, world_size, holders, _group_over(ranks, world_size, one_mesh))
 
 
-def dedicated(peers: Peers) -> Peers:
+def dedicated(peers: Peers, use: str = "exchange") -> Peers:
     """A new process group over ``peers``' ranks, for collectives that run while another
-    user of their group (FSDP's reduce-scatters during backward) has its own in flight: on
-    their own communicator, neither queues behind the other. Every rank among ``peers``
-    must call this, in the same order; the optimizers of a process share one such group."""
+    user of their group (FSDP's reduce-scatters during backward, the buckets' all-to-alls)
+    has its own in flight: on their own communicator, neither queues behind the other. One
+    group per ``use``; every rank among ``peers`` must call this, in the same order; the
+    optimizers of a process share one such group per use."""
     if peers.size == 1:
         return peers
-    if peers.ranks not in _DEDICATED:
-        _DEDICATED[peers.ranks] = dist.new_group(list(peers.ranks), use_local_synchronization=True)
-    return Peers(peers.ranks, _DEDICATED[peers.ranks])
+    key = (peers.ranks, use)
+    if key not in _DEDICATED:
+        _DEDICATED[key] = dist.new_group(list(peers.ranks), use_local_synchronization=True)
+    return Peers(peers.ranks, _DEDICATED[key])

@@ -24,7 +24,7 @@ import torch
 
 from muon_dist.agreement import Agreement
 from muon_dist.bucket_map import BucketMap, LocalSlices, StackSpec, bucket_map
-from muon_dist.groups import CommGroups, Peers
+from muon_dist.groups import CommGroups, Peers, dedicated
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import newton_schulz
 from muon_dist.muon_state import MuonState
@@ -311,6 +311,13 @@ class MuonPhase:
             and any(b.view in self._selects and b.owner in self.peers.ranks for b in bucket.blocks)
         )
         self._selections: dict[int, DeviceSelection] = {}
+        # Dion2's norms and choice run ahead of the buckets' Newton–Schulz: on a stream of
+        # their own, their all-reduce on a communicator of its own (neither waits behind
+        # the all-to-alls), so a bucket's host copy of its choice waits for nothing else.
+        self.norm_peers = dedicated(self.peers, "dion2 norms") if self.selected else self.peers
+        self.selection_stream: torch.cuda.Stream | None = None
+        if self.selected and self.device.type == "cuda":
+            self.selection_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
 
     # -- plan time ----------------------------------------------------------------------
 

@@ -110,11 +110,17 @@ def matrix_segments(
 @dataclass(frozen=True)
 class Overlap:
     """The elements of ``segment`` (its index in the bucket; -1: a whole piece that moves
-    as it is, not Dion2's) inside a piece, as flat ``rows`` x ``cols``."""
+    as it is, not Dion2's) inside a piece: flat ``rows`` x ``cols``, and the same in the
+    coordinates of the tensor the piece is read from (``rows_at``, ``cols_at``).
+    ``lookup`` maps each of the segment's slices to its coordinate there (-1: outside the
+    piece), so a step turns the chosen slices into coordinates with one indexing."""
 
     segment: int
     rows: torch.Tensor
     cols: torch.Tensor
+    rows_at: torch.Tensor
+    cols_at: torch.Tensor
+    lookup: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,7 @@ class BucketSelection:
         stack's position in the bucket and its first row in the stack's 2-D view."""
         self._views = views
         found: list[Segment] = []
+        self.segment_views: list[int] = []  # each segment's view
         self._of_block: dict[int, list[int]] = {}
         self._of_matrix: dict[tuple[int, int], list[int]] = {}
         for block in bucket.blocks:
@@ -202,6 +209,7 @@ class BucketSelection:
             fraction, parts = selects[block.view]
             for matrix in range(block.start, block.stop):
                 for s in matrix_segments(views[block.view], matrix, fraction, parts):
+                    self.segment_views.append(block.view)
                     self._of_block.setdefault(id(block), []).append(len(found))
                     self._of_matrix.setdefault((id(block), matrix), []).append(len(found))
                     found.append(s)
@@ -231,7 +239,7 @@ class BucketSelection:
                 if (b.view, b.owner) == (view, owner) and b.box[0][0] <= full[0][0] < b.box[0][1]
             )
             rows, cols = grid(views[view], full)
-            return PieceGrid(rows, cols, self._overlaps(block, rows, cols), owner, len(cols))
+            return PieceGrid(rows, cols, self._overlaps(block, rows, cols, None), owner, len(cols))
 
         def owned_piece(index: int, slices: tuple[slice, ...], peer: int) -> PieceGrid:
             block = owned[index]
@@ -239,7 +247,7 @@ class BucketSelection:
             rows, cols = grid(view, _shifted(block.box, slices))
             stack, first = stack_rows[index]
             shift = first - first_row(view, block.start)
-            overlaps = self._overlaps(block, rows, cols)
+            overlaps = self._overlaps(block, rows, cols, shift)
             return PieceGrid(rows, cols, overlaps, peer, view.cols, stack, shift)
 
         self.gather_sends = [local_piece(p.view, p.peer, p.slices) for p in bucket.gather_sends]
@@ -274,18 +282,35 @@ class BucketSelection:
         return torch.arange(s.chosen, s.chosen + s.count, dtype=_LONG)
 
     def _overlaps(
-        self, block: Block, rows: torch.Tensor, cols: torch.Tensor
+        self, block: Block, rows: torch.Tensor, cols: torch.Tensor, stack_row: int | None
     ) -> tuple[Overlap, ...]:
+        """A piece's overlaps; ``stack_row`` as :class:`PieceGrid`'s."""
+
+        def rows_at(flat: torch.Tensor) -> torch.Tensor:
+            return torch.searchsorted(rows, flat) if stack_row is None else flat + stack_row
+
+        def cols_at(flat: torch.Tensor) -> torch.Tensor:
+            return torch.searchsorted(cols, flat) if stack_row is None else flat
+
         members = self._of_block.get(id(block))
         if members is None:  # not Dion2's: the piece moves whole
-            return (Overlap(-1, rows, cols),)
+            return (Overlap(-1, rows, cols, rows_at(rows), cols_at(cols)),)
         overlaps: list[Overlap] = []
         for i in members:
             s = self.segments[i]
             inner_rows = rows[torch.isin(rows, s.rows)]
             inner_cols = cols[torch.isin(cols, s.cols)]
-            if len(inner_rows) and len(inner_cols):
-                overlaps.append(Overlap(i, inner_rows, inner_cols))
+            if not (len(inner_rows) and len(inner_cols)):
+                continue
+            slices, inner, at = (
+                (s.rows, inner_rows, rows_at) if s.axis == 0 else (s.cols, inner_cols, cols_at)
+            )
+            inside = torch.isin(slices, inner)
+            lookup = torch.full((len(slices),), -1, dtype=_LONG)
+            lookup[inside] = at(slices[inside])
+            overlaps.append(
+                Overlap(i, inner_rows, inner_cols, rows_at(inner_rows), cols_at(inner_cols), lookup)
+            )
         return tuple(overlaps)
 
     # -- norms ------------------------------------------------------------------------------
@@ -307,7 +332,7 @@ class BucketSelection:
                 s = self.segments[o.segment]
                 ids, within = (s.rows, o.rows) if axis == 0 else (s.cols, o.cols)
                 slots.append(s.slot + torch.searchsorted(ids, within))
-            rect = _rect(piece, [o.rows for o in members], [o.cols for o in members])
+            rect = _rect(piece, [o.rows_at for o in members], [o.cols_at for o in members])
             out.append((rect, axis, torch.stack(slots)))
         return out
 
@@ -319,16 +344,12 @@ class BucketSelection:
         piece's or the stack's coordinates, batched by shape in a fixed order."""
         batches: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for o in piece.overlaps:
-            rows, cols = o.rows, o.cols
-            if o.segment >= 0:
+            rows, cols = o.rows_at, o.cols_at
+            if o.lookup is not None:
                 s = self.segments[o.segment]
-                picked = chosen[s.chosen : s.chosen + s.count]
-                if s.axis == 0:
-                    selected = s.rows[picked]
-                    rows = selected[torch.isin(selected, rows)]
-                else:
-                    selected = s.cols[picked]
-                    cols = selected[torch.isin(selected, cols)]
+                at = o.lookup[chosen[s.chosen : s.chosen + s.count]]
+                at = at[at >= 0]
+                rows, cols = (at, cols) if s.axis == 0 else (rows, at)
             if len(rows) and len(cols):
                 pair = batches.setdefault((len(rows), len(cols)), ([], []))
                 pair[0].append(rows)
@@ -337,21 +358,15 @@ class BucketSelection:
 
 
 def _rect(piece: PieceGrid, rows: Sequence[torch.Tensor], cols: Sequence[torch.Tensor]) -> Rect:
-    """Flat ids to a rectangle in the piece's (local) or the stack's coordinates."""
-    row_ids, col_ids = torch.stack(list(rows)), torch.stack(list(cols))
-    if piece.stack_row is None:
-        row_ids = torch.searchsorted(piece.rows, row_ids)
-        col_ids = torch.searchsorted(piece.cols, col_ids)
-        height = len(piece.rows)
-    else:
-        row_ids = row_ids + piece.stack_row
-        height = -1  # a stack's rows are never all one piece's
-    single = row_ids.shape[0] == 1
+    """A rectangle of like overlaps, in the coordinates of the tensor ``piece`` is read from."""
+    row_at, col_at = torch.stack(list(rows)), torch.stack(list(cols))
+    single = row_at.shape[0] == 1
+    height = len(piece.rows) if piece.stack_row is None else -1  # a stack is never one piece
     return Rect(
-        row_ids,
-        col_ids,
-        whole_rows=single and row_ids.shape[1] == height,
-        whole_cols=single and col_ids.shape[1] == piece.width,
+        row_at,
+        col_at,
+        whole_rows=single and row_at.shape[1] == height,
+        whole_cols=single and col_at.shape[1] == piece.width,
     )
 
 
@@ -365,7 +380,10 @@ def rects_to(rects: Sequence[Sequence[Rect]], device: torch.device) -> list[list
     host = [t for piece in rects for r in piece for t in (r.rows, r.cols)]
     if not host:
         return [[] for _ in rects]
-    flat = torch.cat([t.reshape(-1) for t in host]).to(device, non_blocking=True)
+    flat = torch.cat([t.reshape(-1) for t in host])
+    if device.type == "cuda":  # a copy from pageable memory would wait for the whole stream
+        flat = flat.pin_memory()
+    flat = flat.to(device, non_blocking=True)
     parts = iter(flat.split_with_sizes([t.numel() for t in host]))
     return [
         [

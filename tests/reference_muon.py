@@ -148,7 +148,7 @@ def _dion2_step(
     count, rows, cols = matrices if matrices is not None else (1, *param.shape)
     stack = update.reshape(count, rows, cols)
     moms = momentum_buffer.view(count, rows, cols)
-    ortho = torch.zeros(count, rows, cols, dtype=ns_dtype)
+    ortho = torch.zeros(count, rows, cols, dtype=ns_dtype, device=param.device)
     by_rows = rows <= cols
     for i in range(count):
         x = stack[i] if by_rows else stack[i].T

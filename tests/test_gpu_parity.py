@@ -79,3 +79,22 @@ def test_sharded_step_matches_single_device_on_nccl(
     RESULTS.setdefault((world_size, precision), {})[name] = (worst, ok)
     for rank, err in enumerate(results):
         assert not parity_violations(err, precision), f"rank {rank}: {err}"
+
+
+def gpu_dion2_worker(rank: int, world_size: int, name: str) -> dict[str, float]:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return parity_worker(rank, world_size, name, "float32", "float32", "cuda", "dion2")
+
+
+@pytest.mark.parametrize(
+    ("world_size", "name"),
+    [pytest.param(w, name, id=f"w{w}-{name}") for w in (1, 2, 3, 4) for name in case_names(w)],
+)
+def test_dion2_step_matches_single_device_on_nccl(world_size: int, name: str) -> None:
+    """Dion2 on NCCL, fp32: the partial norms' all-reduce, the host copy of the choice and
+    the exchanges sized by it, against the single-device reference."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    results = pool(world_size, "nccl").run(gpu_dion2_worker, name)
+    for rank, err in enumerate(results):
+        assert not parity_violations(err, "float32"), f"rank {rank}: {err}"

@@ -11,7 +11,8 @@ zeros in the slices left out, the form the plain bucket hands over.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -31,6 +32,8 @@ class SelectedContext(Protocol):
     context, and the owner's Newton–Schulz on the chosen slices)."""
 
     peers: Peers
+    norm_peers: Peers  # the norms' all-reduce
+    selection_stream: torch.cuda.Stream | None  # norms and choice (None: one stream)
     comm_dtype: torch.dtype
     device: torch.device
     world_size: int
@@ -82,46 +85,59 @@ def selected_bucket_task(
     ctx: SelectedContext,
 ) -> Task:
     """Wrap one communicating bucket with Dion2 matrices as a task; it yields once per
-    collective or host copy it waits on. ``selection`` gives the bucket's layout."""
-    return Task(bucket.names, _run(where, selection, ctx))
+    collective or host copy it waits on. ``selection`` gives the bucket's layout.
+
+    Its norms and choice run on the selection stream, after only the work queued before
+    the task was made (the step's momentum and gradients, or a hook's)."""
+    made = _event(ctx.selection_stream)
+    return Task(bucket.names, _run(where, selection, ctx, made))
 
 
 def _run(
-    where: BucketMap, selection: Callable[[], DeviceSelection], ctx: SelectedContext
+    where: BucketMap,
+    selection: Callable[[], DeviceSelection],
+    ctx: SelectedContext,
+    made: torch.cuda.Event | None,
 ) -> TaskBody:
     layout = selection()
     sel = layout.host
     dtype, device = ctx.comm_dtype, ctx.device
-    staged = pack(
-        where.gather_send, lambda outs: ctx.read_updates(where.gather_reads, outs), dtype, device
-    )
-    inputs = [
-        view.view(len(p.rows), len(p.cols))
-        for view, p in zip(
-            flat_views(staged, where.gather_send.runs), sel.gather_sends, strict=True
+    side = ctx.selection_stream
+    with _on(side, made):
+        staged = pack(
+            where.gather_send,
+            lambda outs: ctx.read_updates(where.gather_reads, outs),
+            dtype,
+            device,
         )
-    ]
-    stacks = [torch.zeros(s.shape, dtype=dtype, device=device) for s in where.stacks]
-    ctx.read_updates(where.own, region_views(stacks, where.own_regions))
-    planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
-
-    norms = torch.zeros(sel.slots, dtype=torch.float64, device=device)
-    for x, tiles in zip(inputs, layout.send_tiles, strict=True):
-        _add_norms(norms, x, tiles, ctx.backend)
-    for piece, tiles in zip(sel.own, layout.own_tiles, strict=True):
-        _add_norms(norms, planes[piece.stack], tiles, ctx.backend)
-    work = dist.all_reduce(norms, group=ctx.peers.group, async_op=True)
+        inputs = [
+            view.view(len(p.rows), len(p.cols))
+            for view, p in zip(
+                flat_views(staged, where.gather_send.runs), sel.gather_sends, strict=True
+            )
+        ]
+        stacks = [torch.zeros(s.shape, dtype=dtype, device=device) for s in where.stacks]
+        ctx.read_updates(where.own, region_views(stacks, where.own_regions))
+        planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
+        norms = torch.zeros(sel.slots, dtype=torch.float64, device=device)
+        for x, tiles in zip(inputs, layout.send_tiles, strict=True):
+            add_norms(norms, x, tiles, ctx.backend)
+        for piece, tiles in zip(sel.own, layout.own_tiles, strict=True):
+            add_norms(norms, planes[piece.stack], tiles, ctx.backend)
+        work = dist.all_reduce(norms, group=ctx.norm_peers.group, async_op=True)
     yield
-    _wait(work)
-
-    chosen = torch.empty(sel.chosen_count, dtype=torch.long, device=device)
-    for slot, n, length, count, first in sel.batches:
-        top = top_slices(norms[slot : slot + n * length].view(n, length), count)
-        chosen[first : first + n * count].view(n, count).copy_(top)
-    del norms
-    host, ready = _to_host(chosen)
+    with _on(side, None):
+        _wait(work)
+        chosen = torch.empty(sel.chosen_count, dtype=torch.long, device=device)
+        for slot, n, length, count, first in sel.batches:
+            top = top_slices(norms[slot : slot + n * length].view(n, length), count)
+            chosen[first : first + n * count].view(n, count).copy_(top)
+        del norms
+        host, chosen_ready = _to_host(chosen)
     yield
-    ready()
+    if chosen_ready is not None:  # the side stream's work for this bucket is done
+        chosen_ready.synchronize()
+        _hand_over(chosen_ready, [staged, chosen, *stacks])
 
     lists = (sel.gather_sends, sel.gather_recvs, sel.scatter_sends, sel.scatter_recvs)
     moves = iter(rects_to([sel.rects(p, host) for pieces in lists for p in pieces], device))
@@ -174,6 +190,35 @@ def _run(
     ctx.apply(where.scatter_writes, pieces)
 
 
+def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event recorded now on the current stream, where a side stream is to wait on it."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+@contextmanager
+def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Event | None) -> Iterator[None]:
+    """Run the block on ``stream`` (when there is one) once ``after`` has happened."""
+    if stream is None:
+        yield
+        return
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _hand_over(done: torch.cuda.Event, tensors: Sequence[torch.Tensor]) -> None:
+    """The current stream takes over ``tensors``, made on the side stream up to ``done``."""
+    stream = torch.cuda.current_stream()
+    stream.wait_event(done)
+    for tensor in tensors:
+        tensor.record_stream(stream)
+
+
 def _chosen(
     layout: DeviceSelection, position: int, chosen: torch.Tensor
 ) -> list[torch.Tensor] | None:
@@ -181,7 +226,7 @@ def _chosen(
     return None if parts is None else [chosen[index] for index in parts]
 
 
-def _add_norms(
+def add_norms(
     norms: torch.Tensor,
     x: torch.Tensor,
     tiles: Sequence[tuple[Rect, int, torch.Tensor]],
@@ -233,15 +278,16 @@ def _put_all(
             offset += rect.numel
 
 
-def _to_host(chosen: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Start copying the choice to the host; the callable waits until it has arrived."""
+def _to_host(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying the choice to pinned host memory; the event (None off CUDA, where
+    the copy is done on return) marks its arrival on the stream it was queued on."""
     if chosen.device.type != "cuda":
-        return chosen.cpu(), lambda: None
+        return chosen.cpu(), None
     host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
     host.copy_(chosen, non_blocking=True)
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
-    return host, event.synchronize
+    return host, event
 
 
 def _wait(work: dist.Work | None) -> None:
