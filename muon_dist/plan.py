@@ -305,7 +305,11 @@ def _blocks(
 
 
 def _buckets(
-    blocks: Sequence[Block], bucket_bytes: int, itemsize: int, backward_order: bool = False
+    blocks: Sequence[Block],
+    bucket_bytes: int,
+    itemsize: int,
+    backward_order: bool = False,
+    shares: Sequence[float] | None = None,
 ) -> list[list[Block]]:
     """Rounds of work: each bucket gives every owner up to ``bucket_bytes`` of its blocks.
 
@@ -315,8 +319,13 @@ def _buckets(
     owners similar counts of each size), and a block larger than the budget forms a round
     slot of its own. With ``backward_order`` each owner's blocks go last view first
     instead, the order in which backward finishes gradients, so the first buckets can
-    start while backward still runs.
+    start while backward still runs. ``shares`` (per view, default 1) is the part of a
+    block's elements that travels and is orthogonalized (Dion2's fraction): the budget
+    counts those bytes.
     """
+
+    def size(b: Block) -> float:
+        return box_numel(b.box) * itemsize * (1.0 if shares is None else shares[b.view])
 
     def key(b: Block) -> tuple[float, int, int]:
         if backward_order:
@@ -330,11 +339,9 @@ def _buckets(
     while any(queues.values()):
         bucket: list[Block] = []
         for owner in sorted(queues):
-            queue, used = queues[owner], 0
-            while queue and (
-                used == 0 or used + box_numel(queue[0].box) * itemsize <= bucket_bytes
-            ):
-                used += box_numel(queue[0].box) * itemsize
+            queue, used = queues[owner], 0.0
+            while queue and (used == 0 or used + size(queue[0]) <= bucket_bytes):
+                used += size(queue[0])
                 bucket.append(queue.popleft())
         buckets.append(bucket)
     return buckets
@@ -546,9 +553,11 @@ def build_plan(
     replica_mode: str = "split",
     steps: Sequence[int] | None = None,
     backward_order: bool = False,
+    shares: Sequence[float] | None = None,
 ) -> Plan:
     """Decide owners, blocks and buckets for all placements, and keep ``rank``'s share;
-    ``backward_order`` orders the buckets last view first (see :func:`_buckets`)."""
+    ``backward_order`` orders the buckets last view first, ``shares`` weighs each view's
+    bytes in the bucket budget (see :func:`_buckets`)."""
     if replica_mode not in REPLICA_MODES:
         raise ValueError(f"replica_mode={replica_mode!r}; choose one of {list(REPLICA_MODES)}")
     if bucket_bytes <= 0:
@@ -560,6 +569,6 @@ def build_plan(
     boxes = [local_boxes(placement) for placement in placements]
     buckets = [
         _rank_bucket(_by_stack(bucket, placements), placements, rank, boxes)
-        for bucket in _buckets(blocks, bucket_bytes, itemsize, backward_order)
+        for bucket in _buckets(blocks, bucket_bytes, itemsize, backward_order, shares)
     ]
     return Plan(rank, world_size, buckets, load, blocks)

@@ -42,6 +42,14 @@ def fractions(groups: Sequence[dict[str, Any]]) -> list[float | None]:
     return [g.get("dion2_fraction") for g in groups]
 
 
+def _travelling_share(group: dict[str, Any], settings: ExecutionSettings) -> float:
+    """The part of a matrix that travels to its owner: Dion2's fraction of its slices (a
+    captured step moves whole matrices, its exchange sizes being fixed), else all of it."""
+    if group.get("rule", "muon") == "dion2" and not settings.cuda_graph:
+        return float(group["dion2_fraction"])
+    return 1.0
+
+
 def muon_entries(groups: Sequence[dict[str, Any]]) -> tuple[list[MuonEntry], list[int]]:
     """Every matrix view of the Muon parameters, in plan order, and each Muon parameter's
     position among all parameters."""
@@ -138,6 +146,7 @@ class StepRunner:
             replica_mode=settings.replica_mode,
             steps=[e.group["ns_steps"] for e in entries],
             backward_order=settings.overlap == "backward",
+            shares=[_travelling_share(e.group, settings) for e in entries],
         )
         logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
         return MuonPhase(plan, entries, state, settings, group_count, comm, self.agreement)

@@ -97,4 +97,4 @@ def test_dion2_step_matches_single_device_on_nccl(world_size: int, name: str) ->
         pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     results = pool(world_size, "nccl").run(gpu_dion2_worker, name)
     for rank, err in enumerate(results):
-        assert not parity_violations(err, "float32"), f"rank {rank}: {err}"
+        assert not parity_violations(err, "fp32"), f"rank {rank}: {err}"
