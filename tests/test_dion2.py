@@ -2,7 +2,7 @@
 orientation, ``dion2_fraction=1`` against Muon, its options' checks, a changed fraction,
 and a non-finite gradient.
 
-The sharded step against the same reference is ``tests/test_dion2_parity.py``.
+The sharded step against the same reference is ``tests/test_rule_parity.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """NorMuon on one process: the single-matrix rule against the independent reference, its
 orientation, its options' checks and its state through ``state_dict``.
 
-The sharded step against the same reference is ``tests/test_normuon_parity.py``.
+The sharded step against the same reference is ``tests/test_rule_parity.py``.
 """
 
 from __future__ import annotations
