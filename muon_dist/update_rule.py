@@ -59,8 +59,9 @@ def muon_update_(
     magma_score: torch.Tensor | None = None,
     magma_beta: float = 0.9,
     carry: float | None = None,
-) -> None:
-    """One Muon step of one matrix, in place: the reference for every form below.
+) -> torch.Tensor:
+    """One Muon step of one matrix, in place: the reference for every form below. Returns
+    the orthogonalized update as applied (zero where not kept), for a rule's state.
 
     ``lr`` and ``weight_decay`` are fp32 device scalars and ``keep`` a bool one, as the
     step holds them; ``scale`` is the lr scale of the full matrix shape (:func:`lr_scale`).
@@ -86,6 +87,7 @@ def muon_update_(
         decay=None if cautious else decay_factor(rate),
         cautious=rate if cautious else None,
     )
+    return ortho
 
 
 def normuon_update_(
@@ -182,17 +184,11 @@ def dion2_update_(
     for ``L`` slices. With ``fraction=1`` every slice is selected every step, so the stored
     momentum is ``β·(M + G)`` and the step is Muon's. ``transposed``: stored ``[in, out]``.
     """
-    results: list[torch.Tensor] = []
-
-    def selected(x: torch.Tensor) -> torch.Tensor:
-        results.append(selected_orthogonalize(x, orthogonalize, fraction, transposed))
-        return results[0]
-
-    muon_update_(
+    update = muon_update_(
         param,
         grad,
         momentum,
-        selected,
+        lambda x: selected_orthogonalize(x, orthogonalize, fraction, transposed),
         lr=lr,
         weight_decay=weight_decay,
         beta=beta,
@@ -201,7 +197,7 @@ def dion2_update_(
         keep=keep,
         carry=1.0,
     )
-    error_feedback_(momentum, results[0], beta, keep)
+    error_feedback_(momentum, update, beta, keep)
 
 
 # -- scalars ----------------------------------------------------------------------------
