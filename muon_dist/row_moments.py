@@ -29,7 +29,12 @@ from muon_dist.bucket_map import StackSpec
 from muon_dist.groups import Peers
 from muon_dist.plan import BucketPlan
 from muon_dist.routing import MatrixView
-from muon_dist.update_rule import row_factors, row_squares, scale_rows_, second_moment_next
+from muon_dist.update_rule import (
+    owner_row_factors,
+    row_squares,
+    scale_rows_,
+    second_moment_next,
+)
 
 STATE_KEY = "row_second_moment"
 
@@ -44,8 +49,8 @@ class StackRows:
     """Where the output rows of a stack's matrices lie in the vector of all NorMuon rows.
 
     ``index`` is ``[k, m]``; ``transposed`` stacks hold them as columns; ``parts`` gives,
-    for a view whose matrices are cut into parts on the owner, each part's positions among
-    the ``m`` rows (the part's own rows, normalized as a matrix of their own); ``primary``
+    for a view whose matrices are cut into parts on the owner, each part's ``index`` (its
+    own rows, normalized as a matrix of their own, ``[k, part rows]``); ``primary``
     (``[k, 1]``, None where all are) marks the matrices whose sums this rank reports."""
 
     index: torch.Tensor
@@ -127,16 +132,18 @@ class RowMoments:
         index = rows.index
         columns = False
         if part is not None and rows.parts is not None:
-            index = index[:, rows.parts[part]]
+            index = rows.parts[part]
         elif rows.transposed:
             columns = True
         squares = row_squares(result.mT if columns else result)
-        moment = second_moment_next(
-            self._current[index], squares, self._beta2[index], self._weight[index]
+        factors = owner_row_factors(
+            squares,
+            index,
+            (self._current, self._beta2, self._weight, self._eps),
+            rows.primary,
+            self._sums,
+            self._backend,
         )
-        reported = squares if rows.primary is None else torch.where(rows.primary, squares, 0.0)
-        self._sums.index_copy_(0, index.reshape(-1), reported.reshape(-1))
-        factors = row_factors(squares, moment, self._eps[index])
         scale_rows_(result, factors, columns=columns, backend=self._backend)
         return result
 
@@ -199,10 +206,13 @@ def row_moments(
             flags = [
                 primary[block.view] for block in blocks for _ in range(block.start, block.stop)
             ]
+            index = torch.stack(rows).to(device)
             indexed[spec.index] = StackRows(
-                torch.stack(rows).to(device),
+                index,
                 view.transposed,
-                None if view.parts is None else part_rows(*view.parts, device),
+                None
+                if view.parts is None
+                else tuple(index[:, part] for part in part_rows(*view.parts, device)),
                 None if all(flags) else torch.tensor(flags, device=device).view(-1, 1),
             )
     normuon_groups = {j: groups[j] for j in spans}

@@ -517,6 +517,30 @@ def row_factors(
     return ratio / denom
 
 
+def owner_row_factors(
+    squares: torch.Tensor,
+    index: torch.Tensor,
+    coefficients: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    primary: torch.Tensor | None,
+    sums: torch.Tensor,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """An owner's NorMuon factors for ``[k, m]`` row ``squares`` whose rows lie at
+    ``index`` in the per-row vectors ``coefficients`` (current moment, β₂, weight, ε):
+    :func:`second_moment_next` then :func:`row_factors`; the squares are also written to
+    ``sums`` at ``index`` (zero for the matrices not ``primary``, ``[k, 1]``). On CUDA one
+    Triton launch replaces about twenty small ones (:func:`fused_launches`)."""
+    current, beta2, weight, eps = coefficients
+    if fused_launches(backend, squares):
+        from muon_dist.kernels.triton_elementwise import row_factors_triton
+
+        return row_factors_triton(squares, index, current, beta2, weight, eps, primary, sums)
+    moment = second_moment_next(current[index], squares, beta2[index], weight[index])
+    reported = squares if primary is None else torch.where(primary, squares, 0.0)
+    sums.index_copy_(0, index.reshape(-1), reported.reshape(-1))
+    return row_factors(squares, moment, eps[index])
+
+
 def scale_rows_(
     x: torch.Tensor, factors: torch.Tensor, *, columns: bool = False, backend: str = "torch"
 ) -> None:
@@ -607,6 +631,13 @@ def shared_step_updates_(
     if ok is not None:
         scratch.masked_fill_(ok.logical_not(), 0.0)
     torch._foreach_add_(list(params), list(scaled))
+
+
+def fused_launches(backend: str, tensor: torch.Tensor) -> bool:
+    """Whether a pass whose torch form is many small launches on small tensors takes its
+    one-launch Triton form: wherever the backend allows Triton on CUDA, whatever the size,
+    since what it saves is the host's time per launch."""
+    return backend != "torch" and tensor.is_cuda and triton_available()
 
 
 def fused_form(backend: str, *tensors: torch.Tensor) -> bool:

@@ -265,6 +265,27 @@ def test_fused_row_scaling_matches_torch(dtype: torch.dtype, columns: bool) -> N
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("primary", [False, True])
+def test_fused_row_factors_match_torch(primary: bool) -> None:
+    """NorMuon's one-launch factors: fp32 sums in another order, so within fp32 rounding;
+    the reported sums of squares bitwise."""
+    from muon_dist.kernels.triton_elementwise import row_factors_triton
+    from muon_dist.update_rule import owner_row_factors
+
+    k, rows, total = 6, 3000, 20000
+    squares = torch.rand(k, rows, device="cuda") * 4
+    index = torch.randperm(total, device="cuda")[: k * rows].view(k, rows)
+    current, beta2, weight = (torch.rand(total, device="cuda") for _ in range(3))
+    coefficients = (current, beta2, weight, torch.full((total,), 1e-8, device="cuda"))
+    flags = torch.rand(k, 1, device="cuda") > 0.5 if primary else None
+    expected_sums = torch.zeros(total, device="cuda")
+    sums = torch.zeros(total, device="cuda")
+    expected = owner_row_factors(squares, index, coefficients, flags, expected_sums)
+    got = row_factors_triton(squares, index, *coefficients, flags, sums)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=0)
+    assert torch.equal(sums, expected_sums)
+
+
 @pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
 def test_fused_slice_norms_match_torch(axis: int) -> None:
     """Dion2's float64 L1 norms of bf16 slices: exact sums, so equal to torch's bitwise."""

@@ -98,3 +98,27 @@ def test_cpu_dispatch_uses_torch_arithmetic() -> None:
         [grad], [momentum], [out], beta=0.9, mix=0.95, keeps=[keep], store=True, fused=False
     )
     assert torch.equal(momentum, advanced) and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("primary", [None, [True, False, True]], ids=["all", "some"])
+@pytest.mark.parametrize("rows", [5, 1500], ids=str)
+def test_row_factors_match_torch(primary: list[bool] | None, rows: int) -> None:
+    """NorMuon's one-launch factors against the torch form, rows scattered in the vectors."""
+    from muon_dist.update_rule import owner_row_factors
+
+    torch.manual_seed(0)
+    k, total = 3, 3 * rows + 7
+    squares = torch.rand(k, rows) * 4
+    index = torch.randperm(total)[: k * rows].view(k, rows)
+    coefficients = (
+        torch.rand(total),
+        torch.full((total,), 0.95),
+        torch.rand(total),
+        torch.full((total,), 1e-8),
+    )
+    flags = None if primary is None else torch.tensor(primary).view(-1, 1)
+    expected_sums, sums = torch.zeros(total), torch.zeros(total)
+    expected = owner_row_factors(squares, index, coefficients, flags, expected_sums)
+    got = triton_elementwise.row_factors_triton(squares, index, *coefficients, flags, sums)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    assert torch.equal(sums, expected_sums)  # the reported sums are the squares themselves

@@ -142,6 +142,57 @@ def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
     tl.store(out_ptr + batch * slices + index, total, mask=index < slices)
 
 
+@triton.jit
+def _row_factors_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    squares_ptr,
+    index_ptr,
+    current_ptr,
+    beta2_ptr,
+    weight_ptr,
+    eps_ptr,
+    primary_ptr,
+    sums_ptr,
+    factor_ptr,
+    rows,
+    tiny,
+    HAS_PRIMARY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One matrix per program: its rows' next second moments ``v``, the factors
+    ``√(Σ s / Σ s/(√v+ε)²) / (√v+ε)`` and its rows' sums of squares ``s`` reported at
+    their places in ``sums`` (zero where the matrix is not primary); fp32 throughout."""
+    matrix = tl.program_id(0).to(tl.int64)
+    report = tl.load(primary_ptr + matrix) != 0
+    before = tl.zeros((BLOCK,), dtype=tl.float32)
+    after = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, rows, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < rows
+        squares = tl.load(squares_ptr + matrix * rows + offsets, mask=mask, other=0.0)
+        index = tl.load(index_ptr + matrix * rows + offsets, mask=mask, other=0)
+        moment = tl.load(current_ptr + index, mask=mask, other=0.0) * tl.load(
+            beta2_ptr + index, mask=mask, other=0.0
+        ) + squares * tl.load(weight_ptr + index, mask=mask, other=0.0)
+        denom = tl.sqrt(moment) + tl.load(eps_ptr + index, mask=mask, other=1.0)
+        before += squares
+        after += squares / (denom * denom)
+        if HAS_PRIMARY:
+            tl.store(sums_ptr + index, tl.where(report, squares, 0.0), mask=mask)
+        else:
+            tl.store(sums_ptr + index, squares, mask=mask)
+    ratio = tl.sqrt(tl.sum(before, axis=0) / tl.maximum(tl.sum(after, axis=0), tiny))
+    for start in range(0, rows, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < rows
+        squares = tl.load(squares_ptr + matrix * rows + offsets, mask=mask, other=0.0)
+        index = tl.load(index_ptr + matrix * rows + offsets, mask=mask, other=0)
+        moment = tl.load(current_ptr + index, mask=mask, other=0.0) * tl.load(
+            beta2_ptr + index, mask=mask, other=0.0
+        ) + squares * tl.load(weight_ptr + index, mask=mask, other=0.0)
+        denom = tl.sqrt(moment) + tl.load(eps_ptr + index, mask=mask, other=1.0)
+        tl.store(factor_ptr + matrix * rows + offsets, ratio / denom, mask=mask)
+
+
 def _grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, _BLOCK),)
 
@@ -256,3 +307,41 @@ def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
             num_warps=4,
         )
     return out
+
+
+def row_factors_triton(
+    squares: torch.Tensor,
+    index: torch.Tensor,
+    current: torch.Tensor,
+    beta2: torch.Tensor,
+    weight: torch.Tensor,
+    eps: torch.Tensor,
+    primary: torch.Tensor | None,
+    sums: torch.Tensor,
+) -> torch.Tensor:
+    """Fused form of NorMuon's factors (:func:`muon_dist.update_rule.second_moment_next`
+    then :func:`muon_dist.update_rule.row_factors`) for ``[k, m]`` fp32 ``squares`` whose
+    rows lie at ``index`` in the per-row vectors, also writing the squares to ``sums``
+    there (zero for matrices not ``primary``): one launch instead of about twenty."""
+    k, m = squares.shape
+    factors = torch.empty_like(squares)
+    if squares.numel() == 0:
+        return factors
+    with on_device(squares.device):
+        _row_factors_kernel[(k,)](
+            squares.contiguous(),
+            index.contiguous(),
+            current,
+            beta2,
+            weight,
+            eps,
+            (primary if primary is not None else squares).reshape(-1),
+            sums,
+            factors,
+            m,
+            torch.finfo(torch.float32).tiny,
+            HAS_PRIMARY=primary is not None,
+            BLOCK=1024,
+            num_warps=4,
+        )
+    return factors
