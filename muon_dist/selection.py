@@ -6,9 +6,10 @@ Every matrix view is seen as a grid of *flat rows* (its leading dimensions flatt
 shard are each a product of a row set and a column set. A :class:`Segment` is what Dion2
 selects in: one matrix, or one part of it, with the axis its slices run along. A bucket
 lays its segments out in a vector of slice norms (:class:`BucketSelection`); every rank
-adds its pieces' partial norms there (:class:`NormTiles`), one all-reduce sums them, every
-rank takes the same top slices (:func:`muon_dist.update_rule.top_slices`), and each piece
-then moves only its elements in selected slices, as a few rectangles (:class:`Rects`).
+adds its pieces' partial norms there (:meth:`BucketSelection.tiles`), one all-reduce sums
+them, every rank takes the same top slices (:func:`muon_dist.update_rule.top_slices`), and
+each piece then moves only its elements in selected slices, as a few rectangles
+(:class:`Rect`, :meth:`BucketSelection.rects`).
 
 Coordinates: *flat* ones index the whole parameter; a local piece is read as ``[len(rows),
 len(cols)]`` of its own flat ids; an owner's stack as ``[matrices·rows, cols]``.
@@ -198,7 +199,6 @@ class BucketSelection:
         another group's); ``selects``: per Dion2 view (plan index), its fraction and parts;
         ``local_box``: this rank's box of a view; ``stack_rows``: per owned block, its
         stack's position in the bucket and its first row in the stack's 2-D view."""
-        self._views = views
         found: list[Segment] = []
         self.segment_views: list[int] = []  # each segment's view
         self._of_block: dict[int, list[int]] = {}
@@ -220,9 +220,9 @@ class BucketSelection:
         # Per batch: (first slot, segments, length, count, first chosen position).
         self.batches: list[tuple[int, int, int, int, int]] = []
         slot = chosen = 0
-        for (length, count), members in kinds.items():
-            self.batches.append((slot, len(members), length, count, chosen))
-            for i in members:
+        for (length, count), alike in kinds.items():
+            self.batches.append((slot, len(alike), length, count, chosen))
+            for i in alike:
                 s = found[i]
                 self.segments[i] = Segment(s.rows, s.cols, s.axis, s.count, slot, chosen)
                 slot += length
@@ -271,7 +271,7 @@ class BucketSelection:
                     strict=True,
                 )
             )
-            rows = [torch.stack([self._choice(i) for i in members]) for members in per_part]
+            rows = [torch.stack([self._choice(i) for i in part]) for part in per_part]
             held = self.stack_chosen.get(position)
             self.stack_chosen[position] = (
                 rows if held is None else [torch.cat(pair) for pair in zip(held, rows, strict=True)]

@@ -18,40 +18,30 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from muon_dist.bucket_map import BucketMap, LocalSlices, StackSpec, region_views
+from muon_dist.bucket_map import BucketMap, StackSpec, region_views
 from muon_dist.comm import flat_views, pack, peer_splits, start_exchange
 from muon_dist.groups import Peers
 from muon_dist.plan import BucketPlan
+from muon_dist.runtime.bucket_task import StepContext
 from muon_dist.runtime.scheduler import Task, TaskBody
 from muon_dist.selection import BucketSelection, PieceGrid, Rect, put_, rects_to, take
 from muon_dist.update_rule import slice_norms, top_slices
 
 
-class SelectedContext(Protocol):
-    """What a Dion2 bucket task needs from the optimizer for one step (as a plain bucket's
-    context, and the owner's Newton–Schulz on the chosen slices)."""
+class SelectedContext(StepContext, Protocol):
+    """What a Dion2 bucket task needs beyond a plain bucket's: the norms' group and
+    stream, and the owner's Newton–Schulz on the chosen slices."""
 
-    peers: Peers
     norm_peers: Peers  # the norms' all-reduce
     selection_stream: torch.cuda.Stream | None  # norms and choice (None: one stream)
-    comm_dtype: torch.dtype
-    device: torch.device
     world_size: int
     backend: str
-
-    def read_updates(self, pieces: Sequence[LocalSlices], outs: Sequence[torch.Tensor]) -> None:
-        """As :meth:`muon_dist.runtime.bucket_task.StepContext.read_updates`."""
-        ...
 
     def orthogonalize(
         self, stack: torch.Tensor, spec: StackSpec, chosen: Sequence[torch.Tensor] | None = None
     ) -> torch.Tensor:
         """Newton–Schulz on a stack; for a Dion2 stack on the ``chosen`` slices of each
         matrix (per part, ``[matrices, count]``)."""
-        ...
-
-    def apply(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
-        """As :meth:`muon_dist.runtime.bucket_task.StepContext.apply`."""
         ...
 
 
