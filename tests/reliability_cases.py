@@ -24,12 +24,13 @@ def _sharded(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, nn.Parame
     return full, nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
 
 
-def nonfinite_on_one_rank_skips_everywhere() -> None:
+def nonfinite_on_one_rank_skips_everywhere(rule: str = "muon") -> None:
     full, p = _sharded((10, 6), 0)
     bias = nn.Parameter(torch.zeros(6))
     opt = muon_dist.Muon(
         [{"params": [p], "algorithm": "muon"}, {"params": [bias], "algorithm": "adamw"}],
         nonfinite="skip_step",
+        rule=rule,
     )
     grad = torch.randn(10, 6)
     if dist.get_rank() == 1:
@@ -42,10 +43,19 @@ def nonfinite_on_one_rank_skips_everywhere() -> None:
     assert torch.equal(bias.detach(), torch.zeros(6))
     assert opt.param_groups[0]["skipped_steps"] == 1
     assert torch.count_nonzero(opt.state[p]["momentum_buffer"].full_tensor()) == 0
+    muon = opt.runner.muon
+    assert muon is not None and bool(muon.selected) == (rule == "dion2")
 
-    raising = muon_dist.Muon([{"params": [p], "param_names": ["mlp.w"], "algorithm": "muon"}])
+    raising = muon_dist.Muon(
+        [{"params": [p], "param_names": ["mlp.w"], "algorithm": "muon"}], rule=rule
+    )
     with pytest.raises(FloatingPointError, match=r"step 1: non-finite gradient in mlp\.w"):
         raising.step()
+
+
+def dion2_nonfinite_on_one_rank_skips_everywhere() -> None:
+    """Under Dion2 the NaN also reaches every rank's slice norms (one all-reduce)."""
+    nonfinite_on_one_rank_skips_everywhere("dion2")
 
 
 def gradient_on_some_ranks_only_counts_as_zero() -> None:
@@ -178,7 +188,9 @@ def adamw_gradient_on_some_ranks_only_counts_as_zero() -> None:
     assert steps == [1.0] * dist.get_world_size(), steps
 
 
-def _exception_on_one_rank_is_agreed(site: str, policies: tuple[str, ...]) -> None:
+def _exception_on_one_rank_is_agreed(
+    site: str, policies: tuple[str, ...], rule: str = "muon"
+) -> None:
     """``site`` raises on rank 1 only: it raises that, the others name it; no hang."""
     import muon_dist.muon_phase as step_module
     import muon_dist.piece_io as io_module
@@ -194,7 +206,7 @@ def _exception_on_one_rank_is_agreed(site: str, policies: tuple[str, ...]) -> No
         return original(*args, **kwargs)
 
     for policy in policies:
-        opt = muon_dist.Muon([{"params": params, "algorithm": "muon"}], nonfinite=policy)
+        opt = muon_dist.Muon([{"params": params, "algorithm": "muon"}], nonfinite=policy, rule=rule)
         for full, p in pairs:
             p.grad = distribute_tensor(torch.randn(full.shape), p.device_mesh, [Shard(0)])
         setattr(owner, site, broken_on_rank_1)
@@ -224,6 +236,13 @@ def exception_in_newton_schulz_on_one_rank_is_agreed() -> None:
 
 def exception_reading_an_update_on_one_rank_is_agreed() -> None:
     _exception_on_one_rank_is_agreed("read", ("skip_step", "raise"))
+
+
+def dion2_exception_on_one_rank_is_agreed() -> None:
+    """Dion2's bucket (norms, choice, selected slices) agrees on a failed read or
+    Newton–Schulz like the plain one: no rank is left in a collective."""
+    _exception_on_one_rank_is_agreed("read", ("skip_step", "raise"), "dion2")
+    _exception_on_one_rank_is_agreed("newton_schulz", ("skip_step", "raise"), "dion2")
 
 
 def exception_writing_an_update_on_one_rank_is_agreed() -> None:
@@ -265,6 +284,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     check.__name__: check
     for check in (
         nonfinite_on_one_rank_skips_everywhere,
+        dion2_nonfinite_on_one_rank_skips_everywhere,
         gradient_on_some_ranks_only_counts_as_zero,
         no_gradient_anywhere_is_left_alone,
         nonfinite_result_on_one_rank_skips_everywhere,
@@ -273,6 +293,7 @@ CHECKS: dict[str, Callable[[], None]] = {
         adamw_gradient_on_some_ranks_only_counts_as_zero,
         exception_in_newton_schulz_on_one_rank_is_agreed,
         exception_reading_an_update_on_one_rank_is_agreed,
+        dion2_exception_on_one_rank_is_agreed,
         exception_writing_an_update_on_one_rank_is_agreed,
         option_refused_on_one_rank_raises_on_every_rank,
         full_momentum_for_a_sharded_parameter_is_refused,
