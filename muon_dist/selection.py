@@ -122,6 +122,7 @@ class Overlap:
     rows_at: torch.Tensor
     cols_at: torch.Tensor
     lookup: torch.Tensor | None = None
+    whole: bool = True  # every slice of the segment lies (in part) inside the piece
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,15 @@ class BucketSelection:
             lookup = torch.full((len(slices),), -1, dtype=_LONG)
             lookup[inside] = at(slices[inside])
             overlaps.append(
-                Overlap(i, inner_rows, inner_cols, rows_at(inner_rows), cols_at(inner_cols), lookup)
+                Overlap(
+                    i,
+                    inner_rows,
+                    inner_cols,
+                    rows_at(inner_rows),
+                    cols_at(inner_cols),
+                    lookup,
+                    bool(inside.all()),
+                )
             )
         return tuple(overlaps)
 
@@ -347,8 +356,9 @@ class BucketSelection:
             rows, cols = o.rows_at, o.cols_at
             if o.lookup is not None:
                 s = self.segments[o.segment]
-                at = o.lookup[chosen[s.chosen : s.chosen + s.count]]
-                at = at[at >= 0]
+                at = o.lookup.index_select(0, chosen[s.chosen : s.chosen + s.count])
+                if not o.whole:  # (index_select: several times faster than indexing here)
+                    at = at.index_select(0, (at >= 0).nonzero().squeeze(1))
                 rows, cols = (at, cols) if s.axis == 0 else (rows, at)
             if len(rows) and len(cols):
                 pair = batches.setdefault((len(rows), len(cols)), ([], []))
@@ -359,7 +369,8 @@ class BucketSelection:
 
 def _rect(piece: PieceGrid, rows: Sequence[torch.Tensor], cols: Sequence[torch.Tensor]) -> Rect:
     """A rectangle of like overlaps, in the coordinates of the tensor ``piece`` is read from."""
-    row_at, col_at = torch.stack(list(rows)), torch.stack(list(cols))
+    row_at = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(list(rows))
+    col_at = cols[0].unsqueeze(0) if len(cols) == 1 else torch.stack(list(cols))
     single = row_at.shape[0] == 1
     height = len(piece.rows) if piece.stack_row is None else -1  # a stack is never one piece
     return Rect(
