@@ -87,9 +87,10 @@ class Muon(torch.optim.Optimizer):
     :func:`muon_dist.update_rule.dion2_update_`) the gradient is added to :math:`M`
     without decay, Newton–Schulz runs on the ``dion2_fraction`` of each matrix's slices
     (output rows, or input columns where there are more outputs than inputs) whose
-    Newton–Schulz input has the largest L1 norms, chosen by the owner from the whole matrix, so
-    exactly and whatever the layout; only those slices of :math:`W` move and only their
-    momentum decays by :math:`\beta` (error feedback). ``dion2_fraction=1`` is Muon.
+    Newton–Schulz input has the largest L1 norms, summed across the ranks holding the matrix
+    and chosen alike on all of them, so exactly and whatever the layout; only those slices
+    travel to the owner and back, only they of :math:`W` move and only their momentum decays
+    by :math:`\beta` (error feedback). ``dion2_fraction=1`` is Muon.
 
     Groups carry ``"algorithm": "muon" | "adamw"``; a group without it is split, >=2-D
     parameters to Muon and the rest to AdamW. Muon parameters may be plain tensors or
@@ -132,7 +133,7 @@ class Muon(torch.optim.Optimizer):
         adamw_eps (float, default 1e-8): AdamW's eps.
         adamw_weight_decay (float, default 0.0): AdamW's weight decay.
         bucket_bytes (int, default 128 MiB): gathered matrix bytes each owner handles per
-            bucket.
+            bucket (of a Dion2 matrix, the share of its slices that travels).
         max_inflight (int, default 3): buckets in flight at once.
         replica_mode (str, default "split"): HSDP replicas split the Newton–Schulz work
             (``"split"``) or each redo it (``"redundant"``).
