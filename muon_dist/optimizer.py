@@ -133,7 +133,8 @@ class Muon(torch.optim.Optimizer):
         adamw_eps (float, default 1e-8): AdamW's eps.
         adamw_weight_decay (float, default 0.0): AdamW's weight decay.
         bucket_bytes (int, default 128 MiB): gathered matrix bytes each owner handles per
-            bucket (of a Dion2 matrix, the share of its slices that travels).
+            bucket (of a Dion2 matrix exchanged between ranks, only the share of its slices
+            that travels).
         max_inflight (int, default 3): buckets in flight at once.
         replica_mode (str, default "split"): HSDP replicas split the Newton–Schulz work
             (``"split"``) or each redo it (``"redundant"``).

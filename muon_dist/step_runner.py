@@ -42,10 +42,11 @@ def fractions(groups: Sequence[dict[str, Any]]) -> list[float | None]:
     return [g.get("dion2_fraction") for g in groups]
 
 
-def _travelling_share(group: dict[str, Any], settings: ExecutionSettings) -> float:
-    """The part of a matrix that travels to its owner: Dion2's fraction of its slices (a
-    captured step moves whole matrices, its exchange sizes being fixed), else all of it."""
-    if group.get("rule", "muon") == "dion2" and not settings.cuda_graph:
+def _travelling_share(group: dict[str, Any], settings: ExecutionSettings, peers: int) -> float:
+    """The part of a matrix the bucket budget counts: Dion2's fraction of its slices where
+    only they travel (among several ``peers``, uncaptured: a captured step's exchange
+    sizes are fixed, so whole matrices travel there), else all of it."""
+    if group.get("rule", "muon") == "dion2" and peers > 1 and not settings.cuda_graph:
         return float(group["dion2_fraction"])
     return 1.0
 
@@ -146,7 +147,7 @@ class StepRunner:
             replica_mode=settings.replica_mode,
             steps=[e.group["ns_steps"] for e in entries],
             backward_order=settings.overlap == "backward",
-            shares=[_travelling_share(e.group, settings) for e in entries],
+            shares=[_travelling_share(e.group, settings, comm.exchange.size) for e in entries],
         )
         logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
         return MuonPhase(plan, entries, state, settings, group_count, comm, self.agreement)
