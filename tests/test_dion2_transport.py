@@ -8,7 +8,7 @@ each matrix's slices travel to the owner and back, plus one all-reduce of the sl
 from __future__ import annotations
 
 import pytest
-from dion2_transport_cases import sent_bytes
+from dion2_transport_cases import mixed_rules_error, sent_bytes
 from dist_harness import run_distributed
 
 
@@ -24,3 +24,9 @@ def test_dion2_sends_a_quarter_of_muons_bytes(world_size: int) -> None:
         assert dion2_total <= 0.3 * muon_total, (rank, dion2[rank], muon[rank])
         # Every slice selected: the same elements travel as under Muon.
         assert everything[rank][0] == muon[rank][0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_muon_and_dion2_groups_share_a_bucket(world_size: int) -> None:
+    for rank, err in enumerate(run_distributed(world_size, mixed_rules_error)):
+        assert err <= 1e-5, f"rank {rank}: {err}"
