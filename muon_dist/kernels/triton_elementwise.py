@@ -143,6 +143,32 @@ def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
 
 
 @triton.jit
+def _row_denominators(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    squares_ptr,
+    index_ptr,
+    current_ptr,
+    beta2_ptr,
+    weight_ptr,
+    eps_ptr,
+    first,
+    start,
+    rows,
+    BLOCK: tl.constexpr,
+):
+    """A block of a matrix's rows from ``start`` on: their offsets, mask, sums of squares
+    ``s``, places in the per-row vectors, and ``√v + ε`` with ``v = v₀·β₂ + s·w``."""
+    offsets = start + tl.arange(0, BLOCK)
+    mask = offsets < rows
+    squares = tl.load(squares_ptr + first + offsets, mask=mask, other=0.0)
+    index = tl.load(index_ptr + first + offsets, mask=mask, other=0)
+    moment = tl.load(current_ptr + index, mask=mask, other=0.0) * tl.load(
+        beta2_ptr + index, mask=mask, other=0.0
+    ) + squares * tl.load(weight_ptr + index, mask=mask, other=0.0)
+    denom = tl.sqrt(moment) + tl.load(eps_ptr + index, mask=mask, other=1.0)
+    return offsets, mask, squares, index, denom
+
+
+@triton.jit
 def _row_factors_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     squares_ptr,
     index_ptr,
@@ -160,37 +186,47 @@ def _row_factors_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
 ):
     """One matrix per program: its rows' next second moments ``v``, the factors
     ``√(Σ s / Σ s/(√v+ε)²) / (√v+ε)`` and its rows' sums of squares ``s`` reported at
-    their places in ``sums`` (zero where the matrix is not primary); fp32 throughout."""
+    their places in ``sums`` (zero where the matrix is not primary); fp32 throughout.
+    Two passes over the rows: the sums, then the factors."""
     matrix = tl.program_id(0).to(tl.int64)
-    report = tl.load(primary_ptr + matrix) != 0
+    first = matrix * rows
     before = tl.zeros((BLOCK,), dtype=tl.float32)
     after = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, rows, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < rows
-        squares = tl.load(squares_ptr + matrix * rows + offsets, mask=mask, other=0.0)
-        index = tl.load(index_ptr + matrix * rows + offsets, mask=mask, other=0)
-        moment = tl.load(current_ptr + index, mask=mask, other=0.0) * tl.load(
-            beta2_ptr + index, mask=mask, other=0.0
-        ) + squares * tl.load(weight_ptr + index, mask=mask, other=0.0)
-        denom = tl.sqrt(moment) + tl.load(eps_ptr + index, mask=mask, other=1.0)
+        _, mask, squares, index, denom = _row_denominators(
+            squares_ptr,
+            index_ptr,
+            current_ptr,
+            beta2_ptr,
+            weight_ptr,
+            eps_ptr,
+            first,
+            start,
+            rows,
+            BLOCK,
+        )
         before += squares
         after += squares / (denom * denom)
         if HAS_PRIMARY:
+            report = tl.load(primary_ptr + matrix) != 0
             tl.store(sums_ptr + index, tl.where(report, squares, 0.0), mask=mask)
         else:
             tl.store(sums_ptr + index, squares, mask=mask)
     ratio = tl.sqrt(tl.sum(before, axis=0) / tl.maximum(tl.sum(after, axis=0), tiny))
     for start in range(0, rows, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < rows
-        squares = tl.load(squares_ptr + matrix * rows + offsets, mask=mask, other=0.0)
-        index = tl.load(index_ptr + matrix * rows + offsets, mask=mask, other=0)
-        moment = tl.load(current_ptr + index, mask=mask, other=0.0) * tl.load(
-            beta2_ptr + index, mask=mask, other=0.0
-        ) + squares * tl.load(weight_ptr + index, mask=mask, other=0.0)
-        denom = tl.sqrt(moment) + tl.load(eps_ptr + index, mask=mask, other=1.0)
-        tl.store(factor_ptr + matrix * rows + offsets, ratio / denom, mask=mask)
+        offsets, mask, _, _, denom = _row_denominators(
+            squares_ptr,
+            index_ptr,
+            current_ptr,
+            beta2_ptr,
+            weight_ptr,
+            eps_ptr,
+            first,
+            start,
+            rows,
+            BLOCK,
+        )
+        tl.store(factor_ptr + first + offsets, ratio / denom, mask=mask)
 
 
 def _grid(numel: int) -> tuple[int]:
