@@ -75,15 +75,21 @@ class Region:
     slices: Slices | None  # of each piece inside its block
 
 
-def stack_regions(
-    bucket: BucketPlan, stacks: Sequence[StackSpec], pieces: Sequence[tuple[int, Slices]]
-) -> tuple[Region, ...]:
-    """The regions of ``(owned block, slices in the block)`` pieces, in their order."""
-    where = {
+def stack_places(stacks: Sequence[StackSpec]) -> dict[int, tuple[int, int]]:
+    """Each owned block (its index in the bucket) -> its stack's position among
+    ``stacks`` and the block's first matrix in that stack."""
+    return {
         block: (position, offset)
         for position, stack in enumerate(stacks)
         for block, offset in zip(stack.blocks, stack.offsets, strict=True)
     }
+
+
+def stack_regions(
+    bucket: BucketPlan, stacks: Sequence[StackSpec], pieces: Sequence[tuple[int, Slices]]
+) -> tuple[Region, ...]:
+    """The regions of ``(owned block, slices in the block)`` pieces, in their order."""
+    where = stack_places(stacks)
     out: list[Region] = []
     for index, slices in pieces:
         block = bucket.owned[index]

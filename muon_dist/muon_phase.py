@@ -353,21 +353,15 @@ class MuonPhase:
         """Bucket ``index``'s Dion2 layout, laid out on its first step."""
         found = self._selections.get(index)
         if found is None:
-            bucket, where = self.plan.buckets[index], self.maps[index]
-            place = {
-                block: (position, offset * spec.shape[1])
-                for position, spec in enumerate(where.stacks)
-                for block, offset in zip(spec.blocks, spec.offsets, strict=True)
-            }
             found = self._selections[index] = DeviceSelection(
                 BucketSelection(
-                    bucket,
+                    self.plan.buckets[index],
                     self.rank,
                     self.peers.ranks,
                     [e.view for e in self.entries],
                     self._selects,
                     self._local_box,
-                    [place[i] for i in range(len(bucket.owned))],
+                    self.maps[index].stacks,
                 ),
                 self.device,
             )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from muon_dist.bucket_map import StackSpec, stack_places
 from muon_dist.plan import Block, BucketPlan
 from muon_dist.routing import Box, MatrixView, PartSplit
 from muon_dist.update_rule import selected_count
@@ -194,12 +195,11 @@ class BucketSelection:
         views: Sequence[MatrixView],
         selects: Mapping[int, tuple[float, PartSplit | None]],
         local_box: Callable[[int], Box],
-        stack_rows: Sequence[tuple[int, int]],
+        stacks: Sequence[StackSpec],
     ) -> None:
         """``members``: the ranks this rank exchanges with (a block owned elsewhere is
         another group's); ``selects``: per Dion2 view (plan index), its fraction and parts;
-        ``local_box``: this rank's box of a view; ``stack_rows``: per owned block, its
-        stack's position in the bucket and its first row in the stack's 2-D view."""
+        ``local_box``: this rank's box of a view; ``stacks``: the bucket's stacks."""
         found: list[Segment] = []
         self.segment_views: list[int] = []  # each segment's view
         self._of_block: dict[int, list[int]] = {}
@@ -230,6 +230,7 @@ class BucketSelection:
                 chosen += count
         self.slots, self.chosen_count = slot, chosen
         blocks = {(b.view, b.owner, b.start, b.stop): b for b in bucket.blocks}
+        places = stack_places(stacks)
         owned = [blocks[(o.view, rank, o.start, o.stop)] for o in bucket.owned]
 
         def local_piece(view: int, owner: int, slices: tuple[slice, ...]) -> PieceGrid:
@@ -246,8 +247,8 @@ class BucketSelection:
             block = owned[index]
             view = views[block.view]
             rows, cols = grid(view, _shifted(block.box, slices))
-            stack, first = stack_rows[index]
-            shift = first - first_row(view, block.start)
+            stack, offset = places[index]
+            shift = offset * stacks[stack].shape[1] - first_row(view, block.start)
             overlaps = self._overlaps(block, rows, cols, shift)
             return PieceGrid(rows, cols, overlaps, peer, view.cols, stack, shift)
 
@@ -265,7 +266,7 @@ class BucketSelection:
         for index, block in enumerate(owned):
             if id(block) not in self._of_block:
                 continue
-            position = stack_rows[index][0]
+            position = places[index][0]
             per_part = list(
                 zip(
                     *(self._of_matrix[(id(block), m)] for m in range(block.start, block.stop)),

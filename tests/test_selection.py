@@ -95,11 +95,6 @@ def test_ranks_agree_on_norms_and_on_what_travels(
         selections = []
         for bucket in plan.buckets:
             where = bucket_map(bucket, 0, world, peers)
-            place = {
-                block: (position, offset * spec.shape[1])
-                for position, spec in enumerate(where.stacks)
-                for block, offset in zip(spec.blocks, spec.offsets, strict=True)
-            }
             selections.append(
                 BucketSelection(
                     bucket,
@@ -108,7 +103,7 @@ def test_ranks_agree_on_norms_and_on_what_travels(
                     views,
                     selects,
                     lambda v, r=rank: local_boxes(layouts[v])[r],
-                    [place[i] for i in range(len(bucket.owned))],
+                    where.stacks,
                 )
             )
         per_rank.append((plan, selections))
