@@ -481,8 +481,11 @@ class MuonPhase:
             tuple[int, Coefficients, PartSplit | None, str, tuple[Any, ...] | None], spec.ns_key
         )
         rows = self.row_moments.stacks.get(spec.index)
+        selected = after if after is not None and after[0] == "dion2" else None
 
         def orthogonalize(x: torch.Tensor) -> torch.Tensor:
+            # Dion2's step is bound by the host: its stacks, a quarter of the slices, replay
+            # from graphs whatever their size.
             return newton_schulz(
                 x,
                 steps=steps,
@@ -490,15 +493,16 @@ class MuonPhase:
                 dtype=self.settings.ns_dtype,
                 backend=self.settings.backend,
                 method=method,
+                graphed=selected is not None,
             )
 
         def run(x: torch.Tensor, part: int | None = None) -> torch.Tensor:
-            if after is not None and after[0] == "dion2":
+            if selected is not None:
                 # A part is handed over by output rows, whatever the storage.
-                transposed = after[1] and part is None
+                transposed = selected[1] and part is None
                 index = None if chosen is None else chosen[part or 0]
                 return selected_orthogonalize(
-                    x, orthogonalize, after[2], transposed, self.settings.backend, index
+                    x, orthogonalize, selected[2], transposed, self.settings.backend, index
                 )
             result = orthogonalize(x)
             return result if rows is None else self.row_moments.normalize(result, rows, part)

@@ -107,7 +107,7 @@ class _Writes:
     positions whose unchecked updates are selected one by one."""
 
     masked: tuple[int, ...]
-    feedback: tuple[int, ...]  # Dion2's pieces, whose selected slices' momenta decay
+    feedback: tuple[int, ...]  # Dion2's pieces whose error feedback is not in their write
     alone: tuple[int, ...]
     loose: tuple[int, ...]
     loose_targets: tuple[torch.Tensor, ...]
@@ -299,7 +299,11 @@ class PieceIO:
         targets = [self._pieces(*piece)[0] for piece in pieces]
         return _Writes(
             tuple(i for i in alone + loose if pieces[i][0] not in forms.fused_writes),
-            tuple(i for i, (j, _) in enumerate(pieces) if _rule(forms.groups[j]) == "dion2"),
+            tuple(
+                i
+                for i, (j, _) in enumerate(pieces)
+                if _rule(forms.groups[j]) == "dion2" and i not in alone
+            ),
             tuple(alone),
             tuple(loose),
             tuple(targets[i] for i in loose),
@@ -324,6 +328,7 @@ class PieceIO:
         magma_step = scalars.magma_step_of.get(index)
         step = magma_step[slices[0]] if magma_step is not None else scalars.step_of[index]
         fused = index in self.forms.fused_writes
+        group = self.forms.groups[index]
         post_orthogonalize_(
             target,
             update,
@@ -332,4 +337,9 @@ class PieceIO:
             decay=scalars.decay_of[j] if fused else None,
             cautious=scalars.cautious_of[j] if self._cautious[index] else None,
             fused=fused,
+            feedback=(
+                (self._pieces(index, slices)[1], group["momentum"])
+                if _rule(group) == "dion2"
+                else None
+            ),
         )

@@ -12,14 +12,19 @@ each piece then moves only its elements in selected slices, as a few rectangles
 (:class:`Rect`, :meth:`BucketSelection.rects`).
 
 Coordinates: *flat* ones index the whole parameter; a local piece is read as ``[len(rows),
-len(cols)]`` of its own flat ids; an owner's stack as ``[matrices·rows, cols]``.
+len(cols)]`` of its own flat ids; an owner's stack as ``[matrices·rows, cols]``. What a
+step computes (:meth:`BucketSelection.rects`) is numpy on the host, a few microseconds per
+operation where torch's CPU dispatch takes several times that, and reaches the device in
+one copy (:func:`rects_to`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from muon_dist.bucket_map import StackSpec, stack_places
@@ -113,16 +118,16 @@ def matrix_segments(
 class Overlap:
     """The elements of ``segment`` (its index in the bucket; -1: a whole piece that moves
     as it is, not Dion2's) inside a piece: flat ``rows`` x ``cols``, and the same in the
-    coordinates of the tensor the piece is read from (``rows_at``, ``cols_at``).
+    coordinates of the tensor the piece is read from (``rows_at``, ``cols_at``, numpy).
     ``lookup`` maps each of the segment's slices to its coordinate there (-1: outside the
     piece), so a step turns the chosen slices into coordinates with one indexing."""
 
     segment: int
     rows: torch.Tensor
     cols: torch.Tensor
-    rows_at: torch.Tensor
-    cols_at: torch.Tensor
-    lookup: torch.Tensor | None = None
+    rows_at: np.ndarray
+    cols_at: np.ndarray
+    lookup: np.ndarray | None = None
     whole: bool = True  # every slice of the segment lies (in part) inside the piece
 
 
@@ -143,40 +148,54 @@ class PieceGrid:
 
 
 @dataclass(frozen=True)
-class Rect:
-    """Elements of a piece that travel together: for each of ``g`` groups, the product of
-    ``rows[i]`` and ``cols[i]`` (``[g, a]`` and ``[g, b]``, in the piece's or the stack's
-    coordinates), their values laid out ``[g, a, b]``. ``whole_cols`` (``whole_rows``): the
-    columns (rows) are all of the tensor's, in order."""
+class HostRect:
+    """Elements of a piece that travel together: for each of ``g`` groups (``shape`` is
+    ``(g, a, b)``), the product of ``rows[i]`` and ``cols[i]`` (``[g, a]`` and ``[g, b]``,
+    in the piece's or the stack's coordinates), their values laid out ``[g, a, b]``. Rows
+    (columns) None: all of the tensor's, in order, in one group. Planned on the host
+    (numpy); a :class:`Rect` is the same on the device."""
 
-    rows: torch.Tensor
-    cols: torch.Tensor
-    whole_rows: bool
-    whole_cols: bool
+    shape: tuple[int, int, int]
+    rows: np.ndarray | None
+    cols: np.ndarray | None
 
     @property
     def numel(self) -> int:
-        return self.rows.numel() * self.cols.shape[-1]
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Rect:
+    """A :class:`HostRect` whose indices are tensors on the device it indexes."""
+
+    shape: tuple[int, int, int]
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 def take(x: torch.Tensor, rect: Rect) -> torch.Tensor:
     """The values of ``rect`` in a 2-D ``x``, flat."""
-    if rect.whole_rows and rect.whole_cols:
-        return x.reshape(-1)
-    if rect.rows.shape[0] == 1 and rect.whole_cols:
+    if rect.rows is None:
+        return x.reshape(-1) if rect.cols is None else x.index_select(1, rect.cols[0]).reshape(-1)
+    if rect.cols is None:
         return x.index_select(0, rect.rows[0]).reshape(-1)
-    if rect.cols.shape[0] == 1 and rect.whole_rows:
-        return x.index_select(1, rect.cols[0]).reshape(-1)
     return x[rect.rows.unsqueeze(-1), rect.cols.unsqueeze(-2)].reshape(-1)
 
 
 def put_(x: torch.Tensor, rect: Rect, values: torch.Tensor) -> None:
     """Write flat ``values`` to ``rect`` of a 2-D ``x``."""
-    g, a, b = rect.rows.shape[0], rect.rows.shape[1], rect.cols.shape[1]
-    if g == 1 and rect.whole_cols:
+    g, a, b = rect.shape
+    if rect.rows is None:
+        if rect.cols is None:
+            x.copy_(values.view(a, b))
+        else:
+            x.index_copy_(1, rect.cols[0], values.view(a, b))
+    elif rect.cols is None:
         x.index_copy_(0, rect.rows[0], values.view(a, b))
-    elif g == 1 and rect.whole_rows:
-        x.index_copy_(1, rect.cols[0], values.view(a, b))
     else:
         x.index_put_((rect.rows.unsqueeze(-1), rect.cols.unsqueeze(-2)), values.view(g, a, b))
 
@@ -288,11 +307,12 @@ class BucketSelection:
     ) -> tuple[Overlap, ...]:
         """A piece's overlaps; ``stack_row`` as :class:`PieceGrid`'s."""
 
-        def rows_at(flat: torch.Tensor) -> torch.Tensor:
-            return torch.searchsorted(rows, flat) if stack_row is None else flat + stack_row
+        def rows_at(flat: torch.Tensor) -> np.ndarray:
+            at = torch.searchsorted(rows, flat) if stack_row is None else flat + stack_row
+            return at.numpy()
 
-        def cols_at(flat: torch.Tensor) -> torch.Tensor:
-            return torch.searchsorted(cols, flat) if stack_row is None else flat
+        def cols_at(flat: torch.Tensor) -> np.ndarray:
+            return (torch.searchsorted(cols, flat) if stack_row is None else flat).numpy()
 
         members = self._of_block.get(id(block))
         if members is None:  # not Dion2's: the piece moves whole
@@ -308,8 +328,8 @@ class BucketSelection:
                 (s.rows, inner_rows, rows_at) if s.axis == 0 else (s.cols, inner_cols, cols_at)
             )
             inside = torch.isin(slices, inner)
-            lookup = torch.full((len(slices),), -1, dtype=_LONG)
-            lookup[inside] = at(slices[inside])
+            lookup = np.full(len(slices), -1, dtype=np.int64)
+            lookup[inside.numpy()] = at(slices[inside])
             overlaps.append(
                 Overlap(
                     i,
@@ -325,7 +345,7 @@ class BucketSelection:
 
     # -- norms ------------------------------------------------------------------------------
 
-    def tiles(self, piece: PieceGrid) -> list[tuple[Rect, int, torch.Tensor]]:
+    def tiles(self, piece: PieceGrid) -> list[tuple[HostRect, int, np.ndarray]]:
         """A source piece's share of the norms: per batch of like overlaps, its rectangle
         (in the piece's or, for an owner, the stack's coordinates), the axis its slices run
         along, and their slots ``[g, a]`` (rows) or ``[g, b]``."""
@@ -341,25 +361,25 @@ class BucketSelection:
             for o in members:
                 s = self.segments[o.segment]
                 ids, within = (s.rows, o.rows) if axis == 0 else (s.cols, o.cols)
-                slots.append(s.slot + torch.searchsorted(ids, within))
+                slots.append((s.slot + torch.searchsorted(ids, within)).numpy())
             rect = _rect(piece, [o.rows_at for o in members], [o.cols_at for o in members])
-            out.append((rect, axis, torch.stack(slots)))
+            out.append((rect, axis, np.stack(slots)))
         return out
 
     # -- what moves -------------------------------------------------------------------------
 
-    def rects(self, piece: PieceGrid, chosen: torch.Tensor) -> list[Rect]:
+    def rects(self, piece: PieceGrid, chosen: np.ndarray) -> list[HostRect]:
         """The elements of ``piece`` in selected slices (all of a piece that is not
         Dion2's), given the step's host copy of the chosen positions, as rectangles in the
         piece's or the stack's coordinates, batched by shape in a fixed order."""
-        batches: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        batches: dict[tuple[int, int], tuple[list[np.ndarray], list[np.ndarray]]] = {}
         for o in piece.overlaps:
             rows, cols = o.rows_at, o.cols_at
             if o.lookup is not None:
                 s = self.segments[o.segment]
-                at = o.lookup.index_select(0, chosen[s.chosen : s.chosen + s.count])
-                if not o.whole:  # (index_select: several times faster than indexing here)
-                    at = at.index_select(0, (at >= 0).nonzero().squeeze(1))
+                at = o.lookup[chosen[s.chosen : s.chosen + s.count]]
+                if not o.whole:
+                    at = at[at >= 0]
                 rows, cols = (at, cols) if s.axis == 0 else (rows, at)
             if len(rows) and len(cols):
                 pair = batches.setdefault((len(rows), len(cols)), ([], []))
@@ -368,17 +388,16 @@ class BucketSelection:
         return [_rect(piece, rows, cols) for rows, cols in batches.values()]
 
 
-def _rect(piece: PieceGrid, rows: Sequence[torch.Tensor], cols: Sequence[torch.Tensor]) -> Rect:
+def _rect(piece: PieceGrid, rows: Sequence[np.ndarray], cols: Sequence[np.ndarray]) -> HostRect:
     """A rectangle of like overlaps, in the coordinates of the tensor ``piece`` is read from."""
-    row_at = rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(list(rows))
-    col_at = cols[0].unsqueeze(0) if len(cols) == 1 else torch.stack(list(cols))
-    single = row_at.shape[0] == 1
+    row_at = rows[0][None] if len(rows) == 1 else np.stack(rows)
+    col_at = cols[0][None] if len(cols) == 1 else np.stack(cols)
+    (g, a), b = row_at.shape, col_at.shape[1]
     height = len(piece.rows) if piece.stack_row is None else -1  # a stack is never one piece
-    return Rect(
-        row_at,
-        col_at,
-        whole_rows=single and row_at.shape[1] == height,
-        whole_cols=single and col_at.shape[1] == piece.width,
+    return HostRect(
+        (g, a, b),
+        None if g == 1 and a == height else row_at,
+        None if g == 1 and b == piece.width else col_at,
     )
 
 
@@ -387,25 +406,23 @@ def _shifted(box: Box, slices: Sequence[slice]) -> Box:
     return tuple((lo + s.start, lo + s.stop) for (lo, _), s in zip(box, slices, strict=True))
 
 
-def rects_to(rects: Sequence[Sequence[Rect]], device: torch.device) -> list[list[Rect]]:
-    """The rectangles' index tensors on ``device``, in one host-to-device copy."""
-    host = [t for piece in rects for r in piece for t in (r.rows, r.cols)]
-    if not host:
-        return [[] for _ in rects]
-    flat = torch.cat([t.reshape(-1) for t in host])
-    if device.type == "cuda":  # a copy from pageable memory would wait for the whole stream
-        flat = flat.pin_memory()
-    flat = flat.to(device, non_blocking=True)
-    parts = iter(flat.split_with_sizes([t.numel() for t in host]))
-    return [
-        [
-            Rect(
-                next(parts).view(r.rows.shape),
-                next(parts).view(r.cols.shape),
-                r.whole_rows,
-                r.whole_cols,
-            )
-            for r in piece
-        ]
-        for piece in rects
+def rect_indices(rects: Sequence[Sequence[HostRect]]) -> np.ndarray:
+    """All of the rectangles' indices in one vector, for one host-to-device copy."""
+    host = [
+        t.reshape(-1) for piece in rects for r in piece for t in (r.rows, r.cols) if t is not None
     ]
+    return np.concatenate(host) if host else np.empty(0, dtype=np.int64)
+
+
+def device_rects(rects: Sequence[Sequence[HostRect]], flat: torch.Tensor) -> list[list[Rect]]:
+    """``rects`` as :class:`Rect` views of ``flat``, their :func:`rect_indices` on a device."""
+    offset = 0
+
+    def part(t: np.ndarray | None) -> torch.Tensor | None:
+        nonlocal offset
+        if t is None:
+            return None
+        offset += t.size
+        return flat[offset - t.size : offset].view(t.shape)
+
+    return [[Rect(r.shape, part(r.rows), part(r.cols)) for r in piece] for piece in rects]

@@ -404,6 +404,20 @@ def slice_norms(x: torch.Tensor, axis: int, backend: str = "torch") -> torch.Ten
     return x.abs().sum(-1 if axis == -2 else -2, dtype=torch.float64)
 
 
+def add_slice_norms_(
+    norms: torch.Tensor, x: torch.Tensor, axis: int, slots: torch.Tensor, backend: str = "torch"
+) -> None:
+    """Add :func:`slice_norms` of ``x`` (``[k, m, n]``) into the float64 vector ``norms`` at
+    ``slots`` (``[k, slices]``): a piece's partial norms of the slices it holds. On CUDA
+    one Triton pass (:func:`fused_launches`: it saves a launch per piece)."""
+    if fused_launches(backend, x):
+        from muon_dist.kernels.triton_elementwise import slice_l1_triton
+
+        slice_l1_triton(x, axis, into=(norms, slots))
+        return
+    norms.index_add_(0, slots.reshape(-1), slice_norms(x, axis).reshape(-1))
+
+
 def select_slices(x: torch.Tensor, axis: int, count: int, backend: str = "torch") -> torch.Tensor:
     """The ``count`` slices of each matrix of ``x`` (``[..., m, n]``) along ``axis`` (-2:
     rows, -1: columns) with the largest L1 norms (:func:`slice_norms`), ascending (shape
@@ -577,8 +591,10 @@ def post_orthogonalize_(
     decay: torch.Tensor | None = None,
     cautious: torch.Tensor | None = None,
     fused: bool = False,
+    feedback: tuple[torch.Tensor, float] | None = None,
 ) -> None:
-    """``param ← d·param + step·update``.
+    """``param ← d·param + step·update``; with a Dion2 ``feedback`` (momentum, β), also its
+    :func:`error_feedback_`, in the same pass where the write is fused.
 
     ``decay`` is given where this write also applies the decoupled decay (otherwise it ran
     over the whole tensor before, :func:`decay_`); ``cautious`` is the rate of cautious
@@ -591,8 +607,10 @@ def post_orthogonalize_(
     if fused and decay is not None and cautious is None and step.numel() == 1:
         from muon_dist.kernels.triton_elementwise import decay_and_update_triton
 
-        decay_and_update_triton(param, update, decay, step, keep)
+        decay_and_update_triton(param, update, decay, step, keep, feedback)
         return
+    if feedback is not None:
+        error_feedback_(feedback[0], update, feedback[1], keep)
     if cautious is not None:
         same_sign = torch.sign(update) == torch.sign(param)
         param.sub_(param * same_sign * cautious)

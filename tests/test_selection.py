@@ -18,8 +18,8 @@ from muon_dist.bucket_map import bucket_map
 from muon_dist.groups import Peers
 from muon_dist.plan import ViewPlacement, build_plan, local_boxes
 from muon_dist.routing import matrix_view
-from muon_dist.runtime.selected_bucket import add_norms
-from muon_dist.selection import BucketSelection, PieceGrid, Rect, grid
+from muon_dist.runtime.selected_bucket import DeviceSelection, add_norms
+from muon_dist.selection import BucketSelection, HostRect, PieceGrid, grid
 
 
 @st.composite
@@ -63,9 +63,15 @@ def _layouts(draw: st.DrawFn) -> tuple[list[ViewPlacement], int, dict[int, float
     return layouts, world, fractions
 
 
-def _ids(piece: PieceGrid, rect: Rect) -> list[tuple[int, int]]:
+def _ids(piece: PieceGrid, rect: HostRect) -> list[tuple[int, int]]:
     """The flat (row, column) of each value a rectangle moves, in its order."""
-    rows, cols = rect.rows.unsqueeze(-1), rect.cols.unsqueeze(-2)
+    height = len(piece.rows) if piece.stack_row is None else 0
+    every = {"rows": torch.arange(height)[None], "cols": torch.arange(piece.width)[None]}
+    rows, cols = (
+        every[axis] if getattr(rect, axis) is None else torch.from_numpy(getattr(rect, axis))
+        for axis in ("rows", "cols")
+    )
+    rows, cols = rows.unsqueeze(-1), cols.unsqueeze(-2)
     if piece.stack_row is None:
         rows, cols = piece.rows[rows], piece.cols[cols]
     else:
@@ -129,15 +135,19 @@ def _check_norms(per_rank: list[Any], b: int, planes: list[torch.Tensor]) -> Non
     total = torch.zeros(first.slots, dtype=torch.float64)
     for plan, selections in per_rank:
         sel, bucket = selections[b], plan.buckets[b]
-        for piece, p in zip(sel.gather_sends, bucket.gather_sends, strict=True):
+        layout = DeviceSelection(sel, torch.device("cpu"))
+        for piece, p, tiles in zip(
+            sel.gather_sends, bucket.gather_sends, layout.send_tiles, strict=True
+        ):
             x = planes[p.view][piece.rows][:, piece.cols]
-            add_norms(total, x, sel.tiles(piece), "torch")
-        for piece, owned in zip(sel.own, [o for o in bucket.owned if o.own_slices], strict=True):
+            add_norms(total, x, tiles, "torch")
+        owned = [o for o in bucket.owned if o.own_slices]
+        for piece, owned_block, tiles in zip(sel.own, owned, layout.own_tiles, strict=True):
             stack_plane = torch.zeros(
                 piece.stack_row + int(piece.rows.max()) + 1, piece.width, dtype=torch.float64
             )
-            stack_plane[piece.rows + piece.stack_row] = planes[owned.view][piece.rows]
-            add_norms(total, stack_plane, sel.tiles(piece), "torch")
+            stack_plane[piece.rows + piece.stack_row] = planes[owned_block.view][piece.rows]
+            add_norms(total, stack_plane, tiles, "torch")
     for s, block_view in zip(first.segments, first.segment_views, strict=True):
         values = planes[block_view][s.rows][:, s.cols].abs()
         expected = values.sum(1) if s.axis == 0 else values.sum(0)
@@ -152,12 +162,13 @@ def _check_transport(per_rank: list[Any], b: int, chosen: torch.Tensor) -> None:
     ):
         sent: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
         received: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        choice = chosen.numpy()
         for rank, (_, selections) in enumerate(per_rank):
             sel = selections[b]
             for piece in getattr(sel, sends_of):
-                for rect in sel.rects(piece, chosen):
+                for rect in sel.rects(piece, choice):
                     sent[(rank, piece.peer)] += _ids(piece, rect)
             for piece in getattr(sel, recvs_of):
-                for rect in sel.rects(piece, chosen):
+                for rect in sel.rects(piece, choice):
                     received[(piece.peer, rank)] += _ids(piece, rect)
         assert dict(sent) == dict(received)

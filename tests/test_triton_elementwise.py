@@ -67,6 +67,33 @@ def test_decay_and_update_matches_torch(shape: tuple[int, ...], decay: float) ->
     torch.testing.assert_close(param, expected)
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_write_with_error_feedback_matches_torch(keep: bool) -> None:
+    """Dion2's write in one pass equals the torch form's decay, update and error feedback:
+    the momentum bitwise (decayed exactly where the update is nonzero or a negative zero,
+    and only when kept), the parameter as the plain write's."""
+    torch.manual_seed(2)
+    update = torch.randn(6, 700).bfloat16()
+    update[1] = 0.0
+    update[2, ::3] = -0.0
+    param, momentum = torch.randn(6, 700), torch.randn(6, 700)
+    scalars = {
+        "decay": torch.tensor(0.998 if keep else 1.0),
+        "step": torch.tensor(-0.02 if keep else 0.0),
+        "keep": torch.tensor(keep),
+    }
+    results = []
+    for fused in (False, True):
+        p, m = param.clone(), momentum.clone()
+        post_orthogonalize_(p, update, **scalars, fused=fused, feedback=(m, 0.9))
+        results.append((p, m))
+    (p_torch, m_torch), (p_fused, m_fused) = results
+    torch.testing.assert_close(p_fused, p_torch)
+    assert torch.equal(m_fused, m_torch)
+    decayed = m_torch != momentum
+    assert torch.equal(decayed, ((update != 0) | torch.signbit(update)) & keep)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_masked_matrices_stay_bitwise_unchanged(fused: bool) -> None:
     """keep=False leaves momentum and weights bitwise alone, even under a NaN gradient (with

@@ -19,6 +19,7 @@ from muon_dist.flat import spans, zeros_like_flat
 from muon_dist.kernels import newton_schulz
 from muon_dist.kernels.availability import interpret_mode
 from muon_dist.update_rule import (
+    add_slice_norms_,
     decay_,
     decay_factor,
     decay_rate,
@@ -318,3 +319,25 @@ def test_fused_error_feedback_matches_the_torch_form(keep: bool) -> None:
     error_feedback_(expected, update, 0.9, torch.tensor(keep))
     error_feedback_triton(momentum, update, 0.9, torch.tensor(keep))
     torch.testing.assert_close(momentum, expected, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(
+    not interpret_mode(), reason="the fused form runs on CPU in Triton's interpreter"
+)
+@pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
+def test_fused_slice_norms_add_at_their_slots(axis: int) -> None:
+    """Partial norms added at shared slots (two pieces of the same slices, strided): the
+    Triton pass's atomic adds equal torch's ``index_add_``."""
+    pytest.importorskip("triton")
+    from muon_dist.kernels.triton_elementwise import slice_l1_triton
+
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 30, 21, generator=generator).mT  # [2, 21, 30], strided
+    count = x.shape[-2] if axis == -2 else x.shape[-1]
+    slots = torch.stack([torch.randperm(40, generator=generator)[:count] for _ in range(2)])
+    slots[1] = slots[0]  # both matrices' slices land on the same slots
+    expected = torch.rand(40, dtype=torch.float64, generator=generator)
+    norms = expected.clone()
+    add_slice_norms_(expected, x, axis, slots)
+    slice_l1_triton(x, axis, into=(norms, slots))
+    torch.testing.assert_close(norms, expected, rtol=1e-15, atol=0)

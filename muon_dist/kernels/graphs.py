@@ -1,11 +1,13 @@
-"""Replay small Newton–Schulz calls from cached CUDA graphs.
+"""Replay Newton–Schulz calls from cached CUDA graphs.
 
 A small stack (one 1024×4096 matrix: 0.25 ms of GPU work on an H200) is bound by the host
 launching its ~30 kernels one by one (0.46 ms eager). Replaying a graph captured on the
 first call costs one copy in, one launch and one copy out. Only ``backend="auto"`` uses
-this, for stacks of at most :data:`GRAPH_MAX_BYTES`; a call made while a graph is being
-captured (a user capturing the whole optimizer step) runs eagerly, since that capture
-already removes the launches.
+this, for stacks of at most :data:`GRAPH_MAX_BYTES`, and for larger ones whose caller
+knows its step is bound by the host (``graphed=True``: Dion2's selected slices, a quarter
+of each stack, where the step's other host work already exceeds the GPU's). A call made
+while a graph is being captured (a user capturing the whole optimizer step) runs eagerly,
+since that capture already removes the launches.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 # Stacks up to this size replay from a graph: one 1024×4096 bf16 matrix is 8 MiB. Each
 # cached graph keeps its intermediates (a few stack-sized buffers) in a private pool.
 GRAPH_MAX_BYTES = 16 * 2**20
-# Graphs kept per process, the first shapes seen: bounds their memory to about
-# _MAX_GRAPHS · 5 · GRAPH_MAX_BYTES.
-_MAX_GRAPHS = 8
+# Graphs kept per process, the first shapes seen. Each holds its input, output and
+# intermediates, about five times its input's bytes: for small stacks at most
+# _MAX_GRAPHS · 5 · GRAPH_MAX_BYTES; a graphed larger stack adds five times its own size.
+_MAX_GRAPHS = 16
 
 
 @dataclass
@@ -33,11 +36,12 @@ class _Graphed:
 _graphs: dict[Hashable, _Graphed] = {}
 
 
-def graph_eligible(X: torch.Tensor) -> bool:
-    """Whether ``X`` is a CUDA stack small enough to be launch-bound, outside any capture."""
+def graph_eligible(X: torch.Tensor, graphed: bool = False) -> bool:
+    """Whether ``X`` is a CUDA stack outside any capture, small enough to be launch-bound
+    or, with ``graphed``, of any size."""
     return (
         X.is_cuda
-        and X.numel() * X.element_size() <= GRAPH_MAX_BYTES
+        and (graphed or X.numel() * X.element_size() <= GRAPH_MAX_BYTES)
         and not torch.cuda.is_current_stream_capturing()
     )
 

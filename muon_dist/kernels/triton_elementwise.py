@@ -56,20 +56,38 @@ def _decay_and_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
     decay_ptr,
     step_ptr,
     keep_ptr,
+    momentum_ptr,
+    beta,
     numel,
+    FEEDBACK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """``p = decay·p + step·u`` where keep, computed in fp32 and stored in the parameter's
-    dtype; the scalars are read from device memory, so a captured graph follows the lr."""
+    dtype; the scalars are read from device memory, so a captured graph follows the lr.
+    With FEEDBACK, also Dion2's error feedback (:func:`_decay_selected`) on the momentum,
+    from the same read of the update."""
     keep = tl.load(keep_ptr) != 0
     decay = tl.load(decay_ptr).to(tl.float32)
     step = tl.load(step_ptr).to(tl.float32)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     stored = tl.load(param_ptr + offsets, mask=mask)
-    update = tl.load(update_ptr + offsets, mask=mask).to(tl.float32)
+    update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     param = (decay * stored.to(tl.float32) + step * update).to(param_ptr.dtype.element_ty)
     tl.store(param_ptr + offsets, tl.where(keep, param, stored), mask=mask)
+    if FEEDBACK:
+        _decay_selected(momentum_ptr, offsets, mask, update, beta, keep)
+
+
+@triton.jit
+def _decay_selected(momentum_ptr, offsets, mask, update, beta, keep):  # type: ignore[no-untyped-def]
+    """``m = β·m`` where the update is nonzero or a negative zero (Dion2's selected slices)
+    and keep; computed in fp32, rounded once to m's dtype."""
+    stored = tl.load(momentum_ptr + offsets, mask=mask)
+    # A negative zero (sign bit set) marks a selected entry, a positive one does not.
+    selected = (update != 0.0) | (update.to(tl.int32, bitcast=True) < 0)
+    decayed = (stored.to(tl.float32) * beta).to(momentum_ptr.dtype.element_ty)
+    tl.store(momentum_ptr + offsets, tl.where(selected & keep, decayed, stored), mask=mask)
 
 
 @triton.jit
@@ -104,17 +122,12 @@ def _error_feedback_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     beta,
     BLOCK: tl.constexpr,
 ):
-    """``m = β·m`` where the update is nonzero or a negative zero (Dion2's selected slices)
-    and keep; computed in fp32, rounded once to m's dtype."""
+    """Dion2's error feedback alone (:func:`_decay_selected`)."""
     keep = tl.load(keep_ptr) != 0
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    stored = tl.load(momentum_ptr + offsets, mask=mask)
-    # A negative zero (sign bit set) marks a selected entry, a positive one does not.
-    selected = (update != 0.0) | (update.to(tl.int32, bitcast=True) < 0)
-    decayed = (stored.to(tl.float32) * beta).to(momentum_ptr.dtype.element_ty)
-    tl.store(momentum_ptr + offsets, tl.where(selected & keep, decayed, stored), mask=mask)
+    _decay_selected(momentum_ptr, offsets, mask, update, beta, keep)
 
 
 @triton.jit
@@ -126,10 +139,14 @@ def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
     batch_stride,
     slice_stride,
     step_stride,
+    slots_ptr,
+    SLOTS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    """``out[b, s] = Σ_l |x[b, s, l]|`` in float64 over strided slices, in a fixed order."""
+    """``out[b, s] = Σ_l |x[b, s, l]|`` in float64 over strided slices, in a fixed order;
+    with SLOTS, added to ``out[slots[b, s]]`` instead (atomically: slices of several
+    pieces share a slot)."""
     batch = tl.program_id(0).to(tl.int64)
     index = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     rows = index.to(tl.int64)[:, None] * slice_stride + batch * batch_stride
@@ -139,7 +156,11 @@ def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
         inside = (index[:, None] < slices) & (steps[None, :] < length)
         values = tl.load(x_ptr + rows + steps.to(tl.int64)[None, :] * step_stride, mask=inside)
         total += tl.sum(tl.abs(values.to(tl.float64)), axis=1)
-    tl.store(out_ptr + batch * slices + index, total, mask=index < slices)
+    if SLOTS:
+        slot = tl.load(slots_ptr + batch * slices + index, mask=index < slices, other=0)
+        tl.atomic_add(out_ptr + slot, total, mask=index < slices)
+    else:
+        tl.store(out_ptr + batch * slices + index, total, mask=index < slices)
 
 
 @triton.jit
@@ -269,15 +290,28 @@ def decay_and_update_triton(
     decay: torch.Tensor,
     step: torch.Tensor,
     keep: torch.Tensor,
+    feedback: tuple[torch.Tensor, float] | None = None,
 ) -> None:
     """Fused form of :func:`muon_dist.update_rule.post_orthogonalize_` with the decay
-    (one-element fp32 tensors ``decay``, ``step`` and ``keep`` on the tensors' device)."""
+    (one-element fp32 tensors ``decay``, ``step`` and ``keep`` on the tensors' device) and,
+    given a ``feedback`` momentum and β, Dion2's error feedback in the same pass."""
     numel = param.numel()
     if numel == 0:
         return
+    momentum, beta = feedback if feedback is not None else (param, 0.0)
     with on_device(param.device):
         _decay_and_update_kernel[_grid(numel)](
-            param, update, decay, step, keep, numel, BLOCK=_BLOCK, num_warps=_WARPS
+            param,
+            update,
+            decay,
+            step,
+            keep,
+            momentum,
+            float(beta),
+            numel,
+            FEEDBACK=feedback is not None,
+            BLOCK=_BLOCK,
+            num_warps=_WARPS,
         )
 
 
@@ -316,17 +350,25 @@ def error_feedback_triton(
         )
 
 
-def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
+def slice_l1_triton(
+    x: torch.Tensor, axis: int, into: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Fused form of :func:`muon_dist.update_rule.slice_norms`: the float64 L1 norm of each
     row (``axis=-2``) or column (``axis=-1``) of each matrix of a ``[k, m, n]`` tensor,
-    read in place whatever its strides."""
+    read in place whatever its strides. ``into`` (a float64 vector and the slots, ``[k,
+    slices]``, where the norms go) takes the fused form of
+    :func:`muon_dist.update_rule.add_slice_norms_` and returns the vector."""
     k, m, n = x.shape
     slices, length = (m, n) if axis == -2 else (n, m)
     slice_stride, step_stride = (
         (x.stride(1), x.stride(2)) if axis == -2 else (x.stride(2), x.stride(1))
     )
-    out = torch.empty(k, slices, dtype=torch.float64, device=x.device)
-    if out.numel() == 0:
+    if into is None:
+        out = torch.empty(k, slices, dtype=torch.float64, device=x.device)
+        slots = out
+    else:
+        out, slots = into
+    if k * slices == 0:
         return out
     block_s = 64
     with on_device(x.device):
@@ -338,6 +380,8 @@ def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
             x.stride(0),
             slice_stride,
             step_stride,
+            slots,
+            SLOTS=into is not None,
             BLOCK_S=block_s,
             BLOCK_L=64,
             num_warps=4,

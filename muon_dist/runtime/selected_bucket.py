@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,8 +25,17 @@ from muon_dist.groups import Peers
 from muon_dist.plan import BucketPlan
 from muon_dist.runtime.bucket_task import StepContext
 from muon_dist.runtime.scheduler import Task, TaskBody
-from muon_dist.selection import BucketSelection, PieceGrid, Rect, put_, rects_to, take
-from muon_dist.update_rule import slice_norms, top_slices
+from muon_dist.selection import (
+    BucketSelection,
+    HostRect,
+    PieceGrid,
+    Rect,
+    device_rects,
+    put_,
+    rect_indices,
+    take,
+)
+from muon_dist.update_rule import add_slice_norms_, top_slices
 
 
 class SelectedContext(StepContext, Protocol):
@@ -47,24 +57,47 @@ class SelectedContext(StepContext, Protocol):
 
 class DeviceSelection:
     """A bucket's selection layout with its fixed index tensors on the device (copied on
-    the first step, kept for the plan)."""
+    the first step, kept for the plan), and the pinned buffer its step's indices go
+    through."""
 
     def __init__(self, selection: BucketSelection, device: torch.device) -> None:
         self.host = selection
+        self.device = device
         self.send_tiles = [_tiles_to(selection.tiles(p), device) for p in selection.gather_sends]
         self.own_tiles = [_tiles_to(selection.tiles(p), device) for p in selection.own]
         self.stack_chosen = {
             stack: [index.to(device) for index in parts]
             for stack, parts in selection.stack_chosen.items()
         }
+        self._pinned: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def rects_to(self, rects: Sequence[Sequence[HostRect]]) -> list[list[Rect]]:
+        """The step's rectangles on the device, in one copy through a pinned buffer reused
+        every step (pinning a new one costs more than the copy)."""
+        flat = rect_indices(rects)
+        if self.device.type != "cuda":
+            return device_rects(rects, torch.from_numpy(flat))
+        if self._copied is not None:  # the last step's copy out of the buffer is done
+            self._copied.synchronize()
+        if self._pinned is None or self._pinned.numel() < flat.size:
+            self._pinned = torch.empty(2 * flat.size, dtype=torch.long, pin_memory=True)
+        staged = self._pinned[: flat.size]
+        staged.numpy()[:] = flat
+        moved = staged.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._copied.record()
+        return device_rects(rects, moved)
 
 
 def _tiles_to(
-    tiles: Sequence[tuple[Rect, int, torch.Tensor]], device: torch.device
+    tiles: Sequence[tuple[HostRect, int, np.ndarray]], device: torch.device
 ) -> list[tuple[Rect, int, torch.Tensor]]:
-    moved = rects_to([[rect for rect, _, _ in tiles]], device)[0]
+    rects = [[rect for rect, _, _ in tiles]]
+    moved = device_rects(rects, torch.from_numpy(rect_indices(rects)).to(device))[0]
     return [
-        (rect, axis, slots.to(device)) for rect, (_, axis, slots) in zip(moved, tiles, strict=True)
+        (rect, axis, torch.from_numpy(slots).to(device))
+        for rect, (_, axis, slots) in zip(moved, tiles, strict=True)
     ]
 
 
@@ -130,7 +163,8 @@ def _run(
         _hand_over(chosen_ready, [staged, chosen, *stacks])
 
     lists = (sel.gather_sends, sel.gather_recvs, sel.scatter_sends, sel.scatter_recvs)
-    moves = iter(rects_to([sel.rects(p, host) for pieces in lists for p in pieces], device))
+    choice = host.numpy()
+    moves = iter(layout.rects_to([sel.rects(p, choice) for pieces in lists for p in pieces]))
     gather_sends, gather_recvs, scatter_sends, scatter_recvs = (
         [next(moves) for _ in pieces] for pieces in lists
     )
@@ -224,10 +258,9 @@ def add_norms(
 ) -> None:
     """Add the slice norms of ``x``'s tiles (L1, float64) at their slots."""
     for rect, axis, slots in tiles:
-        g, a, b = rect.rows.shape[0], rect.rows.shape[1], rect.cols.shape[1]
-        values = take(x, rect).view(g, a, b)
-        norms.index_add_(
-            0, slots.reshape(-1), slice_norms(values, -2 if axis == 0 else -1, backend).reshape(-1)
+        g, a, b = rect.shape
+        add_slice_norms_(
+            norms, take(x, rect).view(g, a, b), -2 if axis == 0 else -1, slots, backend
         )
 
 
