@@ -186,6 +186,18 @@ def take(x: torch.Tensor, rect: Rect) -> torch.Tensor:
     return x[rect.rows.unsqueeze(-1), rect.cols.unsqueeze(-2)].reshape(-1)
 
 
+def take_into(out: torch.Tensor, x: torch.Tensor, rect: Rect) -> None:
+    """Write the values of ``rect`` in a 2-D ``x`` into the flat ``out``, cast to its dtype
+    (one pass where the dtypes agree: a send buffer filled without a gather and a copy)."""
+    _, a, b = rect.shape
+    if out.dtype == x.dtype and rect.rows is None and rect.cols is not None:
+        torch.index_select(x, 1, rect.cols[0], out=out.view(a, b))
+    elif out.dtype == x.dtype and rect.rows is not None and rect.cols is None:
+        torch.index_select(x, 0, rect.rows[0], out=out.view(a, b))
+    else:
+        out.copy_(take(x, rect))
+
+
 def put_(x: torch.Tensor, rect: Rect, values: torch.Tensor) -> None:
     """Write flat ``values`` to ``rect`` of a 2-D ``x``."""
     g, a, b = rect.shape

@@ -34,6 +34,7 @@ from muon_dist.selection import (
     put_,
     rect_indices,
     take,
+    take_into,
 )
 from muon_dist.update_rule import add_slice_norms_, top_slices
 
@@ -169,7 +170,7 @@ def _run(
         [next(moves) for _ in pieces] for pieces in lists
     )
     recv, work = _exchange(
-        [take(x, r) for x, rects in zip(inputs, gather_sends, strict=True) for r in rects],
+        inputs,
         sel.gather_sends,
         gather_sends,
         sel.gather_recvs,
@@ -190,11 +191,7 @@ def _run(
     ctx.apply(where.own, region_views(results, where.own_regions))
     outputs = [r.view(-1, r.shape[-1]) for r in results]
     recv, work = _exchange(
-        [
-            take(outputs[p.stack], r)
-            for p, rects in zip(sel.scatter_sends, scatter_sends, strict=True)
-            for r in rects
-        ],
+        [outputs[p.stack] for p in sel.scatter_sends],
         sel.scatter_sends,
         scatter_sends,
         sel.scatter_recvs,
@@ -265,19 +262,23 @@ def add_norms(
 
 
 def _exchange(
-    values: list[torch.Tensor],
+    sources: Sequence[torch.Tensor],
     sends: Sequence[PieceGrid],
     send_rects: Sequence[Sequence[Rect]],
     recvs: Sequence[PieceGrid],
     recv_rects: Sequence[Sequence[Rect]],
     ctx: SelectedContext,
 ) -> tuple[torch.Tensor, dist.Work]:
-    """Start the all-to-all of the selected elements, sized by this step's rectangles."""
-    send = (
-        torch.cat(values).to(ctx.comm_dtype)
-        if values
-        else torch.empty(0, dtype=ctx.comm_dtype, device=ctx.device)
-    )
+    """Start the all-to-all of the selected elements, sized by this step's rectangles: each
+    piece's (read from its ``sources`` tensor) written in order into one send buffer."""
+    rects = [
+        (x, r) for x, piece_rects in zip(sources, send_rects, strict=True) for r in piece_rects
+    ]
+    send = torch.empty(sum(r.numel for _, r in rects), dtype=ctx.comm_dtype, device=ctx.device)
+    offset = 0
+    for x, rect in rects:
+        take_into(send[offset : offset + rect.numel], x, rect)
+        offset += rect.numel
     return start_exchange(
         send,
         peer_splits(_sizes(sends, send_rects), ctx.world_size, ctx.peers),
