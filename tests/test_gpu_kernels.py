@@ -178,6 +178,23 @@ def test_small_stacks_replay_from_a_graph() -> None:
     assert torch.equal(newton_schulz(Y), newton_schulz(Y, backend="torch", method="gram"))
 
 
+def test_graphed_stacks_of_any_size_replay_from_a_graph() -> None:
+    """``graphed=True`` (Dion2's selected slices) replays a stack above the small-stack
+    size from a graph: the eager result, a fresh tensor each time, new values read."""
+    from muon_dist.kernels import graphs
+
+    X = torch.randn(3, 1024, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not graphs.graph_eligible(X) and graphs.graph_eligible(X, graphed=True)
+    before = len(graphs._graphs)
+    first = newton_schulz(X, graphed=True)
+    assert len(graphs._graphs) == before + 1
+    again = newton_schulz(X, graphed=True)
+    assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
+    assert torch.equal(first, newton_schulz(X))
+    Y = torch.randn_like(X)
+    assert torch.equal(newton_schulz(Y, graphed=True), newton_schulz(Y))
+
+
 def test_full_graph_cache_runs_new_shapes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the graph cache is full, new small shapes run eagerly instead of evicting and
     capturing again: a capture synchronises, and a cycling cache would do it every step."""
@@ -308,3 +325,41 @@ def test_fused_error_feedback_matches_torch() -> None:
     error_feedback_(expected, update, 0.95, _keep())
     error_feedback_triton(momentum, update, 0.95, _keep())
     torch.testing.assert_close(momentum, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
+def test_fused_slice_norms_add_at_shared_slots(axis: int) -> None:
+    """Partial norms of bf16 slices added at slots two matrices share (atomic float64
+    adds of exact sums): torch's ``index_add_`` bitwise."""
+    from muon_dist.kernels.triton_elementwise import slice_l1_triton
+    from muon_dist.update_rule import add_slice_norms_
+
+    x = torch.randn(2, 777, 513, device="cuda", dtype=torch.bfloat16)
+    count = x.shape[axis]
+    slots = torch.randperm(1000, device="cuda")[:count].expand(2, count).contiguous()
+    expected = torch.zeros(1000, dtype=torch.float64, device="cuda")
+    norms = expected.clone()
+    add_slice_norms_(expected, x, axis, slots)
+    slice_l1_triton(x, axis, into=(norms, slots))
+    torch.testing.assert_close(norms, expected, rtol=0, atol=0)
+
+
+def test_fused_write_with_error_feedback_matches_torch() -> None:
+    """Dion2's write in one pass: the parameter as the fused plain write's, the momentum
+    as torch's error feedback, both bitwise."""
+    from muon_dist.update_rule import error_feedback_, post_orthogonalize_
+
+    update = torch.randn(777, 513, device="cuda", dtype=torch.bfloat16)
+    update[::3] = 0.0
+    update[1::3, ::2] = -0.0
+    param, momentum = torch.randn(777, 513, device="cuda"), torch.randn(777, 513, device="cuda")
+    scalars = {
+        "decay": torch.tensor(0.998, device="cuda"),
+        "step": torch.tensor(-0.02, device="cuda"),
+        "keep": _keep(),
+    }
+    expected_param, expected_momentum = param.clone(), momentum.clone()
+    post_orthogonalize_(expected_param, update, **scalars, fused=True)
+    error_feedback_(expected_momentum, update, 0.95, _keep())
+    post_orthogonalize_(param, update, **scalars, fused=True, feedback=(momentum, 0.95))
+    assert torch.equal(param, expected_param) and torch.equal(momentum, expected_momentum)
