@@ -23,6 +23,7 @@ from muon_dist.step_scalars import MuonScalars
 from muon_dist.update_rule import (
     drop_unkept,
     error_feedback_,
+    fused_updates_,
     momentum_carry,
     nesterov_mix,
     ns_inputs_,
@@ -108,6 +109,7 @@ class _Writes:
 
     masked: tuple[int, ...]
     feedback: tuple[int, ...]  # Dion2's pieces whose error feedback is not in their write
+    fused: tuple[int, ...]  # fused writes with one step and no cautious decay: one launch
     alone: tuple[int, ...]
     loose: tuple[int, ...]
     loose_targets: tuple[torch.Tensor, ...]
@@ -267,6 +269,8 @@ class PieceIO:
                 scalars.keep_of[self.forms.tensor_of[index]],
                 self._backend,
             )
+        if writes.fused:
+            self._write_fused([pieces[i] for i in writes.fused], [updates[i] for i in writes.fused])
         for i in writes.alone:
             self._write_one(*pieces[i], updates[i])
         if writes.loose:
@@ -297,6 +301,13 @@ class PieceIO:
             else:
                 loose.append(i)
         targets = [self._pieces(*piece)[0] for piece in pieces]
+        fused = [
+            i
+            for i in alone
+            if pieces[i][0] in forms.fused_writes
+            and not forms.groups[pieces[i][0]]["cautious_wd"]
+            and not forms.groups[pieces[i][0]]["magma"]
+        ]
         return _Writes(
             tuple(i for i in alone + loose if pieces[i][0] not in forms.fused_writes),
             tuple(
@@ -304,7 +315,8 @@ class PieceIO:
                 for i, (j, _) in enumerate(pieces)
                 if _rule(forms.groups[j]) == "dion2" and i not in alone
             ),
-            tuple(alone),
+            tuple(fused),
+            tuple(i for i in alone if i not in fused),
             tuple(loose),
             tuple(targets[i] for i in loose),
             tuple(self._scalars.step_of[pieces[i][0]] for i in loose),
@@ -321,6 +333,24 @@ class PieceIO:
             ),
         )
 
+    def _write_fused(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
+        scalars, forms = self._scalars, self.forms
+        fused_updates_(
+            [self._pieces(*piece)[0] for piece in pieces],
+            updates,
+            decays=[scalars.decay_of[forms.tensor_of[index]] for index, _ in pieces],
+            steps=[scalars.step_of[index] for index, _ in pieces],
+            keeps=[scalars.keep_of[forms.tensor_of[index]] for index, _ in pieces],
+            feedbacks=[self._feedback(*piece) for piece in pieces],
+        )
+
+    def _feedback(self, index: int, slices: Slices) -> tuple[torch.Tensor, float] | None:
+        """Dion2's error feedback of a piece written with its update: momentum and β."""
+        group = self.forms.groups[index]
+        if _rule(group) != "dion2":
+            return None
+        return self._pieces(index, slices)[1], group["momentum"]
+
     def _write_one(self, index: int, slices: Slices, update: torch.Tensor) -> None:
         j = self.forms.tensor_of[index]
         target, _ = self._pieces(index, slices)
@@ -328,7 +358,6 @@ class PieceIO:
         magma_step = scalars.magma_step_of.get(index)
         step = magma_step[slices[0]] if magma_step is not None else scalars.step_of[index]
         fused = index in self.forms.fused_writes
-        group = self.forms.groups[index]
         post_orthogonalize_(
             target,
             update,
@@ -337,9 +366,5 @@ class PieceIO:
             decay=scalars.decay_of[j] if fused else None,
             cautious=scalars.cautious_of[j] if self._cautious[index] else None,
             fused=fused,
-            feedback=(
-                (self._pieces(index, slices)[1], group["momentum"])
-                if _rule(group) == "dion2"
-                else None
-            ),
+            feedback=self._feedback(index, slices),
         )

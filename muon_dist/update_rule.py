@@ -329,10 +329,9 @@ def pre_orthogonalize_(
     (:func:`mask_stack_`). The fused form is one Triton pass per tensor.
     """
     if fused:
-        from muon_dist.kernels.triton_elementwise import momentum_input_triton
+        from muon_dist.kernels.triton_elementwise import momentum_inputs_triton
 
-        for grad, momentum, out, keep in zip(grads, momenta, outs, keeps, strict=True):
-            momentum_input_triton(grad, momentum, out, beta, mix, store, keep)
+        momentum_inputs_triton(grads, momenta, outs, beta, mix, store, keeps)
         return
     advanced = advance_momenta(grads, momenta, beta)
     if store:
@@ -617,6 +616,23 @@ def post_orthogonalize_(
     if decay is not None:
         param.mul_(decay)
     param.addcmul_(update, step)
+
+
+def fused_updates_(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    *,
+    decays: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    keeps: Sequence[torch.Tensor],
+    feedbacks: Sequence[tuple[torch.Tensor, float] | None],
+) -> None:
+    """The fused form of :func:`post_orthogonalize_` (with the decay, one-element steps,
+    no cautious decay) on many pieces in one launch: a launch per piece costs the host more
+    than the pass costs the GPU."""
+    from muon_dist.kernels.triton_elementwise import decay_and_updates_triton
+
+    decay_and_updates_triton(params, updates, decays, steps, keeps, feedbacks)
 
 
 def drop_unkept(update: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -363,3 +363,32 @@ def test_fused_write_with_error_feedback_matches_torch() -> None:
     error_feedback_(expected_momentum, update, 0.95, _keep())
     post_orthogonalize_(param, update, **scalars, fused=True, feedback=(momentum, 0.95))
     assert torch.equal(param, expected_param) and torch.equal(momentum, expected_momentum)
+
+
+def test_many_pieces_in_one_launch_match_one_per_piece() -> None:
+    """The address-table launches (reads and writes with Dion2's feedback, bf16 and fp32,
+    sizes from 0 to many blocks, one piece masked) equal one launch per piece, bitwise."""
+    from muon_dist.kernels import triton_elementwise as te
+
+    sizes = [4097, 0, 1, 3 * 4096 + 5, 700, 2**20 + 3]
+    keeps = [torch.tensor(i != 2, device="cuda") for i in range(len(sizes))]
+    grads = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in sizes]
+    momenta = [torch.randn(n, device="cuda") for n in sizes]
+    outs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for n in sizes]
+    want_momenta, want_outs = [m.clone() for m in momenta], [o.clone() for o in outs]
+    for args in zip(grads, want_momenta, want_outs, keeps, strict=True):
+        te.momentum_input_triton(*args[:3], 0.9, 0.95, True, args[3])
+    te.momentum_inputs_triton(grads, momenta, outs, 0.9, 0.95, True, keeps)
+    got, wanted = momenta + outs, want_momenta + want_outs
+    assert all(torch.equal(a, b) for a, b in zip(got, wanted, strict=True))
+
+    params = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in sizes]
+    decays = [torch.tensor(0.99, device="cuda") for _ in sizes]
+    steps = [torch.tensor(-0.01 * (i + 1), device="cuda") for i in range(len(sizes))]
+    feedbacks = [(m, 0.9) if i % 2 else None for i, m in enumerate(momenta)]
+    want = [(p.clone(), m.clone()) for p, m in zip(params, momenta, strict=True)]
+    for (p, m), u, d, s, k, f in zip(want, outs, decays, steps, keeps, feedbacks, strict=True):
+        te.decay_and_update_triton(p, u, d, s, k, None if f is None else (m, 0.9))
+    te.decay_and_updates_triton(params, outs, decays, steps, keeps, feedbacks)
+    for p, m, (want_p, want_m) in zip(params, momenta, want, strict=True):
+        assert torch.equal(p, want_p) and torch.equal(m, want_m)

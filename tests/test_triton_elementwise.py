@@ -149,3 +149,57 @@ def test_row_factors_match_torch(primary: list[bool] | None, rows: int) -> None:
     got = triton_elementwise.row_factors_triton(squares, index, *coefficients, flags, sums)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     assert torch.equal(sums, expected_sums)  # the reported sums are the squares themselves
+
+
+def _pieces(dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Pieces of several sizes (one empty, one over many blocks) in the given dtypes."""
+    sizes = [4097, 0, 1, 3 * 4096 + 5, 700]
+    return [torch.randn(n).to(dtype) for n, dtype in zip(sizes, dtypes * 5, strict=False)]
+
+
+@pytest.mark.parametrize("mix", [0.95, None])
+def test_many_momentum_inputs_in_one_launch_match_one_per_piece(mix: float | None) -> None:
+    """A launch over an address table (pieces of several sizes and output dtypes, one
+    masked) writes what one launch per piece writes, momenta and outputs bitwise."""
+    torch.manual_seed(3)
+    grads = _pieces([torch.float32])
+    keeps = [torch.tensor(i != 3) for i in range(len(grads))]
+    outs = [
+        torch.empty(g.shape, dtype=d)
+        for g, d in zip(grads, [torch.float32, torch.bfloat16] * 3, strict=False)
+    ]
+    momenta = [torch.randn(g.shape) for g in grads]
+    expected_momenta = [m.clone() for m in momenta]
+    expected_outs = [torch.empty_like(o) for o in outs]
+    for args in zip(grads, expected_momenta, expected_outs, keeps, strict=True):
+        triton_elementwise.momentum_input_triton(*args[:3], 0.9, mix, True, args[3])
+    triton_elementwise.momentum_inputs_triton(grads, momenta, outs, 0.9, mix, True, keeps)
+    for got, want in zip(momenta + outs, expected_momenta + expected_outs, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_many_writes_in_one_launch_match_one_per_piece() -> None:
+    """A launch over an address table (several sizes, parameter dtypes, Dion2 feedback on
+    some pieces, one masked) writes what one launch per piece writes, bitwise."""
+    torch.manual_seed(4)
+    params = _pieces([torch.float32, torch.bfloat16])
+    updates = [torch.randn(p.shape) for p in params]
+    updates[0][::3] = -0.0
+    updates[0][1::3] = 0.0
+    momenta = [torch.randn(p.shape) for p in params]
+    scalars = [
+        (torch.tensor(0.99 - i / 100), torch.tensor(-0.01 * (i + 1)), torch.tensor(i != 2))
+        for i in range(len(params))
+    ]
+    expected = [(p.clone(), m.clone()) for p, m in zip(params, momenta, strict=True)]
+    feedback = [i % 2 == 0 for i in range(len(params))]
+    for (p, m), u, (d, s, k), f in zip(expected, updates, scalars, feedback, strict=True):
+        triton_elementwise.decay_and_update_triton(p, u, d, s, k, (m, 0.9) if f else None)
+    triton_elementwise.decay_and_updates_triton(
+        params,
+        updates,
+        *(list(column) for column in zip(*scalars, strict=True)),
+        [(m, 0.9) if f else None for m, f in zip(momenta, feedback, strict=True)],
+    )
+    for p, m, (want_p, want_m) in zip(params, momenta, expected, strict=True):
+        assert torch.equal(p, want_p) and torch.equal(m, want_m)

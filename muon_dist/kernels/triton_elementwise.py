@@ -7,34 +7,35 @@ reaches it through :mod:`muon_dist.update_rule` only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from muon_dist.kernels.availability import on_device
+from muon_dist.kernels.tables import address_table
 
 _BLOCK = 4096
 _WARPS = 8
 
 
 @triton.jit
-def _momentum_input_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+def _momentum_input_block(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     grad_ptr,
     momentum_ptr,
     out_ptr,
-    keep_ptr,
-    numel,
+    keep,
+    offsets,
+    mask,
     beta,
     mix,
     NESTEROV: tl.constexpr,
     STORE: tl.constexpr,
-    BLOCK: tl.constexpr,
 ):
     """``m' = g + beta·m`` (stored when STORE and keep); ``out = g + mix·m'`` (NESTEROV) or
     ``m'``, and zero where keep is 0, so a masked matrix orthogonalizes to zero."""
-    keep = tl.load(keep_ptr) != 0
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < numel
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     stored = tl.load(momentum_ptr + offsets, mask=mask)
     # Round the new momentum to its storage dtype before the mix, as two torch adds would.
@@ -50,6 +51,89 @@ def _momentum_input_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
 
 
 @triton.jit
+def _momentum_input_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    grad_ptr,
+    momentum_ptr,
+    out_ptr,
+    keep_ptr,
+    numel,
+    beta,
+    mix,
+    NESTEROV: tl.constexpr,
+    STORE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """:func:`_momentum_input_block` over one tensor."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = tl.load(keep_ptr) != 0
+    _momentum_input_block(
+        grad_ptr, momentum_ptr, out_ptr, keep, offsets, offsets < numel, beta, mix, NESTEROV, STORE
+    )
+
+
+@triton.jit
+def _momentum_inputs_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    table_ptr,
+    beta,
+    mix,
+    GRAD: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    OUT: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    STORE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """:func:`_momentum_input_block` over many tensors: program (i, j) takes every
+    ``programs``-th block of the i-th row of ``table`` (grad, momentum, out and keep
+    addresses, numel)."""
+    row = table_ptr + tl.program_id(0) * 5
+    grad_ptr = tl.load(row).to(tl.pointer_type(GRAD))
+    momentum_ptr = tl.load(row + 1).to(tl.pointer_type(MOMENTUM))
+    out_ptr = tl.load(row + 2).to(tl.pointer_type(OUT))
+    keep = tl.load(tl.load(row + 3).to(tl.pointer_type(tl.int8))) != 0
+    numel = tl.load(row + 4)
+    stride = tl.num_programs(1).to(tl.int64) * BLOCK
+    for start in range(tl.program_id(1).to(tl.int64) * BLOCK, numel, stride):
+        offsets = start + tl.arange(0, BLOCK)
+        _momentum_input_block(
+            grad_ptr,
+            momentum_ptr,
+            out_ptr,
+            keep,
+            offsets,
+            offsets < numel,
+            beta,
+            mix,
+            NESTEROV,
+            STORE,
+        )
+
+
+@triton.jit
+def _decay_and_update_block(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    param_ptr,
+    update_ptr,
+    momentum_ptr,
+    decay,
+    step,
+    keep,
+    beta,
+    offsets,
+    mask,
+    FEEDBACK: tl.constexpr,
+):
+    """``p = decay·p + step·u`` where keep, computed in fp32 and stored in the parameter's
+    dtype. With FEEDBACK, also Dion2's error feedback (:func:`_decay_selected`) on the
+    momentum, from the same read of the update."""
+    stored = tl.load(param_ptr + offsets, mask=mask)
+    update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    param = (decay * stored.to(tl.float32) + step * update).to(param_ptr.dtype.element_ty)
+    tl.store(param_ptr + offsets, tl.where(keep, param, stored), mask=mask)
+    if FEEDBACK:
+        _decay_selected(momentum_ptr, offsets, mask, update, beta, keep)
+
+
+@triton.jit
 def _decay_and_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     param_ptr,
     update_ptr,
@@ -62,21 +146,59 @@ def _decay_and_update_kernel(  # type: ignore[no-untyped-def]  # Triton reads an
     FEEDBACK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``p = decay·p + step·u`` where keep, computed in fp32 and stored in the parameter's
-    dtype; the scalars are read from device memory, so a captured graph follows the lr.
-    With FEEDBACK, also Dion2's error feedback (:func:`_decay_selected`) on the momentum,
-    from the same read of the update."""
-    keep = tl.load(keep_ptr) != 0
-    decay = tl.load(decay_ptr).to(tl.float32)
-    step = tl.load(step_ptr).to(tl.float32)
+    """:func:`_decay_and_update_block` over one tensor; the scalars are read from device
+    memory, so a captured graph follows the lr."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < numel
-    stored = tl.load(param_ptr + offsets, mask=mask)
-    update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    param = (decay * stored.to(tl.float32) + step * update).to(param_ptr.dtype.element_ty)
-    tl.store(param_ptr + offsets, tl.where(keep, param, stored), mask=mask)
-    if FEEDBACK:
-        _decay_selected(momentum_ptr, offsets, mask, update, beta, keep)
+    _decay_and_update_block(
+        param_ptr,
+        update_ptr,
+        momentum_ptr,
+        tl.load(decay_ptr).to(tl.float32),
+        tl.load(step_ptr).to(tl.float32),
+        tl.load(keep_ptr) != 0,
+        beta,
+        offsets,
+        offsets < numel,
+        FEEDBACK,
+    )
+
+
+@triton.jit
+def _decay_and_updates_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    table_ptr,
+    beta,
+    PARAM: tl.constexpr,
+    UPDATE: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """:func:`_decay_and_update_block` over many tensors: program (i, j) takes every
+    ``programs``-th block of the i-th row of ``table`` (param, update, momentum, decay,
+    step and keep addresses, numel)."""
+    row = table_ptr + tl.program_id(0) * 7
+    param_ptr = tl.load(row).to(tl.pointer_type(PARAM))
+    update_ptr = tl.load(row + 1).to(tl.pointer_type(UPDATE))
+    momentum_ptr = tl.load(row + 2).to(tl.pointer_type(MOMENTUM))
+    decay = tl.load(tl.load(row + 3).to(tl.pointer_type(tl.float32)))
+    step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)))
+    keep = tl.load(tl.load(row + 5).to(tl.pointer_type(tl.int8))) != 0
+    numel = tl.load(row + 6)
+    stride = tl.num_programs(1).to(tl.int64) * BLOCK
+    for start in range(tl.program_id(1).to(tl.int64) * BLOCK, numel, stride):
+        offsets = start + tl.arange(0, BLOCK)
+        _decay_and_update_block(
+            param_ptr,
+            update_ptr,
+            momentum_ptr,
+            decay,
+            step,
+            keep,
+            beta,
+            offsets,
+            offsets < numel,
+            FEEDBACK,
+        )
 
 
 @triton.jit
@@ -313,6 +435,129 @@ def decay_and_update_triton(
             BLOCK=_BLOCK,
             num_warps=_WARPS,
         )
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Programs per tensor of a many-tensor launch; each takes every _PROGRAMS-th block of its
+# tensor, so a small tensor's surplus programs return at once.
+_PROGRAMS = 1024
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a graph is being captured: launches then cost nothing on replay, and an
+    address table copied in would be read again at every replay, long after it changed."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _launch_tables(
+    kernel: triton.JITFunction,
+    batches: dict[tuple[Any, ...], list[list[int]]],
+    device: torch.device,
+    args: Callable[[tuple[Any, ...]], dict[str, Any]],
+) -> None:
+    """One launch of ``kernel`` per batch of table rows (the last entry of a row: its
+    numel); ``args`` gives a batch key's other arguments."""
+    with on_device(device):
+        for key, rows in batches.items():
+            programs = min(triton.cdiv(max(row[-1] for row in rows), _BLOCK), _PROGRAMS)
+            kernel[(len(rows), programs)](
+                address_table(rows, device), **args(key), BLOCK=_BLOCK, num_warps=_WARPS
+            )
+
+
+def momentum_inputs_triton(
+    grads: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    beta: float,
+    mix: float | None,
+    store: bool,
+    keeps: Sequence[torch.Tensor],
+) -> None:
+    """:func:`momentum_input_triton` on every piece, one launch per dtypes of (grad,
+    momentum, out); one per piece while a graph is captured."""
+    if not grads:
+        return
+    device = grads[0].device
+    if _capturing(device):
+        for grad, momentum, out, keep in zip(grads, momenta, outs, keeps, strict=True):
+            momentum_input_triton(grad, momentum, out, beta, mix, store, keep)
+        return
+    batches: dict[tuple[Any, ...], list[list[int]]] = {}
+    for grad, momentum, out, keep in zip(grads, momenta, outs, keeps, strict=True):
+        if grad.numel():
+            batches.setdefault((grad.dtype, momentum.dtype, out.dtype), []).append(
+                [
+                    grad.data_ptr(),
+                    momentum.data_ptr(),
+                    out.data_ptr(),
+                    keep.data_ptr(),
+                    grad.numel(),
+                ]
+            )
+    _launch_tables(
+        _momentum_inputs_kernel,
+        batches,
+        device,
+        lambda key: {
+            "beta": float(beta),
+            "mix": float(mix or 0.0),
+            "GRAD": _TL_DTYPES[key[0]],
+            "MOMENTUM": _TL_DTYPES[key[1]],
+            "OUT": _TL_DTYPES[key[2]],
+            "NESTEROV": mix is not None,
+            "STORE": store,
+        },
+    )
+
+
+def decay_and_updates_triton(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    decays: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    keeps: Sequence[torch.Tensor],
+    feedbacks: Sequence[tuple[torch.Tensor, float] | None],
+) -> None:
+    """:func:`decay_and_update_triton` on every piece, one launch per dtypes and feedback
+    β; one per piece while a graph is captured."""
+    if not params:
+        return
+    device = params[0].device
+    pieces = zip(params, updates, decays, steps, keeps, feedbacks, strict=True)
+    if _capturing(device):
+        for param, update, decay, step, keep, feedback in pieces:
+            decay_and_update_triton(param, update, decay, step, keep, feedback)
+        return
+    batches: dict[tuple[Any, ...], list[list[int]]] = {}
+    for param, update, decay, step, keep, feedback in pieces:
+        if not param.numel():
+            continue
+        momentum, beta = feedback if feedback is not None else (param, None)
+        key = (param.dtype, update.dtype, momentum.dtype, beta)
+        batches.setdefault(key, []).append(
+            [
+                param.data_ptr(),
+                update.data_ptr(),
+                momentum.data_ptr(),
+                decay.data_ptr(),
+                step.data_ptr(),
+                keep.data_ptr(),
+                param.numel(),
+            ]
+        )
+    _launch_tables(
+        _decay_and_updates_kernel,
+        batches,
+        device,
+        lambda key: {
+            "beta": float(key[3] or 0.0),
+            "PARAM": _TL_DTYPES[key[0]],
+            "UPDATE": _TL_DTYPES[key[1]],
+            "MOMENTUM": _TL_DTYPES[key[2]],
+            "FEEDBACK": key[3] is not None,
+        },
+    )
 
 
 def scale_rows_triton(x: torch.Tensor, factors: torch.Tensor, columns: bool) -> None:
