@@ -404,17 +404,23 @@ def slice_norms(x: torch.Tensor, axis: int, backend: str = "torch") -> torch.Ten
 
 
 def add_slice_norms_(
-    norms: torch.Tensor, x: torch.Tensor, axis: int, slots: torch.Tensor, backend: str = "torch"
+    norms: torch.Tensor,
+    xs: Sequence[torch.Tensor],
+    axes: Sequence[int],
+    slots: Sequence[torch.Tensor],
+    backend: str = "torch",
 ) -> None:
-    """Add :func:`slice_norms` of ``x`` (``[k, m, n]``) into the float64 vector ``norms`` at
-    ``slots`` (``[k, slices]``): a piece's partial norms of the slices it holds. On CUDA
-    one Triton pass (:func:`fused_launches`: it saves a launch per piece)."""
-    if fused_launches(backend, x):
-        from muon_dist.kernels.triton_elementwise import slice_l1_triton
+    """Add :func:`slice_norms` of each ``[k, m, n]`` tensor of ``xs`` (along its axis) into
+    the float64 vector ``norms`` at its ``slots`` (``[k, slices]``): the pieces' partial
+    norms of the slices they hold. On CUDA one Triton launch for all
+    (:func:`fused_launches`: it saves a launch per piece), outside graph capture."""
+    if xs and fused_launches(backend, xs[0]) and not torch.cuda.is_current_stream_capturing():
+        from muon_dist.kernels.triton_elementwise import add_slice_l1_triton
 
-        slice_l1_triton(x, axis, into=(norms, slots))
+        add_slice_l1_triton(norms, xs, axes, slots)
         return
-    norms.index_add_(0, slots.reshape(-1), slice_norms(x, axis).reshape(-1))
+    for x, axis, where in zip(xs, axes, slots, strict=True):
+        norms.index_add_(0, where.reshape(-1), slice_norms(x, axis).reshape(-1))
 
 
 def select_slices(x: torch.Tensor, axis: int, count: int, backend: str = "torch") -> torch.Tensor:

@@ -329,18 +329,22 @@ def test_fused_error_feedback_matches_torch() -> None:
 
 @pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
 def test_fused_slice_norms_add_at_shared_slots(axis: int) -> None:
-    """Partial norms of bf16 slices added at slots two matrices share (atomic float64
-    adds of exact sums): torch's ``index_add_`` bitwise."""
-    from muon_dist.kernels.triton_elementwise import slice_l1_triton
+    """Partial norms of bf16 slices of several tensors (one strided) added at slots they
+    share, in one launch (atomic float64 adds of exact sums): ``index_add_`` bitwise."""
+    from muon_dist.kernels.triton_elementwise import add_slice_l1_triton
     from muon_dist.update_rule import add_slice_norms_
 
-    x = torch.randn(2, 777, 513, device="cuda", dtype=torch.bfloat16)
-    count = x.shape[axis]
-    slots = torch.randperm(1000, device="cuda")[:count].expand(2, count).contiguous()
+    xs = [
+        torch.randn(2, 513, 777, device="cuda", dtype=torch.bfloat16).mT,
+        torch.randn(3, 777, 513, device="cuda", dtype=torch.bfloat16),
+    ]
+    count = xs[0].shape[axis]
+    shared = torch.randperm(1000, device="cuda")[:count]
+    slots = [shared.expand(x.shape[0], count).contiguous() for x in xs]
     expected = torch.zeros(1000, dtype=torch.float64, device="cuda")
     norms = expected.clone()
-    add_slice_norms_(expected, x, axis, slots)
-    slice_l1_triton(x, axis, into=(norms, slots))
+    add_slice_norms_(expected, xs, [axis, axis], slots)
+    add_slice_l1_triton(norms, xs, [axis, axis], slots)
     torch.testing.assert_close(norms, expected, rtol=0, atol=0)
 
 

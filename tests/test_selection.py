@@ -140,14 +140,14 @@ def _check_norms(per_rank: list[Any], b: int, planes: list[torch.Tensor]) -> Non
             sel.gather_sends, bucket.gather_sends, layout.send_tiles, strict=True
         ):
             x = planes[p.view][piece.rows][:, piece.cols]
-            add_norms(total, x, tiles, "torch")
+            add_norms(total, [(x, tiles)], "torch")
         owned = [o for o in bucket.owned if o.own_slices]
         for piece, owned_block, tiles in zip(sel.own, owned, layout.own_tiles, strict=True):
             stack_plane = torch.zeros(
                 piece.stack_row + int(piece.rows.max()) + 1, piece.width, dtype=torch.float64
             )
             stack_plane[piece.rows + piece.stack_row] = planes[owned_block.view][piece.rows]
-            add_norms(total, stack_plane, tiles, "torch")
+            add_norms(total, [(stack_plane, tiles)], "torch")
     for s, block_view in zip(first.segments, first.segment_views, strict=True):
         values = planes[block_view][s.rows][:, s.cols].abs()
         expected = values.sum(1) if s.axis == 0 else values.sum(0)

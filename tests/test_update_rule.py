@@ -326,18 +326,22 @@ def test_fused_error_feedback_matches_the_torch_form(keep: bool) -> None:
 )
 @pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
 def test_fused_slice_norms_add_at_their_slots(axis: int) -> None:
-    """Partial norms added at shared slots (two pieces of the same slices, strided): the
-    Triton pass's atomic adds equal torch's ``index_add_``."""
+    """Partial norms of several tensors (one strided, one empty) added at slots they share,
+    in one launch: the Triton pass's atomic adds equal torch's ``index_add_``."""
     pytest.importorskip("triton")
-    from muon_dist.kernels.triton_elementwise import slice_l1_triton
+    from muon_dist.kernels.triton_elementwise import add_slice_l1_triton
 
     generator = torch.Generator().manual_seed(8)
-    x = torch.randn(2, 30, 21, generator=generator).mT  # [2, 21, 30], strided
-    count = x.shape[-2] if axis == -2 else x.shape[-1]
-    slots = torch.stack([torch.randperm(40, generator=generator)[:count] for _ in range(2)])
-    slots[1] = slots[0]  # both matrices' slices land on the same slots
+    xs = [
+        torch.randn(2, 30, 21, generator=generator).mT,  # [2, 21, 30], strided
+        torch.randn(3, 21, 30, generator=generator),
+        torch.zeros(0, 21, 30),
+    ]
+    count = xs[0].shape[axis]
+    shared = torch.randperm(40, generator=generator)[:count]
+    slots = [shared.expand(x.shape[0], count).contiguous() for x in xs]
     expected = torch.rand(40, dtype=torch.float64, generator=generator)
     norms = expected.clone()
-    add_slice_norms_(expected, x, axis, slots)
-    slice_l1_triton(x, axis, into=(norms, slots))
+    add_slice_norms_(expected, xs, [axis] * 3, slots)
+    add_slice_l1_triton(norms, xs, [axis] * 3, slots)
     torch.testing.assert_close(norms, expected, rtol=1e-15, atol=0)

@@ -253,6 +253,31 @@ def _error_feedback_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
 
 
 @triton.jit
+def _slice_l1_sums(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    x_ptr,
+    batch,
+    index,
+    slices,
+    length,
+    batch_stride,
+    slice_stride,
+    step_stride,
+    BLOCK_S: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """``Σ_l |x[batch, s, l]|`` in float64 for the slices ``s`` in ``index`` (strided), in
+    a fixed order."""
+    rows = index.to(tl.int64)[:, None] * slice_stride + batch * batch_stride
+    total = tl.zeros((BLOCK_S,), dtype=tl.float64)
+    for start in range(0, length, BLOCK_L):
+        steps = start + tl.arange(0, BLOCK_L)
+        inside = (index[:, None] < slices) & (steps[None, :] < length)
+        values = tl.load(x_ptr + rows + steps.to(tl.int64)[None, :] * step_stride, mask=inside)
+        total += tl.sum(tl.abs(values.to(tl.float64)), axis=1)
+    return total
+
+
+@triton.jit
 def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     x_ptr,
     out_ptr,
@@ -261,28 +286,67 @@ def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
     batch_stride,
     slice_stride,
     step_stride,
-    slots_ptr,
-    SLOTS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    """``out[b, s] = Σ_l |x[b, s, l]|`` in float64 over strided slices, in a fixed order;
-    with SLOTS, added to ``out[slots[b, s]]`` instead (atomically: slices of several
-    pieces share a slot)."""
+    """``out[b, s] = Σ_l |x[b, s, l]|`` (:func:`_slice_l1_sums`)."""
     batch = tl.program_id(0).to(tl.int64)
     index = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    rows = index.to(tl.int64)[:, None] * slice_stride + batch * batch_stride
-    total = tl.zeros((BLOCK_S,), dtype=tl.float64)
-    for start in range(0, length, BLOCK_L):
-        steps = start + tl.arange(0, BLOCK_L)
-        inside = (index[:, None] < slices) & (steps[None, :] < length)
-        values = tl.load(x_ptr + rows + steps.to(tl.int64)[None, :] * step_stride, mask=inside)
-        total += tl.sum(tl.abs(values.to(tl.float64)), axis=1)
-    if SLOTS:
-        slot = tl.load(slots_ptr + batch * slices + index, mask=index < slices, other=0)
-        tl.atomic_add(out_ptr + slot, total, mask=index < slices)
-    else:
-        tl.store(out_ptr + batch * slices + index, total, mask=index < slices)
+    total = _slice_l1_sums(
+        x_ptr,
+        batch,
+        index,
+        slices,
+        length,
+        batch_stride,
+        slice_stride,
+        step_stride,
+        BLOCK_S,
+        BLOCK_L,
+    )
+    tl.store(out_ptr + batch * slices + index, total, mask=index < slices)
+
+
+@triton.jit
+def _slice_l1_tiles_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    table_ptr,
+    out_ptr,
+    X: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """``out[slots[b, s]] += Σ_l |x[b, s, l]|`` for many tensors ``x``: program (i, j)
+    takes every ``programs``-th block of slices of the i-th row of ``table`` (x and slots
+    addresses, matrices, slices, length, strides). Atomic adds: the slices of several
+    pieces share a slot, and float64 sums of bf16 values are exact in any order."""
+    row = table_ptr + tl.program_id(0) * 8
+    x_ptr = tl.load(row).to(tl.pointer_type(X))
+    slots_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int64))
+    matrices = tl.load(row + 2)
+    slices = tl.load(row + 3)
+    length = tl.load(row + 4)
+    batch_stride = tl.load(row + 5)
+    slice_stride = tl.load(row + 6)
+    step_stride = tl.load(row + 7)
+    per_matrix = tl.cdiv(slices, BLOCK_S)
+    for block in range(tl.program_id(1).to(tl.int64), matrices * per_matrix, tl.num_programs(1)):
+        batch = block // per_matrix
+        index = (block % per_matrix) * BLOCK_S + tl.arange(0, BLOCK_S)
+        total = _slice_l1_sums(
+            x_ptr,
+            batch,
+            index,
+            slices,
+            length,
+            batch_stride,
+            slice_stride,
+            step_stride,
+            BLOCK_S,
+            BLOCK_L,
+        )
+        inside = index < slices
+        slot = tl.load(slots_ptr + batch * slices + index, mask=inside, other=0)
+        tl.atomic_add(out_ptr + slot, total, mask=inside)
 
 
 @triton.jit
@@ -595,43 +659,66 @@ def error_feedback_triton(
         )
 
 
-def slice_l1_triton(
-    x: torch.Tensor, axis: int, into: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> torch.Tensor:
+def _slice_geometry(x: torch.Tensor, axis: int) -> tuple[int, int, int, int, int, int]:
+    """Matrices, slices, length and the batch, slice and step strides of ``x``'s slices."""
+    k, m, n = x.shape
+    if axis == -2:
+        return k, m, n, x.stride(0), x.stride(1), x.stride(2)
+    return k, n, m, x.stride(0), x.stride(2), x.stride(1)
+
+
+_SLICE_BLOCK = 64
+
+
+def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
     """Fused form of :func:`muon_dist.update_rule.slice_norms`: the float64 L1 norm of each
     row (``axis=-2``) or column (``axis=-1``) of each matrix of a ``[k, m, n]`` tensor,
-    read in place whatever its strides. ``into`` (a float64 vector and the slots, ``[k,
-    slices]``, where the norms go) takes the fused form of
-    :func:`muon_dist.update_rule.add_slice_norms_` and returns the vector."""
-    k, m, n = x.shape
-    slices, length = (m, n) if axis == -2 else (n, m)
-    slice_stride, step_stride = (
-        (x.stride(1), x.stride(2)) if axis == -2 else (x.stride(2), x.stride(1))
-    )
-    if into is None:
-        out = torch.empty(k, slices, dtype=torch.float64, device=x.device)
-        slots = out
-    else:
-        out, slots = into
-    if k * slices == 0:
+    read in place whatever its strides."""
+    k, slices, length, *strides = _slice_geometry(x, axis)
+    out = torch.empty(k, slices, dtype=torch.float64, device=x.device)
+    if out.numel() == 0:
         return out
-    block_s = 64
     with on_device(x.device):
-        _slice_l1_kernel[(k, triton.cdiv(slices, block_s))](
+        _slice_l1_kernel[(k, triton.cdiv(slices, _SLICE_BLOCK))](
             x,
             out,
             slices,
             length,
-            x.stride(0),
-            slice_stride,
-            step_stride,
-            slots,
-            SLOTS=into is not None,
-            BLOCK_S=block_s,
+            *strides,
+            BLOCK_S=_SLICE_BLOCK,
             BLOCK_L=64,
             num_warps=4,
         )
     return out
+
+
+def add_slice_l1_triton(
+    norms: torch.Tensor,
+    xs: Sequence[torch.Tensor],
+    axes: Sequence[int],
+    slots: Sequence[torch.Tensor],
+) -> None:
+    """Fused form of :func:`muon_dist.update_rule.add_slice_norms_`: every ``[k, m, n]``
+    tensor's slice norms (as :func:`slice_l1_triton`) added into ``norms`` at its ``[k,
+    slices]`` int64 slots, one launch per dtype of the tensors. Not while a graph is
+    captured: its address table would be read again at every replay."""
+    batches: dict[torch.dtype, list[list[int]]] = {}
+    for x, axis, where in zip(xs, axes, slots, strict=True):
+        k, slices, length, *strides = _slice_geometry(x, axis)
+        if k * slices:
+            row = [x.data_ptr(), where.data_ptr(), k, slices, length, *strides]
+            batches.setdefault(x.dtype, []).append(row)
+    with on_device(norms.device):
+        for dtype, rows in batches.items():
+            blocks = max(row[2] * triton.cdiv(row[3], _SLICE_BLOCK) for row in rows)
+            _slice_l1_tiles_kernel[(len(rows), min(blocks, _PROGRAMS))](
+                address_table(rows, norms.device),
+                norms,
+                X=_TL_DTYPES[dtype],
+                BLOCK_S=_SLICE_BLOCK,
+                BLOCK_L=64,
+                num_warps=4,
+            )
 
 
 def row_factors_triton(

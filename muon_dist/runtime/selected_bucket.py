@@ -144,10 +144,12 @@ def _run(
         ctx.read_updates(where.own, region_views(stacks, where.own_regions))
         planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
         norms = torch.zeros(sel.slots, dtype=torch.float64, device=device)
-        for x, tiles in zip(inputs, layout.send_tiles, strict=True):
-            add_norms(norms, x, tiles, ctx.backend)
-        for piece, tiles in zip(sel.own, layout.own_tiles, strict=True):
-            add_norms(norms, planes[piece.stack], tiles, ctx.backend)
+        sources = [*zip(inputs, layout.send_tiles, strict=True)]
+        sources += [
+            (planes[piece.stack], tiles)
+            for piece, tiles in zip(sel.own, layout.own_tiles, strict=True)
+        ]
+        add_norms(norms, sources, ctx.backend)
         work = dist.all_reduce(norms, group=ctx.norm_peers.group, async_op=True)
     yield
     with _on(side, None):
@@ -249,16 +251,18 @@ def _chosen(
 
 def add_norms(
     norms: torch.Tensor,
-    x: torch.Tensor,
-    tiles: Sequence[tuple[Rect, int, torch.Tensor]],
+    sources: Sequence[tuple[torch.Tensor, Sequence[tuple[Rect, int, torch.Tensor]]]],
     backend: str,
 ) -> None:
-    """Add the slice norms of ``x``'s tiles (L1, float64) at their slots."""
-    for rect, axis, slots in tiles:
-        g, a, b = rect.shape
-        add_slice_norms_(
-            norms, take(x, rect).view(g, a, b), -2 if axis == 0 else -1, slots, backend
-        )
+    """Add the slice norms (L1, float64) of each source's tiles at their slots, in one
+    pass over all of them."""
+    xs, axes, slots = [], [], []
+    for x, tiles in sources:
+        for rect, axis, where in tiles:
+            xs.append(take(x, rect).view(rect.shape))
+            axes.append(-2 if axis == 0 else -1)
+            slots.append(where)
+    add_slice_norms_(norms, xs, axes, slots, backend)
 
 
 def _exchange(
