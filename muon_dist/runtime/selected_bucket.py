@@ -109,10 +109,11 @@ def selected_bucket_task(
     ctx: SelectedContext,
 ) -> Task:
     """Wrap one communicating bucket with Dion2 matrices as a task; it yields once per
-    collective or host copy it waits on. ``selection`` gives the bucket's layout.
+    exchange or host copy it waits on. ``selection`` gives the bucket's layout.
 
     Its norms and choice run on the selection stream, after only the work queued before
-    the task was made (the step's momentum and gradients, or a hook's)."""
+    the task was made (the step's momentum and gradients, or a hook's); that stream, not
+    the host, waits for the norms' all-reduce."""
     made = _event(ctx.selection_stream)
     return Task(bucket.names, _run(where, selection, ctx, made))
 
@@ -150,10 +151,9 @@ def _run(
             for piece, tiles in zip(sel.own, layout.own_tiles, strict=True)
         ]
         add_norms(norms, sources, ctx.backend)
-        work = dist.all_reduce(norms, group=ctx.norm_peers.group, async_op=True)
-    yield
-    with _on(side, None):
-        _wait(work)
+        # The choice follows at once on this stream (which waits for the all-reduce, the
+        # host does not): queued after the next buckets' staging, it would wait for them.
+        _wait(dist.all_reduce(norms, group=ctx.norm_peers.group, async_op=True))
         chosen = torch.empty(sel.chosen_count, dtype=torch.long, device=device)
         for slot, n, length, count, first in sel.batches:
             top = top_slices(norms[slot : slot + n * length].view(n, length), count)
