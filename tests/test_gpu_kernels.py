@@ -396,3 +396,47 @@ def test_many_pieces_in_one_launch_match_one_per_piece() -> None:
     te.decay_and_updates_triton(params, outs, decays, steps, keeps, feedbacks)
     for p, m, (want_p, want_m) in zip(params, momenta, want, strict=True):
         assert torch.equal(p, want_p) and torch.equal(m, want_m)
+
+
+def test_rectangle_moves_in_one_launch_match_torch_indexing() -> None:
+    """Dion2's gathers into a send buffer (selected rows, selected columns, groups of both,
+    a whole plane; bf16, cast from fp32 on the way) and puts back equal torch's indexing
+    bitwise."""
+    from muon_dist.kernels.triton_rects import RectMove, move_rects_triton
+    from muon_dist.selection import Rect, put_, take_into
+
+    plane = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    source = torch.randn(512, 3000, device="cuda")
+    rows = torch.randperm(4096, device="cuda")[:1000].sort().values
+    cols = torch.randperm(3000, device="cuda")[:700].sort().values
+    group_rows = torch.randint(0, 4096, (3, 50), device="cuda")
+    group_cols = torch.randint(0, 1024, (3, 8), device="cuda")
+    rects = [
+        (plane, Rect((1, 1000, 1024), rows[None], None)),
+        (source, Rect((1, 512, 700), None, cols[None])),
+        (plane, Rect((3, 50, 8), group_rows, group_cols)),
+        (plane, Rect((1, 4096, 1024), None, None)),
+    ]
+    total = sum(r.numel for _, r in rects)
+    expected, got = (torch.empty(total, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    flats, offset = [], 0
+    for x, r in rects:
+        take_into(expected[offset : offset + r.numel], x, r)
+        flats.append(got[offset : offset + r.numel])
+        offset += r.numel
+    moves = [
+        RectMove(f, x, r.rows, r.cols, r.shape) for f, (x, r) in zip(flats, rects, strict=True)
+    ]
+    move_rects_triton(moves, gather=True)
+    assert torch.equal(got, expected)
+
+    wanted = [x.clone() for x, _ in rects[:2]]
+    targets = [x.clone() for x, _ in rects[:2]]
+    for want, flat, (_, r) in zip(wanted, flats, rects, strict=False):
+        put_(want, r, flat.to(want.dtype))
+    back = [
+        RectMove(f, t, r.rows, r.cols, r.shape)
+        for f, t, (_, r) in zip(flats, targets, rects, strict=False)
+    ]
+    move_rects_triton(back, gather=False)
+    assert all(torch.equal(t, w) for t, w in zip(targets, wanted, strict=True))
