@@ -501,7 +501,7 @@ def decay_and_update_triton(
         )
 
 
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Programs per tensor of a many-tensor launch; each takes every _PROGRAMS-th block of its
 # tensor, so a small tensor's surplus programs return at once.
 _PROGRAMS = 1024
@@ -566,9 +566,9 @@ def momentum_inputs_triton(
         lambda key: {
             "beta": float(beta),
             "mix": float(mix or 0.0),
-            "GRAD": TL_DTYPES[key[0]],
-            "MOMENTUM": TL_DTYPES[key[1]],
-            "OUT": TL_DTYPES[key[2]],
+            "GRAD": _TL_DTYPES[key[0]],
+            "MOMENTUM": _TL_DTYPES[key[1]],
+            "OUT": _TL_DTYPES[key[2]],
             "NESTEROV": mix is not None,
             "STORE": store,
         },
@@ -616,9 +616,9 @@ def decay_and_updates_triton(
         device,
         lambda key: {
             "beta": float(key[3] or 0.0),
-            "PARAM": TL_DTYPES[key[0]],
-            "UPDATE": TL_DTYPES[key[1]],
-            "MOMENTUM": TL_DTYPES[key[2]],
+            "PARAM": _TL_DTYPES[key[0]],
+            "UPDATE": _TL_DTYPES[key[1]],
+            "MOMENTUM": _TL_DTYPES[key[2]],
             "FEEDBACK": key[3] is not None,
         },
     )
@@ -714,7 +714,7 @@ def add_slice_l1_triton(
             _slice_l1_tiles_kernel[(len(rows), min(blocks, _PROGRAMS))](
                 address_table(rows, norms.device),
                 norms,
-                X=TL_DTYPES[dtype],
+                X=_TL_DTYPES[dtype],
                 BLOCK_S=_SLICE_BLOCK,
                 BLOCK_L=64,
                 num_warps=4,

@@ -11,7 +11,6 @@ zeros in the slices left out, the form the plain bucket hands over.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
@@ -37,7 +36,7 @@ from muon_dist.selection import (
     take,
     take_into,
 )
-from muon_dist.update_rule import add_slice_norms_, fused_launches, top_slices
+from muon_dist.update_rule import add_slice_norms_, top_slices
 
 
 class SelectedContext(StepContext, Protocol):
@@ -183,7 +182,7 @@ def _run(
     del staged, inputs
     yield
     _wait(work)
-    _put_all([planes[p.stack] for p in sel.gather_recvs], gather_recvs, recv, ctx.backend)
+    _put_all([planes[p.stack] for p in sel.gather_recvs], gather_recvs, recv)
     del recv, planes
 
     results = [
@@ -210,7 +209,6 @@ def _run(
         [v.view(len(p.rows), len(p.cols)) for v, p in zip(pieces, sel.scatter_recvs, strict=True)],
         scatter_recvs,
         recv,
-        ctx.backend,
     )
     ctx.apply(where.scatter_writes, pieces)
 
@@ -281,7 +279,10 @@ def _exchange(
         (x, r) for x, piece_rects in zip(sources, send_rects, strict=True) for r in piece_rects
     ]
     send = torch.empty(sum(r.numel for _, r in rects), dtype=ctx.comm_dtype, device=ctx.device)
-    _move(send, rects, ctx.backend, gather=True)
+    offset = 0
+    for x, rect in rects:
+        take_into(send[offset : offset + rect.numel], x, rect)
+        offset += rect.numel
     return start_exchange(
         send,
         peer_splits(_sizes(sends, send_rects), ctx.world_size, ctx.peers),
@@ -295,43 +296,14 @@ def _sizes(pieces: Sequence[PieceGrid], rects: Sequence[Sequence[Rect]]) -> list
 
 
 def _put_all(
-    targets: Sequence[torch.Tensor],
-    rects: Sequence[Sequence[Rect]],
-    values: torch.Tensor,
-    backend: str,
+    targets: Sequence[torch.Tensor], rects: Sequence[Sequence[Rect]], values: torch.Tensor
 ) -> None:
     """Write the received flat ``values`` to each piece's rectangles, in order."""
-    moves = [(t, r) for t, piece_rects in zip(targets, rects, strict=True) for r in piece_rects]
-    _move(values, moves, backend, gather=False)
-
-
-def _move(
-    flat: torch.Tensor,
-    rects: Sequence[tuple[torch.Tensor, Rect]],
-    backend: str,
-    *,
-    gather: bool,
-) -> None:
-    """``flat`` ← each (tensor, rectangle)'s values in order (``gather``), or the reverse;
-    on CUDA in one Triton launch for all rectangles (:func:`fused_launches`)."""
-    if rects and fused_launches(backend, flat) and not torch.cuda.is_current_stream_capturing():
-        from muon_dist.kernels.triton_rects import RectMove, move_rects_triton
-
-        offsets = itertools.accumulate((r.numel for _, r in rects), initial=0)
-        moves = [
-            RectMove(flat[start : start + r.numel], x, r.rows, r.cols, r.shape)
-            for start, (x, r) in zip(offsets, rects, strict=False)
-        ]
-        move_rects_triton(moves, gather)
-        return
     offset = 0
-    for x, rect in rects:
-        part = flat[offset : offset + rect.numel]
-        if gather:
-            take_into(part, x, rect)
-        else:
-            put_(x, rect, part)
-        offset += rect.numel
+    for target, piece_rects in zip(targets, rects, strict=True):
+        for rect in piece_rects:
+            put_(target, rect, values[offset : offset + rect.numel])
+            offset += rect.numel
 
 
 def _to_host(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
