@@ -334,6 +334,7 @@ class PieceIO:
         )
 
     def _write_fused(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
+        """Fused writes with a one-element step and no cautious decay, in one launch."""
         scalars, forms = self._scalars, self.forms
         fused_updates_(
             [self._pieces(*piece)[0] for piece in pieces],

@@ -326,7 +326,8 @@ def pre_orthogonalize_(
     A new momentum replaces the old one only when ``store`` and its ``keeps`` flag: a step
     that may still be skipped reads the next momentum without keeping it. The torch form
     leaves ``outs`` unmasked; the caller zeroes masked matrices in the stack
-    (:func:`mask_stack_`). The fused form is one Triton pass per tensor.
+    (:func:`mask_stack_`). The fused form is one Triton pass over every tensor, in one
+    launch per dtypes (:func:`fused_updates_` says why).
     """
     if fused:
         from muon_dist.kernels.triton_elementwise import momentum_inputs_triton
