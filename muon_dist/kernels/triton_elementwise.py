@@ -1,7 +1,9 @@
 """Triton kernels for the memory-bound passes of a Muon step, one pass over memory each.
 
 Torch needs two kernels for each of these passes, and its mixed-dtype adds (fp32 inputs,
-bf16 output) are not vectorised. Importing this module imports Triton; the optimizer
+bf16 output) are not vectorised. The passes a step runs on many pieces also come in a form
+that takes them all in one launch, from a table of their addresses
+(:mod:`muon_dist.kernels.tables`). Importing this module imports Triton; the optimizer
 reaches it through :mod:`muon_dist.update_rule` only.
 """
 
