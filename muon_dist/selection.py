@@ -166,7 +166,9 @@ class HostRect:
 
 @dataclass(frozen=True)
 class Rect:
-    """A :class:`HostRect` whose indices are tensors on the device it indexes."""
+    """A :class:`HostRect` whose indices are tensors on the device it indexes, flat (its
+    ``g·a`` rows, ``g·b`` columns): one group's index is used as it is, several groups'
+    take a view."""
 
     shape: tuple[int, int, int]
     rows: torch.Tensor | None
@@ -180,10 +182,10 @@ class Rect:
 def take(x: torch.Tensor, rect: Rect) -> torch.Tensor:
     """The values of ``rect`` in a 2-D ``x``, flat."""
     if rect.rows is None:
-        return x.reshape(-1) if rect.cols is None else x.index_select(1, rect.cols[0]).reshape(-1)
+        return x.reshape(-1) if rect.cols is None else x.index_select(1, rect.cols).reshape(-1)
     if rect.cols is None:
-        return x.index_select(0, rect.rows[0]).reshape(-1)
-    return x[rect.rows.unsqueeze(-1), rect.cols.unsqueeze(-2)].reshape(-1)
+        return x.index_select(0, rect.rows).reshape(-1)
+    return x[_grouped(rect.rows, rect.cols, rect.shape)].reshape(-1)
 
 
 def take_into(out: torch.Tensor, x: torch.Tensor, rect: Rect) -> None:
@@ -191,9 +193,9 @@ def take_into(out: torch.Tensor, x: torch.Tensor, rect: Rect) -> None:
     (one pass where the dtypes agree: a send buffer filled without a gather and a copy)."""
     _, a, b = rect.shape
     if out.dtype == x.dtype and rect.rows is None and rect.cols is not None:
-        torch.index_select(x, 1, rect.cols[0], out=out.view(a, b))
+        torch.index_select(x, 1, rect.cols, out=out.view(a, b))
     elif out.dtype == x.dtype and rect.rows is not None and rect.cols is None:
-        torch.index_select(x, 0, rect.rows[0], out=out.view(a, b))
+        torch.index_select(x, 0, rect.rows, out=out.view(a, b))
     else:
         out.copy_(take(x, rect))
 
@@ -205,11 +207,19 @@ def put_(x: torch.Tensor, rect: Rect, values: torch.Tensor) -> None:
         if rect.cols is None:
             x.copy_(values.view(a, b))
         else:
-            x.index_copy_(1, rect.cols[0], values.view(a, b))
+            x.index_copy_(1, rect.cols, values.view(a, b))
     elif rect.cols is None:
-        x.index_copy_(0, rect.rows[0], values.view(a, b))
+        x.index_copy_(0, rect.rows, values.view(a, b))
     else:
-        x.index_put_((rect.rows.unsqueeze(-1), rect.cols.unsqueeze(-2)), values.view(g, a, b))
+        x.index_put_(_grouped(rect.rows, rect.cols, rect.shape), values.view(g, a, b))
+
+
+def _grouped(
+    rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rectangle's flat row and column indices, broadcast as ``[g, a, b]``."""
+    g, a, b = shape
+    return rows.view(g, a, 1), cols.view(g, 1, b)
 
 
 class BucketSelection:
@@ -427,14 +437,12 @@ def rect_indices(rects: Sequence[Sequence[HostRect]]) -> np.ndarray:
 
 
 def device_rects(rects: Sequence[Sequence[HostRect]], flat: torch.Tensor) -> list[list[Rect]]:
-    """``rects`` as :class:`Rect` views of ``flat``, their :func:`rect_indices` on a device."""
-    offset = 0
+    """``rects`` as :class:`Rect` parts of ``flat``, their :func:`rect_indices` on a device
+    (one split for all)."""
+    sizes = [t.size for piece in rects for r in piece for t in (r.rows, r.cols) if t is not None]
+    parts = iter(flat.split_with_sizes(sizes) if sizes else ())
 
     def part(t: np.ndarray | None) -> torch.Tensor | None:
-        nonlocal offset
-        if t is None:
-            return None
-        offset += t.size
-        return flat[offset - t.size : offset].view(t.shape)
+        return None if t is None else next(parts)
 
     return [[Rect(r.shape, part(r.rows), part(r.cols)) for r in piece] for piece in rects]
