@@ -278,11 +278,10 @@ def _exchange(
     rects = [
         (x, r) for x, piece_rects in zip(sources, send_rects, strict=True) for r in piece_rects
     ]
-    send = torch.empty(sum(r.numel for _, r in rects), dtype=ctx.comm_dtype, device=ctx.device)
-    offset = 0
-    for x, rect in rects:
-        take_into(send[offset : offset + rect.numel], x, rect)
-        offset += rect.numel
+    sizes = [r.numel for _, r in rects]
+    send = torch.empty(sum(sizes), dtype=ctx.comm_dtype, device=ctx.device)
+    for part, (x, rect) in zip(_split(send, sizes), rects, strict=True):
+        take_into(part, x, rect)
     return start_exchange(
         send,
         peer_splits(_sizes(sends, send_rects), ctx.world_size, ctx.peers),
@@ -299,11 +298,16 @@ def _put_all(
     targets: Sequence[torch.Tensor], rects: Sequence[Sequence[Rect]], values: torch.Tensor
 ) -> None:
     """Write the received flat ``values`` to each piece's rectangles, in order."""
-    offset = 0
-    for target, piece_rects in zip(targets, rects, strict=True):
-        for rect in piece_rects:
-            put_(target, rect, values[offset : offset + rect.numel])
-            offset += rect.numel
+    moves = [(t, r) for t, piece_rects in zip(targets, rects, strict=True) for r in piece_rects]
+    for part, (target, rect) in zip(
+        _split(values, [r.numel for _, r in moves]), moves, strict=True
+    ):
+        put_(target, rect, part)
+
+
+def _split(flat: torch.Tensor, sizes: list[int]) -> Sequence[torch.Tensor]:
+    """``flat`` in consecutive parts of ``sizes`` (one split for all)."""
+    return flat.split_with_sizes(sizes) if sizes else ()
 
 
 def _to_host(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
