@@ -1,47 +1,59 @@
-"""Address tables for kernels that take many tensors in one launch.
+"""Small host-to-device copies through reused pinned buffers, and the address tables of
+kernels that take many tensors in one launch.
 
 A launch per tensor costs the host tens of microseconds in Triton's launcher, which a step
 of many small pieces pays hundreds of times; a kernel that reads each tensor's address and
-size from a table pays it once. The table goes to the device through a ring of pinned host
-slots: pinning a fresh buffer per launch costs more than the launch saves, and a copy from
-pageable memory would wait for the whole stream. A slot is rewritten only once the copy
-that last read it is done (an event per slot; by then long past, the ring being much
-longer than the copies in flight).
+size from a table pays it once. Such a table, like Dion2's per-step indices, goes to the
+device from pinned memory: pinning a fresh buffer per copy costs more than the copy, and a
+copy from pageable memory would wait for the whole stream. A :class:`PinnedStaging` buffer
+is rewritten only once the copy that last read it is done (an event).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-_SLOTS = 64
-_SLOT_ELEMENTS = 2048  # int64 entries: 16 KiB, a table of ~290 tensors of 7 entries
+_SLOTS = 64  # address tables in flight per device, far more than a step has unread
+
+
+class PinnedStaging:
+    """One pinned host buffer, grown as needed, through which int64 vectors are copied
+    to a device again and again."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def upload(self, values: np.ndarray | Sequence[int], device: torch.device) -> torch.Tensor:
+        """``values`` as an int64 tensor on ``device``, its copy queued on the current
+        stream (after waiting, rarely, for this buffer's previous copy to be done)."""
+        values = np.asarray(values, dtype=np.int64)
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._host is None or self._host.numel() < values.size:
+            self._host = torch.empty(max(2 * values.size, 1), dtype=torch.long, pin_memory=True)
+        host = self._host[: values.size]
+        host.numpy()[:] = values
+        moved = host.to(device, non_blocking=True)
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+        self._copied.record()
+        return moved
 
 
 class _Ring:
+    """Address tables' staging buffers, taken in turn."""
+
     def __init__(self) -> None:
-        self._host = torch.empty(_SLOTS, _SLOT_ELEMENTS, dtype=torch.long, pin_memory=True)
-        self._copied: list[torch.cuda.Event | None] = [None] * _SLOTS
+        self._slots = [PinnedStaging() for _ in range(_SLOTS)]
         self._next = 0
 
-    def upload(self, rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-        flat = [value for row in rows for value in row]
-        if len(flat) > _SLOT_ELEMENTS:  # an unusually long table: pinned on its own
-            host = torch.tensor(flat, dtype=torch.long).pin_memory()
-            return host.to(device, non_blocking=True)
-        slot = self._next
-        self._next = (slot + 1) % _SLOTS
-        copied = self._copied[slot]
-        if copied is not None:
-            copied.synchronize()
-        host = self._host[slot, : len(flat)]
-        host.numpy()[:] = flat
-        table = host.to(device, non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-        event.record()
-        self._copied[slot] = event
-        return table
+    def upload(self, values: list[int], device: torch.device) -> torch.Tensor:
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % _SLOTS
+        return slot.upload(values, device)
 
 
 _rings: dict[torch.device, _Ring] = {}
@@ -50,9 +62,10 @@ _rings: dict[torch.device, _Ring] = {}
 def address_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """``rows`` (per tensor: addresses, then sizes) as one int64 tensor on ``device``,
     flat, in row order; its copy is queued on the current stream."""
+    flat = [value for row in rows for value in row]
     if device.type != "cuda":
-        return torch.tensor([value for row in rows for value in row], dtype=torch.long)
+        return torch.tensor(flat, dtype=torch.long)
     ring = _rings.get(device)
     if ring is None:
         ring = _rings[device] = _Ring()
-    return ring.upload(rows, device)
+    return ring.upload(flat, device)

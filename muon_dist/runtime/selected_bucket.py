@@ -22,6 +22,7 @@ import torch.distributed as dist
 from muon_dist.bucket_map import BucketMap, StackSpec, region_views
 from muon_dist.comm import flat_views, pack, peer_splits, start_exchange
 from muon_dist.groups import Peers
+from muon_dist.kernels.tables import PinnedStaging
 from muon_dist.plan import BucketPlan
 from muon_dist.runtime.bucket_task import StepContext
 from muon_dist.runtime.scheduler import Task, TaskBody
@@ -70,25 +71,15 @@ class DeviceSelection:
             stack: [index.to(device) for index in parts]
             for stack, parts in selection.stack_chosen.items()
         }
-        self._pinned: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
+        self._staging = PinnedStaging()
 
     def rects_to(self, rects: Sequence[Sequence[HostRect]]) -> list[list[Rect]]:
         """The step's rectangles on the device, in one copy through a pinned buffer reused
-        every step (pinning a new one costs more than the copy)."""
+        every step."""
         flat = rect_indices(rects)
         if self.device.type != "cuda":
             return device_rects(rects, torch.from_numpy(flat))
-        if self._copied is not None:  # the last step's copy out of the buffer is done
-            self._copied.synchronize()
-        if self._pinned is None or self._pinned.numel() < flat.size:
-            self._pinned = torch.empty(2 * flat.size, dtype=torch.long, pin_memory=True)
-        staged = self._pinned[: flat.size]
-        staged.numpy()[:] = flat
-        moved = staged.to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._copied.record()
-        return device_rects(rects, moved)
+        return device_rects(rects, self._staging.upload(flat, self.device))
 
 
 def _tiles_to(
