@@ -476,12 +476,14 @@ class MuonPhase:
     def orthogonalize(
         self, stack: torch.Tensor, spec: StackSpec, chosen: Sequence[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        mask_stack_(stack, self._dropped_of_stack[spec.index])
+        dropped = self._dropped_of_stack[spec.index]
         steps, coefficients, parts, method, after = cast(
             tuple[int, Coefficients, PartSplit | None, str, tuple[Any, ...] | None], spec.ns_key
         )
         rows = self.row_moments.stacks.get(spec.index)
         selected = after if after is not None and after[0] == "dion2" else None
+        if selected is None:
+            mask_stack_(stack, dropped)
 
         def orthogonalize(x: torch.Tensor) -> torch.Tensor:
             # Dion2's step is bound by the host: its stacks, a quarter of the slices, replay
@@ -502,7 +504,14 @@ class MuonPhase:
                 transposed = selected[1] and part is None
                 index = None if chosen is None else chosen[part or 0]
                 return selected_orthogonalize(
-                    x, orthogonalize, selected[2], transposed, self.settings.backend, index
+                    x,
+                    # Dropped matrices are zeroed once their slices are taken: a quarter
+                    # of the stack's memory traffic.
+                    lambda slices: orthogonalize(mask_stack_(slices, dropped)),
+                    selected[2],
+                    transposed,
+                    self.settings.backend,
+                    index,
                 )
             result = orthogonalize(x)
             return result if rows is None else self.row_moments.normalize(result, rows, part)

@@ -325,23 +325,27 @@ def test_fused_error_feedback_matches_the_torch_form(keep: bool) -> None:
     not interpret_mode(), reason="the fused form runs on CPU in Triton's interpreter"
 )
 @pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
-def test_fused_slice_norms_add_at_their_slots(axis: int) -> None:
-    """Partial norms of several tensors (one strided, one empty) added at slots they share,
-    in one launch: the Triton pass's atomic adds equal torch's ``index_add_``."""
+def test_fused_slice_norms_add_at_their_slots(axis: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partial norms of several tensors (each layout of strides, one empty) added at slots
+    they share, in one pass, each slice split over several programs: the Triton pass's
+    atomic adds equal torch's ``index_add_``."""
     pytest.importorskip("triton")
+    from muon_dist.kernels import triton_elementwise
     from muon_dist.kernels.triton_elementwise import add_slice_l1_triton
 
+    monkeypatch.setattr(triton_elementwise, "_SLICE_CHUNK", 64)  # slices of 70 and 150
     generator = torch.Generator().manual_seed(8)
     xs = [
-        torch.randn(2, 30, 21, generator=generator).mT,  # [2, 21, 30], strided
-        torch.randn(3, 21, 30, generator=generator),
-        torch.zeros(0, 21, 30),
+        torch.randn(2, 150, 70, generator=generator).mT,  # [2, 70, 150], strided
+        torch.randn(3, 70, 150, generator=generator),
+        torch.randn(2, 140, 300, generator=generator)[:, ::2, ::2],  # no stride of 1
+        torch.zeros(0, 70, 150),
     ]
     count = xs[0].shape[axis]
-    shared = torch.randperm(40, generator=generator)[:count]
+    shared = torch.randperm(200, generator=generator)[:count]
     slots = [shared.expand(x.shape[0], count).contiguous() for x in xs]
-    expected = torch.rand(40, dtype=torch.float64, generator=generator)
+    expected = torch.rand(200, dtype=torch.float64, generator=generator)
     norms = expected.clone()
-    add_slice_norms_(expected, xs, [axis] * 3, slots)
-    add_slice_l1_triton(norms, xs, [axis] * 3, slots)
+    add_slice_norms_(expected, xs, [axis] * 4, slots)
+    add_slice_l1_triton(norms, xs, [axis] * 4, slots)
     torch.testing.assert_close(norms, expected, rtol=1e-15, atol=0)

@@ -206,12 +206,14 @@ def _decay_and_updates_kernel(  # type: ignore[no-untyped-def]  # Triton reads a
 @triton.jit
 def _decay_selected(momentum_ptr, offsets, mask, update, beta, keep):  # type: ignore[no-untyped-def]
     """``m = β·m`` where the update is nonzero or a negative zero (Dion2's selected slices)
-    and keep; computed in fp32, rounded once to m's dtype."""
-    stored = tl.load(momentum_ptr + offsets, mask=mask)
+    and keep; computed in fp32, rounded once to m's dtype. Only those entries are read and
+    written: most of the momentum is left out."""
     # A negative zero (sign bit set) marks a selected entry, a positive one does not.
-    selected = (update != 0.0) | (update.to(tl.int32, bitcast=True) < 0)
+    selected = ((update != 0.0) | (update.to(tl.int32, bitcast=True) < 0)) & mask
+    selected = tl.where(keep, selected, False)
+    stored = tl.load(momentum_ptr + offsets, mask=selected)
     decayed = (stored.to(tl.float32) * beta).to(momentum_ptr.dtype.element_ty)
-    tl.store(momentum_ptr + offsets, tl.where(selected & keep, decayed, stored), mask=mask)
+    tl.store(momentum_ptr + offsets, decayed, mask=selected)
 
 
 @triton.jit
@@ -261,20 +263,33 @@ def _slice_l1_sums(  # type: ignore[no-untyped-def]  # Triton reads annotations 
     index,
     slices,
     length,
+    first,
+    last,
     batch_stride,
     slice_stride,
     step_stride,
+    LAYOUT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    """``Σ_l |x[batch, s, l]|`` in float64 for the slices ``s`` in ``index`` (strided), in
-    a fixed order."""
-    rows = index.to(tl.int64)[:, None] * slice_stride + batch * batch_stride
+    """``Σ_l |x[batch, s, l]|`` over ``first <= l < last`` in float64 for the slices ``s``
+    in ``index``, in a fixed order. LAYOUT tells the compiler which stride is 1, so its
+    loads run along memory: 1, each slice's steps (rows); 2, the slices (columns); 0,
+    neither (any strides)."""
+    base = batch * batch_stride
+    if LAYOUT == 2:
+        rows = base + index.to(tl.int64)[:, None]
+    else:
+        rows = base + index.to(tl.int64)[:, None] * slice_stride
     total = tl.zeros((BLOCK_S,), dtype=tl.float64)
-    for start in range(0, length, BLOCK_L):
+    for start in range(first, last, BLOCK_L):
         steps = start + tl.arange(0, BLOCK_L)
         inside = (index[:, None] < slices) & (steps[None, :] < length)
-        values = tl.load(x_ptr + rows + steps.to(tl.int64)[None, :] * step_stride, mask=inside)
+        if LAYOUT == 1:
+            at = rows + steps.to(tl.int64)[None, :]
+        else:
+            at = rows + steps.to(tl.int64)[None, :] * step_stride
+        values = tl.load(x_ptr + at, mask=inside)
         total += tl.sum(tl.abs(values.to(tl.float64)), axis=1)
     return total
 
@@ -288,6 +303,7 @@ def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
     batch_stride,
     slice_stride,
     step_stride,
+    LAYOUT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
@@ -300,9 +316,12 @@ def _slice_l1_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotation
         index,
         slices,
         length,
+        0,
+        length,
         batch_stride,
         slice_stride,
         step_stride,
+        LAYOUT,
         BLOCK_S,
         BLOCK_L,
     )
@@ -314,13 +333,16 @@ def _slice_l1_tiles_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     table_ptr,
     out_ptr,
     X: tl.constexpr,
+    LAYOUT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """``out[slots[b, s]] += Σ_l |x[b, s, l]|`` for many tensors ``x``: program (i, j)
-    takes every ``programs``-th block of slices of the i-th row of ``table`` (x and slots
-    addresses, matrices, slices, length, strides). Atomic adds: the slices of several
-    pieces share a slot, and float64 sums of bf16 values are exact in any order."""
+    """``out[slots[b, s]] += Σ_l |x[b, s, l]|`` for many tensors ``x`` of one LAYOUT
+    (:func:`_slice_l1_sums`): program (i, j) takes every ``programs``-th block of slices
+    and CHUNK steps of the i-th row of ``table`` (x and slots addresses, matrices, slices,
+    length, strides). Atomic adds: the slices of several pieces, and the chunks of one
+    slice, share a slot, and float64 sums of bf16 values are exact in any order."""
     row = table_ptr + tl.program_id(0) * 8
     x_ptr = tl.load(row).to(tl.pointer_type(X))
     slots_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int64))
@@ -330,19 +352,24 @@ def _slice_l1_tiles_kernel(  # type: ignore[no-untyped-def]  # Triton reads anno
     batch_stride = tl.load(row + 5)
     slice_stride = tl.load(row + 6)
     step_stride = tl.load(row + 7)
-    per_matrix = tl.cdiv(slices, BLOCK_S)
+    chunks = tl.cdiv(length, CHUNK)
+    per_matrix = tl.cdiv(slices, BLOCK_S) * chunks
     for block in range(tl.program_id(1).to(tl.int64), matrices * per_matrix, tl.num_programs(1)):
         batch = block // per_matrix
-        index = (block % per_matrix) * BLOCK_S + tl.arange(0, BLOCK_S)
+        first = (block % chunks) * CHUNK
+        index = (block % per_matrix) // chunks * BLOCK_S + tl.arange(0, BLOCK_S)
         total = _slice_l1_sums(
             x_ptr,
             batch,
             index,
             slices,
             length,
+            first,
+            tl.minimum(first + CHUNK, length),
             batch_stride,
             slice_stride,
             step_stride,
+            LAYOUT,
             BLOCK_S,
             BLOCK_L,
         )
@@ -669,7 +696,14 @@ def _slice_geometry(x: torch.Tensor, axis: int) -> tuple[int, int, int, int, int
     return k, n, m, x.stride(0), x.stride(2), x.stride(1)
 
 
+def _slice_layout(strides: Sequence[int]) -> int:
+    """The LAYOUT of :func:`_slice_l1_sums` for (batch, slice, step) ``strides``."""
+    return 1 if strides[2] == 1 else 2 if strides[1] == 1 else 0
+
+
 _SLICE_BLOCK = 64
+# Steps of a slice per program of the many-tensor pass: long slices spread over programs.
+_SLICE_CHUNK = 1024
 
 
 def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -687,6 +721,7 @@ def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
             slices,
             length,
             *strides,
+            LAYOUT=_slice_layout(strides),
             BLOCK_S=_SLICE_BLOCK,
             BLOCK_L=64,
             num_warps=4,
@@ -702,23 +737,29 @@ def add_slice_l1_triton(
 ) -> None:
     """Fused form of :func:`muon_dist.update_rule.add_slice_norms_`: every ``[k, m, n]``
     tensor's slice norms (as :func:`slice_l1_triton`) added into ``norms`` at its ``[k,
-    slices]`` int64 slots, one launch per dtype of the tensors. Not while a graph is
+    slices]`` int64 slots, one launch per dtype and layout of the tensors. Not while a graph is
     captured: its address table would be read again at every replay."""
-    batches: dict[torch.dtype, list[list[int]]] = {}
+    batches: dict[tuple[torch.dtype, int], list[list[int]]] = {}
     for x, axis, where in zip(xs, axes, slots, strict=True):
         k, slices, length, *strides = _slice_geometry(x, axis)
         if k * slices:
+            layout = _slice_layout(strides)
             row = [x.data_ptr(), where.data_ptr(), k, slices, length, *strides]
-            batches.setdefault(x.dtype, []).append(row)
+            batches.setdefault((x.dtype, layout), []).append(row)
     with on_device(norms.device):
-        for dtype, rows in batches.items():
-            blocks = max(row[2] * triton.cdiv(row[3], _SLICE_BLOCK) for row in rows)
+        for (dtype, layout), rows in batches.items():
+            blocks = max(
+                row[2] * triton.cdiv(row[3], _SLICE_BLOCK) * triton.cdiv(row[4], _SLICE_CHUNK)
+                for row in rows
+            )
             _slice_l1_tiles_kernel[(len(rows), min(blocks, _PROGRAMS))](
                 address_table(rows, norms.device),
                 norms,
                 X=_TL_DTYPES[dtype],
+                LAYOUT=layout,
                 BLOCK_S=_SLICE_BLOCK,
                 BLOCK_L=64,
+                CHUNK=_SLICE_CHUNK,
                 num_warps=4,
             )
 
