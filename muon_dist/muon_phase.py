@@ -486,8 +486,8 @@ class MuonPhase:
             mask_stack_(stack, dropped)
 
         def orthogonalize(x: torch.Tensor) -> torch.Tensor:
-            # Dion2's step is bound by the host: its stacks, a quarter of the slices, replay
-            # from graphs whatever their size.
+            # Dion2's stacks, a quarter of the slices, replay from graphs whatever their
+            # size: launching their Newton–Schulz cost the host more than the GPU's work.
             return newton_schulz(
                 x,
                 steps=steps,

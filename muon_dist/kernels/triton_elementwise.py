@@ -206,8 +206,8 @@ def _decay_and_updates_kernel(  # type: ignore[no-untyped-def]  # Triton reads a
 @triton.jit
 def _decay_selected(momentum_ptr, offsets, mask, update, beta, keep):  # type: ignore[no-untyped-def]
     """``m = β·m`` where the update is nonzero or a negative zero (Dion2's selected slices)
-    and keep; computed in fp32, rounded once to m's dtype. Only those entries are read and
-    written: most of the momentum is left out."""
+    and keep; computed in fp32, rounded once to m's dtype. The entries left out are
+    neither read nor written (three quarters of them at Dion2's default fraction)."""
     # A negative zero (sign bit set) marks a selected entry, a positive one does not.
     selected = ((update != 0.0) | (update.to(tl.int32, bitcast=True) < 0)) & mask
     selected = tl.where(keep, selected, False)
