@@ -476,14 +476,12 @@ class MuonPhase:
     def orthogonalize(
         self, stack: torch.Tensor, spec: StackSpec, chosen: Sequence[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        dropped = self._dropped_of_stack[spec.index]
+        mask_stack_(stack, self._dropped_of_stack[spec.index], self.settings.backend)
         steps, coefficients, parts, method, after = cast(
             tuple[int, Coefficients, PartSplit | None, str, tuple[Any, ...] | None], spec.ns_key
         )
         rows = self.row_moments.stacks.get(spec.index)
         selected = after if after is not None and after[0] == "dion2" else None
-        if selected is None:
-            mask_stack_(stack, dropped)
 
         def orthogonalize(x: torch.Tensor) -> torch.Tensor:
             # Dion2's stacks, a quarter of the slices, replay from graphs whatever their
@@ -504,14 +502,7 @@ class MuonPhase:
                 transposed = selected[1] and part is None
                 index = None if chosen is None else chosen[part or 0]
                 return selected_orthogonalize(
-                    x,
-                    # Dropped matrices are zeroed once their slices are taken: a quarter
-                    # of the stack's memory traffic.
-                    lambda slices: orthogonalize(mask_stack_(slices, dropped)),
-                    selected[2],
-                    transposed,
-                    self.settings.backend,
-                    index,
+                    x, orthogonalize, selected[2], transposed, self.settings.backend, index
                 )
             result = orthogonalize(x)
             return result if rows is None else self.row_moments.normalize(result, rows, part)

@@ -341,8 +341,15 @@ def pre_orthogonalize_(
     ns_inputs_(grads, advanced, outs, mix)
 
 
-def mask_stack_(stack: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
-    """Zero the matrices of a ``[k, m, n]`` stack that ``dropped`` (shape ``[k]``) marks."""
+def mask_stack_(stack: torch.Tensor, dropped: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """Zero the matrices of a ``[k, m, n]`` stack that ``dropped`` (shape ``[k]``) marks.
+    On CUDA (:func:`fused_form`) a Triton pass writes the dropped matrices only: a step
+    rarely drops one, and a masked fill reads and writes the whole stack."""
+    if fused_form(backend, stack):
+        from muon_dist.kernels.triton_elementwise import zero_dropped_triton
+
+        zero_dropped_triton(stack, dropped)
+        return stack
     return stack.masked_fill_(dropped.view(-1, 1, 1), 0.0)
 
 

@@ -328,23 +328,27 @@ def test_fused_error_feedback_matches_torch() -> None:
 
 
 @pytest.mark.parametrize("axis", [-2, -1], ids=["rows", "columns"])
-def test_fused_slice_norms_add_at_shared_slots(axis: int) -> None:
-    """Partial norms of bf16 slices of several tensors (one strided) added at slots they
-    share, in one launch (atomic float64 adds of exact sums): ``index_add_`` bitwise."""
+def test_fused_slice_norms_add_at_shared_slots(axis: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partial norms of bf16 slices of several tensors (each layout of strides) added at
+    slots they share, each slice over several programs (atomic float64 adds of exact
+    sums): ``index_add_`` bitwise."""
+    from muon_dist.kernels import triton_elementwise
     from muon_dist.kernels.triton_elementwise import add_slice_l1_triton
     from muon_dist.update_rule import add_slice_norms_
 
+    monkeypatch.setattr(triton_elementwise, "_SLICE_CHUNK", 256)
     xs = [
         torch.randn(2, 513, 777, device="cuda", dtype=torch.bfloat16).mT,
         torch.randn(3, 777, 513, device="cuda", dtype=torch.bfloat16),
+        torch.randn(2, 1554, 1026, device="cuda", dtype=torch.bfloat16)[:, ::2, ::2],
     ]
     count = xs[0].shape[axis]
     shared = torch.randperm(1000, device="cuda")[:count]
     slots = [shared.expand(x.shape[0], count).contiguous() for x in xs]
     expected = torch.zeros(1000, dtype=torch.float64, device="cuda")
     norms = expected.clone()
-    add_slice_norms_(expected, xs, [axis, axis], slots)
-    add_slice_l1_triton(norms, xs, [axis, axis], slots)
+    add_slice_norms_(expected, xs, [axis] * 3, slots)
+    add_slice_l1_triton(norms, xs, [axis] * 3, slots)
     torch.testing.assert_close(norms, expected, rtol=0, atol=0)
 
 
@@ -396,3 +400,16 @@ def test_many_pieces_in_one_launch_match_one_per_piece() -> None:
     te.decay_and_updates_triton(params, outs, decays, steps, keeps, feedbacks)
     for p, m, (want_p, want_m) in zip(params, momenta, want, strict=True):
         assert torch.equal(p, want_p) and torch.equal(m, want_m)
+
+
+def test_fused_stack_mask_matches_masked_fill() -> None:
+    """The stack mask in bf16 past one block per matrix: dropped matrices zero (NaN
+    included), kept ones bitwise unchanged, as ``masked_fill_``."""
+    from muon_dist.kernels.triton_elementwise import zero_dropped_triton
+
+    stack = torch.randn(6, 96, 1000, device="cuda", dtype=torch.bfloat16)
+    stack[2, 5, 7] = float("nan")
+    dropped = torch.tensor([True, False, True, False, False, True], device="cuda")
+    expected = stack.clone().masked_fill_(dropped.view(-1, 1, 1), 0.0)
+    zero_dropped_triton(stack, dropped)
+    assert torch.equal(stack, expected)

@@ -203,3 +203,17 @@ def test_many_writes_in_one_launch_match_one_per_piece() -> None:
     )
     for p, m, (want_p, want_m) in zip(params, momenta, expected, strict=True):
         assert torch.equal(p, want_p) and torch.equal(m, want_m)
+
+
+@pytest.mark.parametrize("shape", [(5, 30, 70), (3, 70, 100)], ids=str)
+def test_dropped_matrices_zeroed_as_masked_fill(shape: tuple[int, int, int]) -> None:
+    """The fused mask zeroes the dropped matrices (NaN included) across several blocks and
+    leaves the kept ones bitwise as they were, as ``masked_fill_`` does."""
+    stack = torch.randn(shape, generator=torch.Generator().manual_seed(9))
+    stack[0, 0, 0] = float("nan")
+    stack[1, 0, 0] = float("nan")
+    dropped = (torch.arange(shape[0]) % 2 == 0).logical_and_(torch.arange(shape[0]) < 4)
+    expected = stack.clone().masked_fill_(dropped.view(-1, 1, 1), 0.0)
+    triton_elementwise.zero_dropped_triton(stack, dropped)
+    assert torch.equal(stack.isnan(), expected.isnan())
+    assert torch.equal(stack.nan_to_num(), expected.nan_to_num())

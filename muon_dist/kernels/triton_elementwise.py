@@ -217,6 +217,24 @@ def _decay_selected(momentum_ptr, offsets, mask, update, beta, keep):  # type: i
 
 
 @triton.jit
+def _zero_dropped_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    x_ptr,
+    dropped_ptr,
+    per_matrix,
+    BLOCK: tl.constexpr,
+):
+    """Zero the matrices of a contiguous stack that ``dropped`` marks: program (i, j) takes
+    every ``programs``-th block of matrix i, and a kept matrix is neither read nor written."""
+    matrix = tl.program_id(0).to(tl.int64)
+    if tl.load(dropped_ptr + matrix) != 0:
+        zeros = tl.zeros((BLOCK,), dtype=x_ptr.dtype.element_ty)
+        stride = tl.num_programs(1).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(1).to(tl.int64) * BLOCK, per_matrix, stride):
+            offsets = start + tl.arange(0, BLOCK)
+            tl.store(x_ptr + matrix * per_matrix + offsets, zeros, mask=offsets < per_matrix)
+
+
+@triton.jit
 def _scale_rows_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     x_ptr,
     factor_ptr,
@@ -651,6 +669,20 @@ def decay_and_updates_triton(
             "FEEDBACK": key[3] is not None,
         },
     )
+
+
+def zero_dropped_triton(stack: torch.Tensor, dropped: torch.Tensor) -> None:
+    """Fused form of :func:`muon_dist.update_rule.mask_stack_` (``stack`` contiguous
+    ``[k, m, n]``, ``dropped`` ``[k]`` on its device): only the dropped matrices are
+    written, where a masked fill reads and writes the whole stack."""
+    k = stack.shape[0]
+    per_matrix = stack[0].numel() if k else 0
+    if k * per_matrix == 0:
+        return
+    with on_device(stack.device):
+        _zero_dropped_kernel[(k, min(triton.cdiv(per_matrix, _BLOCK), _PROGRAMS))](
+            stack, dropped, per_matrix, BLOCK=_BLOCK, num_warps=_WARPS
+        )
 
 
 def scale_rows_triton(x: torch.Tensor, factors: torch.Tensor, columns: bool) -> None:
