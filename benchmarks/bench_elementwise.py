@@ -2,7 +2,7 @@
 
 Two numbers per size: the GPU time of one call (triton.testing.do_bench, median) and the
 wall time per call of a back-to-back loop, which is the CPU's launch cost once that is the
-larger. ``FUSED_MIN_NUMEL`` in muon_dist/update_rule.py comes from this table.
+larger. ``FUSED_MIN_NUMEL`` in muon_dist/rules/forms.py comes from this table.
 
     python benchmarks/bench_elementwise.py [--json out.json]
 """
@@ -20,7 +20,8 @@ import torch
 import triton.testing
 
 from muon_dist.kernels.triton_elementwise import decay_and_update_triton, momentum_input_triton
-from muon_dist.update_rule import FUSED_MIN_NUMEL, advance_momentum
+from muon_dist.rules.forms import FUSED_MIN_NUMEL
+from muon_dist.rules.ops import advance_momentum
 
 SIZES = [2**k for k in range(12, 29, 2)]
 LOOP_CALLS = 200

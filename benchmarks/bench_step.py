@@ -46,9 +46,9 @@ from torch.distributed.tensor import DTensor
 import muon_dist
 from muon_dist.kernels import BACKENDS, COEFFICIENT_SETS
 from muon_dist.kernels.gram import METHODS as NS_METHODS
-from muon_dist.plan import REPLICA_MODES, ns_cost
-from muon_dist.routing import matrix_view
-from muon_dist.update_rule import RULES
+from muon_dist.plan.build import REPLICA_MODES, ns_cost
+from muon_dist.plan.views import matrix_view
+from muon_dist.rules.registry import RULES
 
 LR = 0.02
 MOMENTUM = 0.95

@@ -1,11 +1,11 @@
 """The Muon optimizer: Muon for hidden matrices, AdamW for the rest, in one torch Optimizer.
 
 This module is the torch-facing shell: construction, validation, param groups,
-``state_dict`` and hooks. What a step computes lives in :mod:`muon_dist.update_rule`; the
-step machinery in :mod:`muon_dist.step_runner` (and the Muon phase it runs,
-:mod:`muon_dist.muon_phase`), the device-side agreement on gradients in
-:mod:`muon_dist.agreement`, capture in :mod:`muon_dist.cuda_graph`, and the rank and
-checkpoint checks in :mod:`muon_dist.checks`.
+``state_dict`` and hooks. What a step computes lives in :mod:`muon_dist.rules.ops`; the
+step machinery in :mod:`muon_dist.step.runner` (and the Muon phase it runs,
+:mod:`muon_dist.step.muon_phase`), the device-side agreement on gradients in
+:mod:`muon_dist.step.agreement`, capture in :mod:`muon_dist.step.cuda_graph`, and the rank and
+checkpoint checks in :mod:`muon_dist.state.checks`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from muon_dist.agreement import Outcome
-from muon_dist.backward_start import register_grad_hooks
-from muon_dist.consensus import agree, describe
-from muon_dist.group_state import (
+from muon_dist.dist.consensus import agree, describe
+from muon_dist.dist.groups import CommGroups, comm_groups, dedicated
+from muon_dist.options.schema import OPTIONS, SETTINGS, group_defaults
+from muon_dist.options.settings import ExecutionSettings
+from muon_dist.options.validation import (
+    check_step_values,
+)
+from muon_dist.plan.views import (
+    format_routing_table,
+    named_params,
+    routing_entries,
+)
+from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
+from muon_dist.routing.param_groups import UnlabelledRouting
+from muon_dist.state.group_state import (
     checked_group,
     checked_load,
     held_before_load,
@@ -31,21 +42,12 @@ from muon_dist.group_state import (
     restore_after_load,
     saved_copies,
 )
-from muon_dist.grouping import UnlabelledRouting
-from muon_dist.groups import CommGroups, comm_groups, dedicated
-from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
-from muon_dist.rebind import follow_params, storage
-from muon_dist.routing import (
-    format_routing_table,
-    named_params,
-    routing_entries,
-)
-from muon_dist.settings import ExecutionSettings
-from muon_dist.step_runner import StepRunner, fractions
-from muon_dist.step_scalars import NS_NORM_LIMIT
-from muon_dist.validation import (
-    check_step_values,
-)
+from muon_dist.state.rebind import follow_params
+from muon_dist.state.tensors import storage
+from muon_dist.step.agreement import Outcome
+from muon_dist.step.backward import register_grad_hooks
+from muon_dist.step.runner import StepRunner, fractions
+from muon_dist.step.scalars import NS_NORM_LIMIT
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class Muon(torch.optim.Optimizer):
 
     For each matrix :math:`W` of a Muon group (gradient :math:`G`, momentum :math:`M`,
     Newton–Schulz :math:`\mathrm{NS}`), one step computes
-    (:func:`muon_dist.update_rule.muon_update_`)
+    (``muon_update_`` (tests/composed_rules.py))
 
     .. math::
         \begin{aligned}
@@ -77,14 +79,14 @@ class Muon(torch.optim.Optimizer):
     :math:`(1 + \cos(M, G)) / 2`. Other parameters take torch's AdamW.
 
     With ``rule="normuon"`` (NorMuon, Li et al. 2025; per group or for all Muon groups,
-    :func:`muon_dist.update_rule.normuon_update_`), :math:`O` is then normalized by
+    ``normuon_update_`` (tests/composed_rules.py)), :math:`O` is then normalized by
     output row: :math:`v \leftarrow \beta_2 v + (1-\beta_2)\,\mathrm{mean}_{cols}(O \odot O)`,
     :math:`\hat O = O / (\sqrt{v} + \epsilon)` rescaled to :math:`\|O\|_F`, and
     :math:`\hat O` replaces :math:`O` above; :math:`v` is one fp32 entry per output row of
     every matrix (``state[p]["row_second_moment"]``), exact on every layout.
 
     With ``rule="dion2"`` (Dion2, microsoft/dion;
-    :func:`muon_dist.update_rule.dion2_update_`) the gradient is added to :math:`M`
+    ``dion2_update_`` (tests/composed_rules.py)) the gradient is added to :math:`M`
     without decay, Newton–Schulz runs on the ``dion2_fraction`` of each matrix's slices
     (output rows, or input columns where there are more outputs than inputs) whose
     Newton–Schulz input has the largest L1 norms, summed across the ranks holding the matrix
@@ -161,11 +163,11 @@ class Muon(torch.optim.Optimizer):
         max_logits (MaxLogitTracker | None, default None): records the logits ``qk_clip``
             reads.
         cuda_graph (bool, default False): capture the whole step in one CUDA graph after
-            ``graph_warmup`` eager steps and replay it (:mod:`muon_dist.cuda_graph`).
+            ``graph_warmup`` eager steps and replay it (:mod:`muon_dist.step.cuda_graph`).
         graph_warmup (int, default 2): eager steps before the capture.
         overlap (str, default "none"): ``"backward"`` starts each bucket's Newton–Schulz
             and exchanges from FSDP2's gradient hooks during backward, and ``step()``
-            finishes them and commits (:mod:`muon_dist.backward_start`); Muon parameters
+            finishes them and commits (:mod:`muon_dist.step.backward`); Muon parameters
             must then be DTensors sharded by ``fully_shard``, and ``cuda_graph`` False.
         process_group (ProcessGroup | None, default None): the ranks holding plain-tensor
             replicas, if not the world; DTensor parameters need none.
@@ -176,8 +178,8 @@ class Muon(torch.optim.Optimizer):
     lists them all.
     """
 
-    # Long by design: the signature lists every option (documented in Args above) and the
-    # defaults below map each to its group key; the work is in _init_groups and _bind_step.
+    # The signature lists every option (documented in Args above); muon_dist.options.schema
+    # declares each once, and a test holds these defaults to it.
     def __init__(
         self,
         params: Iterable[Any],
@@ -216,58 +218,16 @@ class Muon(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         overlap: str = "none",
     ) -> None:
+        arguments = dict(locals())
         # Anything refused on this rank only (a setting or option that differs across ranks)
         # is agreed through the rank check in _init_groups, so the other ranks raise too.
         refused: Exception | None = None
         try:
-            self.settings = ExecutionSettings(
-                backend=backend,
-                comm_dtype=comm_dtype,
-                ns_dtype=ns_dtype,
-                bucket_bytes=bucket_bytes,
-                max_inflight=max_inflight,
-                replica_mode=replica_mode,
-                nonfinite=nonfinite,
-                cuda_graph=cuda_graph,
-                graph_warmup=graph_warmup,
-                overlap=overlap,
-            )
+            self.settings = ExecutionSettings(**{o.key: arguments[o.key] for o in SETTINGS})
         except (ValueError, TypeError) as exc:
             refused = exc
-        muon_defaults: dict[str, Any] = {
-            "algorithm": "muon",
-            "lr": lr,
-            "momentum": momentum,
-            "nesterov": nesterov,
-            "weight_decay": weight_decay,
-            "adjust_lr": adjust_lr,
-            "ns_steps": ns_steps,
-            "coefficients": coefficients,
-            "ns_method": ns_method,
-            "muon_mode": muon_mode,
-            "experts": False,
-            "num_experts": None,
-            "num_heads": None,
-            "split_sizes": None,
-            "split_groups": 1,
-            "transposed": False,
-            "magma": magma,
-            "magma_beta": magma_beta,
-            "rule": rule,
-            "normuon_beta2": normuon_beta2,
-            "normuon_eps": normuon_eps,
-            "dion2_fraction": dion2_fraction,
-            "cautious_wd": cautious_wd,
-        }
         self._defaults_by_algorithm: dict[str, dict[str, Any]] = {
-            "muon": muon_defaults,
-            "adamw": {
-                "algorithm": "adamw",
-                "lr": adamw_lr,
-                "betas": adamw_betas,
-                "eps": adamw_eps,
-                "weight_decay": adamw_weight_decay,
-            },
+            algorithm: group_defaults(algorithm, arguments) for algorithm in OPTIONS
         }
         self._runner: StepRunner | None = None
         # What torch reads: its schedulers scale "lr" and cycle "momentum" (OneCycleLR,
@@ -288,7 +248,7 @@ class Muon(torch.optim.Optimizer):
         self, params: Iterable[Any], defaults: dict[str, Any], refused: Exception | None
     ) -> None:
         """Add the groups and agree with every rank that holds them on everything that
-        decides a step (:mod:`muon_dist.consensus`). Anything refused on this rank only (a
+        decides a step (:mod:`muon_dist.dist.consensus`). Anything refused on this rank only (a
         setting or option that differs across ranks) is agreed through that check, so the
         other ranks raise too instead of waiting."""
         groups: list[dict[str, Any]] = []
@@ -305,7 +265,7 @@ class Muon(torch.optim.Optimizer):
         self, groups: Sequence[dict[str, Any]], refused: Exception | None, when: str
     ) -> CommGroups:
         """The collectives' groups for ``groups``, after every rank that holds them agreed on
-        them (see :mod:`muon_dist.consensus`); raises on every rank otherwise."""
+        them (see :mod:`muon_dist.dist.consensus`); raises on every rank otherwise."""
         params = [p for g in groups for p in param_list(g.get("params", []))]
         comm = comm_groups(
             [p for p in params if isinstance(p, torch.Tensor)],
@@ -358,7 +318,8 @@ class Muon(torch.optim.Optimizer):
         self._add_group(group)
 
     def _checked_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
-        """``param_group`` checked and completed (:func:`muon_dist.group_state.checked_group`)."""
+        """``param_group`` checked and completed
+        (:func:`muon_dist.state.group_state.checked_group`)."""
         return checked_group(
             param_group, self.param_groups, self._defaults_by_algorithm, self.settings.overlap
         )
@@ -442,7 +403,7 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def runner(self) -> StepRunner:
-        """The step machinery bound to the current groups (:mod:`muon_dist.step_runner`):
+        """The step machinery bound to the current groups (:mod:`muon_dist.step.runner`):
         the plan and Muon phase, the agreement, the CUDA graph. Built on first use and again
         after the groups change; for tools and tests that look inside a step."""
         if self._runner is None:
@@ -507,7 +468,7 @@ class Muon(torch.optim.Optimizer):
 
     def _follow_params(self) -> None:
         """Rebuild the step when a parameter got new storage since it was built (see
-        :mod:`muon_dist.rebind`), its state moved along where its dtype or device changed,
+        :mod:`muon_dist.state.rebind`), its state moved along where its dtype or device changed,
         or when a group's ``dion2_fraction`` changed (its stacks have other shapes)."""
         if self._runner is not None and self._runner.fractions != fractions(self.param_groups):
             logger.info("muon_dist.Muon: dion2_fraction changed; rebuilding the step")
@@ -619,10 +580,10 @@ def _split_by_algorithm(
 ) -> list[dict[str, Any]]:
     """Normalise the constructor's input to groups that each name their algorithm.
 
-    A group without an algorithm is split as :class:`muon_dist.grouping.UnlabelledRouting`
-    routes it (by name where its parameters are named); each part keeps the keys the other
-    algorithm's part alone reads out of it (a Muon part drops ``betas``, an AdamW part
-    ``momentum``)."""
+    A group without an algorithm is split as
+    :class:`muon_dist.routing.param_groups.UnlabelledRouting` routes it (by name where its
+    parameters are named); each part keeps the keys the other algorithm's part alone reads
+    out of it (a Muon part drops ``betas``, an AdamW part ``momentum``)."""
     items = param_list(params)
     if not items:
         raise ValueError("Muon got an empty parameter list")

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from muon_dist.groups import Peers
-from muon_dist.plan import local_rows, placement_of
-from muon_dist.routing import is_positive_int, matrix_view
-from muon_dist.tensors import local
+from muon_dist.dist.groups import Peers
+from muon_dist.plan.build import local_rows, placement_of
+from muon_dist.plan.views import is_positive_int, matrix_view
+from muon_dist.state.tensors import local
 
 
 @dataclass(frozen=True)

@@ -670,7 +670,7 @@ def routing(groups: list[dict[str, Any]]) -> dict[str, str]:
     the rest; rows inside layers are keyed by their name within the layer (all layers that
     hold it must agree), the rest by their full name."""
     out: dict[str, str] = {}
-    for e in muon_dist.routing.routing_entries(groups):
+    for e in muon_dist.plan.views.routing_entries(groups):
         name = _LAYER.sub("", e.name)
         row = "adamw" if e.algorithm == "adamw" else f"{e.view} | {e.scale_text}"
         out[name] = row if out.get(name, row) == row else f"layers disagree: {out[name]}, {row}"
@@ -845,7 +845,7 @@ def model_update_problems(
         p.grad = torch.randn(p.shape, generator=generator)
     opt.step()
     problems = []
-    for name, group, p in muon_dist.routing.named_params(opt.param_groups):
+    for name, group, p in muon_dist.plan.views.named_params(opt.param_groups):
         if group["algorithm"] == "muon":
             grad = p.grad
             assert grad is not None
@@ -877,7 +877,7 @@ def train_families(rank: int, world_size: int, families: tuple[str, ...]) -> dic
         def full(t: torch.Tensor) -> torch.Tensor:
             return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
-        muon = [(n, g, p) for n, g, p in muon_dist.routing.named_params(opt.param_groups)]
+        muon = [(n, g, p) for n, g, p in muon_dist.plan.views.named_params(opt.param_groups)]
         muon = [(n, g, p) for n, g, p in muon if g["algorithm"] == "muon"]
         before = {n: full(p) for n, _, p in muon}
         ids = batch()
@@ -938,11 +938,11 @@ def family_rows(family: str) -> list[str]:
     """The parameters of a family whose routing is not the plain default, one per name
     within a layer: ``name``: view (lr scales) or AdamW — reason."""
     model = build(family)
-    from muon_dist.grouping import route_model
+    from muon_dist.routing.param_groups import route_model
 
     routes = route_model(model, **options(family))
     rows: dict[str, str] = {}
-    for e in muon_dist.routing.routing_entries(muon_dist.param_groups(model, **options(family))):
+    for e in muon_dist.plan.views.routing_entries(muon_dist.param_groups(model, **options(family))):
         base = e.name.split("[")[0]
         reason = routes[base][1].reason
         if reason in _PLAIN[e.algorithm]:
@@ -953,7 +953,7 @@ def family_rows(family: str) -> list[str]:
             if e.name != base:  # row blocks of a split 2-D weight: list them once
                 blocks = [
                     f.view.split(" ", 1)[1]
-                    for f in muon_dist.routing.routing_entries(
+                    for f in muon_dist.plan.views.routing_entries(
                         muon_dist.param_groups(model, **options(family))
                     )
                     if f.name.split("[")[0] == base

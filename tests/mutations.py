@@ -1,9 +1,9 @@
 """Defects injected into the sharded step, to show that the bf16 parity comparison sees them.
 
 Each defect patches one seam that outlives refactors of the step: the plan
-(``plan.build_plan``, pure geometry), the lr scale (``routing.MatrixView.lr_scale``) or the
-packed exchange buffers (``comm.pack``). A defect counts how often it struck, so a test can
-tell a defect that was caught from one that never reached the step.
+(``plan.build.build_plan``, pure geometry), the lr scale (``plan.views.MatrixView.lr_scale``) or
+the packed exchange buffers (``dist.exchange.pack``). A defect counts how often it struck, so a
+test can tell a defect that was caught from one that never reached the step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import torch
 import torch.distributed as dist
 from parity_cases import PRECISIONS, cases_for, run_case
 
-from muon_dist import comm, plan, routing
+from muon_dist.dist import exchange
+from muon_dist.plan import build as plan
+from muon_dist.plan import packing
+from muon_dist.plan import views as routing
 
 
 @dataclasses.dataclass
@@ -122,10 +125,10 @@ def _packed(edit: Callable[[torch.Tensor], bool]) -> Callable[[], Any]:
     @contextmanager
     def defect() -> Iterator[Hits]:
         hits = Hits()
-        original = comm.pack
+        original = exchange.pack
 
         def pack(
-            layout: comm.Packing, fill: Callable[[list[torch.Tensor]], object], *rest: Any
+            layout: packing.Packing, fill: Callable[[list[torch.Tensor]], object], *rest: Any
         ) -> torch.Tensor:
             def edited_fill(views: list[torch.Tensor]) -> None:
                 fill(views)

@@ -19,9 +19,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import muon_dist
-import muon_dist.runtime.bucket_task as bucket_task_module
-import muon_dist.runtime.selected_bucket as selected_bucket_module
-from muon_dist import comm
+import muon_dist.step.bucket_task as bucket_task_module
+import muon_dist.step.selected_bucket as selected_bucket_module
+from muon_dist.dist import exchange
 
 IN = 7
 # Uneven widths: no dimension divides 2 or 3 ranks, so some shards are uneven or empty.
@@ -157,7 +157,7 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def _recording_exchanges() -> Iterator[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
     """Each all-to-all this rank starts, as (send splits, receive splits) per peer."""
     calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    original = comm.start_exchange
+    original = exchange.start_exchange
 
     def recording(send: Any, sends: Any, recvs: Any, peers: Any) -> Any:
         calls.append((tuple(sends), tuple(recvs)))
@@ -177,7 +177,7 @@ def _exchanges_through(replacement: Any) -> Iterator[None]:
         yield
     finally:
         for module in modules:
-            module.start_exchange = comm.start_exchange  # type: ignore[attr-defined]
+            module.start_exchange = exchange.start_exchange  # type: ignore[attr-defined]
 
 
 def parity(world_size: int, layout: str) -> dict[str, Any]:
@@ -326,7 +326,7 @@ def early_gather(world_size: int) -> dict[str, Any]:
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         events.append("exchange")
-        return comm.start_exchange(*args, **kwargs)
+        return exchange.start_exchange(*args, **kwargs)
 
     model[0].weight.register_post_accumulate_grad_hook(lambda _p: events.append("first layer"))
     with _exchanges_through(recording):

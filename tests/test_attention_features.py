@@ -283,7 +283,7 @@ def test_bad_feature_options_raise(
     shape: tuple[int, ...], group: dict[str, object], message: str
 ) -> None:
     p = nn.Parameter(torch.randn(shape))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         muon_dist.Muon(
             [{"params": [p], "param_names": ["blocks.0.w"], "algorithm": "muon", **group}]
         )

@@ -93,7 +93,7 @@ def test_plain_tensors_refused() -> None:
 
 def test_bad_overlap_options_refused() -> None:
     weight = nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(ValueError, match=r"overlap='forward'; choose one of"):
+    with pytest.raises(ValueError, match=r"overlap='forward' is not supported; choose one of"):
         muon_dist.Muon([weight], overlap="forward")
     with pytest.raises(ValueError, match=r"use cuda_graph=False with it"):
         muon_dist.Muon([weight], overlap="backward", cuda_graph=True)

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from composed_rules import dion2_update_
 from reference_muon import reference_muon_step
 from torch import nn
 
 import muon_dist
 from muon_dist.kernels import newton_schulz
-from muon_dist.update_rule import dion2_update_, lr_scale
+from muon_dist.rules.scale import lr_scale
 
 LR, WD, BETA = 0.02, 0.1, 0.9
 FP32 = {"comm_dtype": torch.float32, "ns_dtype": torch.float32}

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import muon_dist
-from muon_dist.flat import ALIGN_BYTES, spans, zeros_like_flat
-from muon_dist.update_rule import store_momenta_
+from muon_dist.state.flat import ALIGN_BYTES, spans, zeros_like_flat
+from muon_dist.state.muon_state import store_momenta_
 
 SHAPES = [(5, 3), (0, 4), (7,), (2, 3, 4), (1, 1)]
 

@@ -20,7 +20,7 @@ import torch
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS
-from muon_dist.update_rule import advance_momentum
+from muon_dist.rules.ops import advance_momentum
 
 pytestmark = pytest.mark.gpu
 
@@ -287,7 +287,7 @@ def test_fused_row_factors_match_torch(primary: bool) -> None:
     """NorMuon's one-launch factors: fp32 sums in another order, so within fp32 rounding;
     the reported sums of squares bitwise."""
     from muon_dist.kernels.triton_elementwise import row_factors_triton
-    from muon_dist.update_rule import owner_row_factors
+    from muon_dist.rules.rows import owner_row_factors
 
     k, rows, total = 6, 3000, 20000
     squares = torch.rand(k, rows, device="cuda") * 4
@@ -315,7 +315,7 @@ def test_fused_slice_norms_match_torch(axis: int) -> None:
 
 def test_fused_error_feedback_matches_torch() -> None:
     from muon_dist.kernels.triton_elementwise import error_feedback_triton
-    from muon_dist.update_rule import error_feedback_
+    from muon_dist.rules.ops import error_feedback_
 
     update = torch.randn(5, 777, 513, device="cuda", dtype=torch.bfloat16)
     update[:, ::3] = 0.0
@@ -334,7 +334,7 @@ def test_fused_slice_norms_add_at_shared_slots(axis: int, monkeypatch: pytest.Mo
     sums): ``index_add_`` bitwise."""
     from muon_dist.kernels import triton_elementwise
     from muon_dist.kernels.triton_elementwise import add_slice_l1_triton
-    from muon_dist.update_rule import add_slice_norms_
+    from muon_dist.rules.slices import add_slice_norms_
 
     monkeypatch.setattr(triton_elementwise, "_SLICE_CHUNK", 256)
     xs = [
@@ -355,7 +355,7 @@ def test_fused_slice_norms_add_at_shared_slots(axis: int, monkeypatch: pytest.Mo
 def test_fused_write_with_error_feedback_matches_torch() -> None:
     """Dion2's write in one pass: the parameter as the fused plain write's, the momentum
     as torch's error feedback, both bitwise."""
-    from muon_dist.update_rule import error_feedback_, post_orthogonalize_
+    from muon_dist.rules.ops import error_feedback_, post_orthogonalize_
 
     update = torch.randn(777, 513, device="cuda", dtype=torch.bfloat16)
     update[::3] = 0.0

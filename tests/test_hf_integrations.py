@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="install the 'models' extra: pip inst
 
 
 def _algorithms(opt: muon_dist.Muon) -> dict[str, str]:
-    return {n: g["algorithm"] for n, g, _ in muon_dist.routing.named_params(opt.param_groups)}
+    return {n: g["algorithm"] for n, g, _ in muon_dist.plan.views.named_params(opt.param_groups)}
 
 
 def test_trainer_calls_the_factory_with_the_model() -> None:

@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+from composed_rules import normuon_update_
 from reference_muon import reference_muon_step
 from torch import nn
 
 import muon_dist
 from muon_dist.kernels import newton_schulz
-from muon_dist.update_rule import lr_scale, normuon_update_
+from muon_dist.rules.scale import lr_scale
 
 LR, WD, BETA, BETA2, EPS = 0.02, 0.1, 0.9, 0.95, 1e-8
 

@@ -11,7 +11,7 @@ from reference_muon import reference_muon_step, step_with_grads
 from torch import nn
 
 import muon_dist
-from muon_dist.routing import matrix_view
+from muon_dist.plan.views import matrix_view
 
 # Exact comparisons run Newton–Schulz in fp32: bf16 products round with the batch shape.
 FP32 = {"comm_dtype": torch.float32, "ns_dtype": torch.float32}

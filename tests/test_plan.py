@@ -9,10 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_dist.bucket_map import bucket_map, region_views, stack_specs
-from muon_dist.comm import flat_views
-from muon_dist.groups import Peers
-from muon_dist.plan import (
+from muon_dist.dist.groups import Peers
+from muon_dist.plan.bucket_map import bucket_map, region_views, stack_specs
+from muon_dist.plan.build import (
     BucketPlan,
     OwnedBlock,
     Plan,
@@ -25,9 +24,9 @@ from muon_dist.plan import (
     local_pieces,
     ns_cost,
     relative_slices,
-    split_sizes,
 )
-from muon_dist.routing import matrix_view
+from muon_dist.plan.packing import flat_views, peer_sizes
+from muon_dist.plan.views import matrix_view
 
 
 def _layout(
@@ -273,7 +272,7 @@ def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
     for rank in range(world):
         plan = build_plan(layouts, rank, world, bucket_bytes=512, itemsize=4, replica_mode=mode)
         for bucket in plan.buckets:
-            layout = bucket_map(bucket, 0, world, peers)
+            layout = bucket_map(bucket, 0, world, peers.ranks)
             stacks = [torch.empty(s.shape) for s in layout.stacks]
             for regions_, pieces in (
                 (layout.own_regions, [(i, b.own_slices[1]) for i, b in _owned(bucket)]),
@@ -291,7 +290,7 @@ def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
                 (layout.scatter_send, bucket.scatter_sends),
                 (layout.scatter_recv, bucket.scatter_recvs),
             ):
-                assert list(packing_.splits) == split_sizes(pieces_, world)
+                assert list(packing_.splits) == peer_sizes(pieces_, world)
                 buffer = torch.empty(packing_.numel)
                 views = flat_views(buffer, packing_.runs)
                 chunks = buffer.split_with_sizes([math.prod(p.shape) for p in pieces_])
@@ -313,7 +312,7 @@ def test_like_pieces_take_one_region_per_stack() -> None:
     for rank in range(2):
         plan = build_plan(layouts, rank, 2, bucket_bytes=1 << 20, itemsize=4)
         (bucket,) = plan.buckets
-        layout = bucket_map(bucket, 0, 2, peers)
+        layout = bucket_map(bucket, 0, 2, peers.ranks)
         assert len(layout.stacks) == 3
         for regions_ in (layout.own_regions, layout.gather_regions, layout.scatter_regions):
             assert len(regions_) == 3

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import muon_dist
-from muon_dist.routing import normalize_fqn
+from muon_dist.plan.views import normalize_fqn
 
 
 class Experts(nn.Module):
@@ -250,7 +250,7 @@ TITAN_TRUE_LAYOUT = {
 def _views(groups: list[dict[str, object]]) -> dict[str, str]:
     return {
         e.name: e.view if e.algorithm == "muon" else "adamw"
-        for e in muon_dist.routing.routing_entries(groups)
+        for e in muon_dist.plan.views.routing_entries(groups)
     }
 
 
@@ -274,7 +274,7 @@ def test_torchtitan_names_route_and_orthogonalize_per_part(
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     opt.step()
     problems = []
-    for name, group, p in muon_dist.routing.named_params(opt.param_groups):
+    for name, group, p in muon_dist.plan.views.named_params(opt.param_groups):
         if group["algorithm"] == "muon":
             layout = next((v for k, v in TITAN_TRUE_LAYOUT.items() if name.endswith(k)), {})
             problems += check_first_update(name, before[name], p, grads[name], layout, 0.02)
@@ -325,7 +325,7 @@ def test_declared_layouts_split_expert_stacks_and_read_storage_orientation() -> 
             r"experts\.down_proj$": {"transposed": True},
         },
     )
-    rows = {e.name: e for e in muon_dist.routing.routing_entries(groups)}
+    rows = {e.name: e for e in muon_dist.plan.views.routing_entries(groups)}
     assert rows["experts.gate_up_proj"].view == "expert_stack 4x[12x8] parts 6+6"
     assert rows["experts.gate_up_proj_bias"].algorithm == "adamw"
     # [E, in, out] = [4, 6, 12]: 12 outputs from 6 inputs, the same scale as [4, 12, 6]

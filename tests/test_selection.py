@@ -1,4 +1,4 @@
-"""Dion2's layout in a bucket (``muon_dist.selection``), checked across simulated ranks
+"""Dion2's layout in a bucket (``muon_dist.plan.selection``), checked across simulated ranks
 without processes: every rank lays the slice norms out alike, the pieces' partial norms add
 up to each slice's norm, and each all-to-all's sender and receiver agree on which selected
 elements travel, in which order, covering exactly the selected slices."""
@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_dist.bucket_map import bucket_map
-from muon_dist.groups import Peers
-from muon_dist.plan import ViewPlacement, build_plan, local_boxes
-from muon_dist.routing import matrix_view
-from muon_dist.runtime.selected_bucket import DeviceSelection, add_norms
-from muon_dist.selection import BucketSelection, HostRect, PieceGrid, grid
+from muon_dist.dist.groups import Peers
+from muon_dist.plan.bucket_map import bucket_map
+from muon_dist.plan.build import ViewPlacement, build_plan, local_boxes
+from muon_dist.plan.selection import BucketSelection, HostRect, PieceGrid, grid
+from muon_dist.plan.views import matrix_view
+from muon_dist.step.selected_bucket import DeviceSelection, add_norms
 
 
 @st.composite
@@ -57,7 +57,7 @@ def _layouts(draw: st.DrawFn) -> tuple[list[ViewPlacement], int, dict[int, float
         dims = tuple(draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh)
         if draw(st.booleans()) or i == 0:
             fractions[i] = draw(st.sampled_from([0.25, 0.5, 1.0]))
-        # As muon_phase.ns_key: a stack holds matrices of one rule, fraction and cut.
+        # As plan.recipes.stack_recipe: a stack holds matrices of one rule, fraction and cut.
         key = (5, "quintic", view.parts, view.transposed, fractions.get(i))
         layouts.append(ViewPlacement(f"p{i}", view, mesh, tuple(range(world)), dims, key))
     return layouts, world, fractions
@@ -100,7 +100,7 @@ def test_ranks_agree_on_norms_and_on_what_travels(
         plan = build_plan(layouts, rank, world, bucket_bytes=256, itemsize=4, replica_mode=mode)
         selections = []
         for bucket in plan.buckets:
-            where = bucket_map(bucket, 0, world, peers)
+            where = bucket_map(bucket, 0, world, peers.ranks)
             selections.append(
                 BucketSelection(
                     bucket,

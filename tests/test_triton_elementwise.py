@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from muon_dist.kernels.availability import interpret_mode
-from muon_dist.update_rule import (
-    advance_momentum,
-    fused_form,
-    post_orthogonalize_,
-    pre_orthogonalize_,
-)
+from muon_dist.rules.forms import fused_form
+from muon_dist.rules.ops import advance_momentum, post_orthogonalize_, pre_orthogonalize_
 
 if not interpret_mode():
     pytest.skip("these CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
@@ -131,7 +127,7 @@ def test_cpu_dispatch_uses_torch_arithmetic() -> None:
 @pytest.mark.parametrize("rows", [5, 1500], ids=str)
 def test_row_factors_match_torch(primary: list[bool] | None, rows: int) -> None:
     """NorMuon's one-launch factors against the torch form, rows scattered in the vectors."""
-    from muon_dist.update_rule import owner_row_factors
+    from muon_dist.rules.rows import owner_row_factors
 
     torch.manual_seed(0)
     k, total = 3, 3 * rows + 7

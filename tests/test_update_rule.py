@@ -13,34 +13,33 @@ from typing import Any
 
 import pytest
 import torch
+from composed_rules import muon_update_
 from reference_muon import reference_muon_step
 
-from muon_dist.flat import spans, zeros_like_flat
 from muon_dist.kernels import newton_schulz
 from muon_dist.kernels.availability import interpret_mode
-from muon_dist.update_rule import (
-    add_slice_norms_,
+from muon_dist.rules.ops import (
     decay_,
     decay_factor,
     decay_rate,
     error_feedback_,
-    lr_scale,
     magma_damping,
     magma_score_,
     magma_sums,
     mask_stack_,
-    muon_update_,
     nesterov_mix,
     ns_inputs_,
     post_orthogonalize_,
     pre_orthogonalize_,
-    scale_rows_,
     shared_step_updates_,
-    slice_norms,
     step_size,
-    store_momenta_,
     updates_,
 )
+from muon_dist.rules.rows import scale_rows_
+from muon_dist.rules.scale import lr_scale
+from muon_dist.rules.slices import add_slice_norms_, slice_norms
+from muon_dist.state.flat import spans, zeros_like_flat
+from muon_dist.state.muon_state import store_momenta_
 
 LR, WD, BETA = 0.02, 0.1, 0.9
 EXACT = {"rtol": 1e-6, "atol": 1e-7}

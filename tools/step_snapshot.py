@@ -4,9 +4,10 @@ to compare two versions of the step bitwise (a refactor must not change one bit)
     PYTHONPATH=$PWD python tools/step_snapshot.py record /tmp/before.pt
     PYTHONPATH=$PWD python tools/step_snapshot.py compare /tmp/before.pt /tmp/after.pt
 
-Runs the layout cases of ``tests/parity_cases.py`` and the feature cases of
-``tests/feature_cases.py`` (views, Magma, cautious decay, QK-clip) with fp32 Newton–Schulz and
-fp32 communication on 1 to 4 gloo ranks, plus skipped and raised non-finite steps, and keeps
+Runs the layout cases of ``tests/parity_cases.py`` under every update rule (Muon, NorMuon,
+Dion2) and the feature cases of ``tests/feature_cases.py`` (views, Magma, cautious decay,
+QK-clip) with fp32 Newton–Schulz and fp32 communication on 1 to 4 gloo ranks, plus skipped
+and raised non-finite steps, and keeps
 each rank's local tensors (parameters, momenta, Magma scores, AdamW moments) and, for the
 layout cases, how many operations of each kind the last step dispatched (views included).
 """
@@ -26,6 +27,7 @@ from dispatch_count import CountOps
 from dist_harness import close_pools, run_distributed
 
 WORLD_SIZES = (1, 2, 3, 4)
+RULES = ("muon", "normuon", "dion2")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -45,14 +47,16 @@ def _snapshot(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def parity_snapshot(rank: int, world_size: int, name: str, bad_step: int) -> dict[str, Any]:
-    """Three steps of parity case ``name`` (fp32); ``bad_step`` >= 0 puts a NaN into the
-    first parameter's gradient at that step."""
+def parity_snapshot(
+    rank: int, world_size: int, name: str, bad_step: int, rule: str = "muon"
+) -> dict[str, Any]:
+    """Three steps of parity case ``name`` (fp32) under update ``rule``; ``bad_step`` >= 0
+    puts a NaN into the first parameter's gradient at that step."""
     import parity_cases as pc
 
     import muon_dist
 
-    base = name.removesuffix("+nan")
+    base = name.removesuffix("+nan").split("@")[0]
     (case,) = [c for c in pc.cases_for(world_size) if c.name == base]
     gen = torch.Generator().manual_seed(1234)
     fulls = [torch.randn(s.shape, generator=gen).to(s.dtype) for s in case.params]
@@ -68,6 +72,7 @@ def parity_snapshot(rank: int, world_size: int, name: str, bad_step: int) -> dic
         comm_dtype=torch.float32,
         ns_dtype=torch.float32,
         replica_mode=case.replica_mode,
+        rule=rule,
         **case.extra,
     )
     raised: list[str] = []
@@ -133,6 +138,11 @@ def _cases(world_size: int) -> list[tuple[str, Any, tuple[Any, ...]]]:
 
     cases: list[tuple[str, Any, tuple[Any, ...]]] = [
         (name, parity_snapshot, (name, -1)) for name in pc.case_names(world_size)
+    ]
+    cases += [
+        (f"{name}@{rule}", parity_snapshot, (name, -1, rule))
+        for name in pc.case_names(world_size)
+        for rule in RULES[1:]
     ]
     cases += [
         ("fsdp_skip_mode+nan", parity_snapshot, ("fsdp_skip_mode+nan", 1)),

@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 import muon_dist
-from muon_dist.grouping import param_groups
+from muon_dist.routing.param_groups import param_groups
 
 # param_groups' keyword arguments that only routing reads (the hyper-parameters go to Muon).
 _ROUTING = frozenset(inspect.signature(param_groups).parameters) - {

@@ -4,7 +4,7 @@ Torch needs two kernels for each of these passes, and its mixed-dtype adds (fp32
 bf16 output) are not vectorised. The passes a step runs on many pieces also come in a form
 that takes them all in one launch, from a table of their addresses
 (:mod:`muon_dist.kernels.tables`). Importing this module imports Triton; the optimizer
-reaches it through :mod:`muon_dist.update_rule` only.
+reaches it through :mod:`muon_dist.rules.ops` only.
 """
 
 from __future__ import annotations
@@ -496,7 +496,7 @@ def momentum_input_triton(
     store: bool,
     keep: torch.Tensor,
 ) -> None:
-    """Fused form of :func:`muon_dist.update_rule.pre_orthogonalize_` (contiguous,
+    """Fused form of :func:`muon_dist.rules.ops.pre_orthogonalize_` (contiguous,
     same-shape tensors on one device; ``keep`` a one-element tensor there)."""
     numel = grad.numel()
     if numel == 0:
@@ -525,7 +525,7 @@ def decay_and_update_triton(
     keep: torch.Tensor,
     feedback: tuple[torch.Tensor, float] | None = None,
 ) -> None:
-    """Fused form of :func:`muon_dist.update_rule.post_orthogonalize_` with the decay
+    """Fused form of :func:`muon_dist.rules.ops.post_orthogonalize_` with the decay
     (one-element fp32 tensors ``decay``, ``step`` and ``keep`` on the tensors' device) and,
     given a ``feedback`` momentum and β, Dion2's error feedback in the same pass."""
     numel = param.numel()
@@ -672,7 +672,7 @@ def decay_and_updates_triton(
 
 
 def zero_dropped_triton(stack: torch.Tensor, dropped: torch.Tensor) -> None:
-    """Fused form of :func:`muon_dist.update_rule.mask_stack_` (``stack`` contiguous
+    """Fused form of :func:`muon_dist.rules.ops.mask_stack_` (``stack`` contiguous
     ``[k, m, n]``, ``dropped`` ``[k]`` on its device): only the dropped matrices are
     written, where a masked fill reads and writes the whole stack."""
     k = stack.shape[0]
@@ -686,7 +686,7 @@ def zero_dropped_triton(stack: torch.Tensor, dropped: torch.Tensor) -> None:
 
 
 def scale_rows_triton(x: torch.Tensor, factors: torch.Tensor, columns: bool) -> None:
-    """Fused form of :func:`muon_dist.update_rule.scale_rows_` (``x`` contiguous
+    """Fused form of :func:`muon_dist.rules.rows.scale_rows_` (``x`` contiguous
     ``[..., rows, cols]``, ``factors`` fp32 ``[..., rows]``, or ``[..., cols]`` with
     ``columns``, on x's device)."""
     numel = x.numel()
@@ -709,7 +709,7 @@ def scale_rows_triton(x: torch.Tensor, factors: torch.Tensor, columns: bool) -> 
 def error_feedback_triton(
     momentum: torch.Tensor, update: torch.Tensor, beta: float, keep: torch.Tensor
 ) -> None:
-    """Fused form of :func:`muon_dist.update_rule.error_feedback_` (contiguous, same-shape
+    """Fused form of :func:`muon_dist.rules.ops.error_feedback_` (contiguous, same-shape
     tensors on one device; ``keep`` a one-element tensor there)."""
     numel = momentum.numel()
     if numel == 0:
@@ -739,7 +739,7 @@ _SLICE_CHUNK = 1024
 
 
 def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """Fused form of :func:`muon_dist.update_rule.slice_norms`: the float64 L1 norm of each
+    """Fused form of :func:`muon_dist.rules.slices.slice_norms`: the float64 L1 norm of each
     row (``axis=-2``) or column (``axis=-1``) of each matrix of a ``[k, m, n]`` tensor,
     read in place whatever its strides."""
     k, slices, length, *strides = _slice_geometry(x, axis)
@@ -767,7 +767,7 @@ def add_slice_l1_triton(
     axes: Sequence[int],
     slots: Sequence[torch.Tensor],
 ) -> None:
-    """Fused form of :func:`muon_dist.update_rule.add_slice_norms_`: every ``[k, m, n]``
+    """Fused form of :func:`muon_dist.rules.slices.add_slice_norms_`: every ``[k, m, n]``
     tensor's slice norms (as :func:`slice_l1_triton`) added into ``norms`` at its ``[k,
     slices]`` int64 slots, one launch per dtype and layout of the tensors. Not while a graph is
     captured: its address table would be read again at every replay."""
@@ -806,8 +806,8 @@ def row_factors_triton(
     primary: torch.Tensor | None,
     sums: torch.Tensor,
 ) -> torch.Tensor:
-    """Fused form of NorMuon's factors (:func:`muon_dist.update_rule.second_moment_next`
-    then :func:`muon_dist.update_rule.row_factors`) for ``[k, m]`` fp32 ``squares`` whose
+    """Fused form of NorMuon's factors (:func:`muon_dist.rules.rows.second_moment_next`
+    then :func:`muon_dist.rules.rows.row_factors`) for ``[k, m]`` fp32 ``squares`` whose
     rows lie at ``index`` in the per-row vectors, also writing the squares to ``sums``
     there (zero for matrices not ``primary``): one launch instead of about twenty."""
     k, m = squares.shape

@@ -1,0 +1,1 @@
+"""What a user can set: the options, their checks, and the execution settings."""

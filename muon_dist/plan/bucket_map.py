@@ -1,0 +1,172 @@
+"""Where every piece of a bucket lies, laid out once per plan: the stacks Newton–Schulz runs
+on, and each piece's place in them and in the exchange buffers.
+
+Pure plan-time geometry beside :mod:`muon_dist.plan.build`, which decides the blocks and pieces;
+a step only takes views by these maps (:func:`region_views`,
+:func:`muon_dist.plan.packing.flat_views`), a few per run of like pieces instead of one or two
+per piece.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from muon_dist.plan.build import BucketPlan, Slices, is_whole
+from muon_dist.plan.packing import Packing, packing
+from muon_dist.plan.recipes import StackRecipe
+
+# A piece of a local shard: (view index in the plan, slices of the local tensor).
+LocalSlices = tuple[int, Slices]
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """Same-shape, same-schedule owned blocks of a bucket, stacked for one batched kernel
+    call; laid out once per plan. ``views`` names each matrix's view (plan position)."""
+
+    index: int  # unique over the plan: the context keys per-stack data by it
+    blocks: tuple[int, ...]
+    offsets: tuple[int, ...]  # first matrix of each block in the stack
+    shape: tuple[int, int, int]
+    recipe: StackRecipe | None  # None in plans built without a step (tests)
+    views: tuple[int, ...]
+
+
+def stack_specs(bucket: BucketPlan, first_index: int) -> list[StackSpec]:
+    """The stacks of one bucket, numbered from ``first_index``."""
+    groups: dict[tuple[int, int, StackRecipe | None], list[int]] = defaultdict(list)
+    for index, block in enumerate(bucket.owned):
+        groups[(block.rows, block.cols, block.recipe)].append(index)
+    stacks: list[StackSpec] = []
+    for (rows, cols, recipe), members in groups.items():
+        offsets: list[int] = []
+        views: list[int] = []
+        for index in members:
+            block = bucket.owned[index]
+            offsets.append(len(views))
+            views += [block.view] * (block.stop - block.start)
+        stacks.append(
+            StackSpec(
+                first_index + len(stacks),
+                tuple(members),
+                tuple(offsets),
+                (len(views), rows, cols),
+                recipe,
+                tuple(views),
+            )
+        )
+    return stacks
+
+
+@dataclass(frozen=True)
+class Region:
+    """The pieces of ``count`` consecutive blocks of one stack that share a shape and are cut
+    alike: one chain of view ops takes all of them. ``slices`` is None for whole blocks."""
+
+    stack: int  # position among the bucket's stacks
+    start: int  # first matrix in the stack
+    count: int
+    matrices: int  # per block
+    shape: tuple[int, ...]  # of each block
+    slices: Slices | None  # of each piece inside its block
+
+
+def stack_places(stacks: Sequence[StackSpec]) -> dict[int, tuple[int, int]]:
+    """Each owned block (its index in the bucket) -> its stack's position among
+    ``stacks`` and the block's first matrix in that stack."""
+    return {
+        block: (position, offset)
+        for position, stack in enumerate(stacks)
+        for block, offset in zip(stack.blocks, stack.offsets, strict=True)
+    }
+
+
+def stack_regions(
+    bucket: BucketPlan, stacks: Sequence[StackSpec], pieces: Sequence[tuple[int, Slices]]
+) -> tuple[Region, ...]:
+    """The regions of ``(owned block, slices in the block)`` pieces, in their order."""
+    where = stack_places(stacks)
+    out: list[Region] = []
+    for index, slices in pieces:
+        block = bucket.owned[index]
+        stack, start = where[index]
+        matrices = block.stop - block.start
+        cut = None if is_whole(slices, block.shape) else slices
+        last = out[-1] if out else None
+        if last is not None and (
+            last.stack,
+            last.start + last.count * last.matrices,
+            last.matrices,
+            last.shape,
+            last.slices,
+        ) == (stack, start, matrices, block.shape, cut):
+            out[-1] = dataclasses.replace(last, count=last.count + 1)
+        else:
+            out.append(Region(stack, start, 1, matrices, block.shape, cut))
+    return tuple(out)
+
+
+def region_views(stacks: Sequence[torch.Tensor], regions: Sequence[Region]) -> list[torch.Tensor]:
+    """Each piece's view of the stacks, shaped like the piece, in the regions' order."""
+    views: list[torch.Tensor] = []
+    for region in regions:
+        part = stacks[region.stack].narrow(0, region.start, region.count * region.matrices)
+        if region.count == 1:
+            part = part.view(region.shape)
+            views.append(part if region.slices is None else part[region.slices])
+            continue
+        part = part.view(region.count, *region.shape)
+        if region.slices is not None:
+            every_block = (slice(None), *region.slices)
+            part = part[every_block]
+        views.extend(part.unbind(0))
+    return views
+
+
+@dataclass(frozen=True)
+class BucketMap:
+    """What a step repeats for one bucket, laid out once per plan: its stacks, the pieces
+    of this rank's shards it reads and writes, and where every piece lies in the stacks and
+    in the exchange buffers (pieces listed in the plan's order)."""
+
+    stacks: tuple[StackSpec, ...]
+    own: tuple[LocalSlices, ...]  # this rank's pieces of the blocks it owns
+    own_regions: tuple[Region, ...]
+    gather_reads: tuple[LocalSlices, ...]  # pieces sent to their owners
+    gather_send: Packing
+    gather_recv: Packing
+    gather_regions: tuple[Region, ...]  # where received pieces go in the stacks
+    scatter_send: Packing
+    scatter_regions: tuple[Region, ...]  # which results each holder gets back
+    scatter_recv: Packing
+    scatter_writes: tuple[LocalSlices, ...]  # pieces of results received
+
+
+def bucket_map(
+    bucket: BucketPlan, first_stack: int, world_size: int, ranks: Sequence[int]
+) -> BucketMap:
+    """Lay out one bucket; its stacks are numbered from ``first_stack``."""
+    stacks = tuple(stack_specs(bucket, first_stack))
+    owned = [
+        (block.view, block.own_slices, index)
+        for index, block in enumerate(bucket.owned)
+        if block.own_slices is not None
+    ]
+    return BucketMap(
+        stacks,
+        tuple((view, local) for view, (local, _), _ in owned),
+        stack_regions(bucket, stacks, [(index, inside) for _, (_, inside), index in owned]),
+        tuple((p.view, p.slices) for p in bucket.gather_sends),
+        packing(bucket.gather_sends, world_size, ranks),
+        packing(bucket.gather_recvs, world_size, ranks),
+        stack_regions(bucket, stacks, [(p.block, p.slices) for p in bucket.gather_recvs]),
+        packing(bucket.scatter_sends, world_size, ranks),
+        stack_regions(bucket, stacks, [(p.block, p.slices) for p in bucket.scatter_sends]),
+        packing(bucket.scatter_recvs, world_size, ranks),
+        tuple((p.view, p.slices) for p in bucket.scatter_recvs),
+    )

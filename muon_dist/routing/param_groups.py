@@ -1,0 +1,329 @@
+"""``param_groups``: a model's parameters as Muon and AdamW groups, with the routing audit.
+
+Each parameter's route comes from :class:`muon_dist.routing.router.Router`; this module applies the
+caller's ``overrides`` and ``fused`` patterns, gathers parameters with equal routes into
+groups, and shows the audit (every parameter, its view, lr scale and reason) and the
+guesses (with the option that settles each) before the first step.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from muon_dist.plan.views import ALGORITHMS, format_routing_table, normalize_fqn, routing_entries
+from muon_dist.routing.router import Route, Router, embedding_and_head_ids
+from muon_dist.routing.structure import STATE_SPACE_NAMES
+
+logger = logging.getLogger(__name__)
+
+Override = Callable[[str, torch.Tensor], str | None] | Mapping[str, str]
+"""Routing overrides: ``(name, param) -> "muon" | "adamw" | None``, or name regex -> algorithm."""
+
+FUSED_KEYS = ("split_sizes", "num_heads", "split_groups", "transposed")
+EXPERT_KEYS = ("experts", "routed_experts")
+HEAD_PATTERNS = (r"(^|\.)(lm_head|output|head|classifier)$",)
+EMBEDDING_PATTERNS = (r"(^|\.)(embed\w*|wte|wpe|tok_embeddings)$",)
+MIN_MATRIX_SIDE = 4
+
+
+class _Overrides:
+    """Both override forms as one callable; a mapping's first matching pattern wins, and
+    :meth:`unmatched` lists the patterns that matched no parameter."""
+
+    def __init__(self, overrides: Override | None) -> None:
+        self.fn = overrides if callable(overrides) else None
+        self.patterns = dict(overrides) if isinstance(overrides, Mapping) else {}
+        for pattern, algorithm in self.patterns.items():
+            if algorithm not in ALGORITHMS:
+                raise ValueError(
+                    f"overrides[{pattern!r}]={algorithm!r}; choose one of {list(ALGORITHMS)}"
+                )
+        self.hits: set[str] = set()
+
+    def __call__(self, name: str, p: torch.Tensor) -> str | None:
+        if self.fn is not None:
+            forced = self.fn(name, p)
+        else:
+            forced = None
+            for pattern, algorithm in self.patterns.items():
+                if re.search(pattern, name):
+                    self.hits.add(pattern)
+                    forced = algorithm
+                    break
+        if forced not in (*ALGORITHMS, None):
+            raise ValueError(
+                f"overrides returned {forced!r} for {name}; return one of {list(ALGORITHMS)} "
+                "or None (default routing)"
+            )
+        if forced == "muon" and p.ndim < 2:
+            raise ValueError(
+                f"overrides routed {name} (shape {tuple(p.shape)}) to 'muon', but Muon needs "
+                ">= 2-D parameters"
+            )
+        return forced
+
+    def unmatched(self) -> list[str]:
+        return [p for p in self.patterns if p not in self.hits]
+
+
+class _Declared:
+    """The caller's ``fused`` patterns, checked, and which of them matched."""
+
+    def __init__(self, fused: Mapping[str, Mapping[str, Any]] | None) -> None:
+        self.patterns = dict(fused or {})
+        for pattern, spec in self.patterns.items():
+            unknown = sorted(set(spec) - set(FUSED_KEYS))
+            if unknown or not spec:
+                raise ValueError(
+                    f"fused[{pattern!r}] has keys {sorted(spec)}; use some of {list(FUSED_KEYS)}"
+                )
+        self.hits: set[str] = set()
+
+    def __call__(self, name: str) -> dict[str, Any] | None:
+        hits = [pattern for pattern in self.patterns if re.search(pattern, name)]
+        if len(hits) > 1:
+            raise ValueError(f"{name} matches several fused patterns {hits}; make them exclusive")
+        if not hits:
+            return None
+        self.hits.add(hits[0])
+        return dict(self.patterns[hits[0]])
+
+
+def param_groups(
+    model: nn.Module,
+    lr: float | None = None,
+    adamw_lr: float | None = None,
+    weight_decay: float | None = None,
+    *,
+    adamw_betas: tuple[float, float] | None = None,
+    adamw_eps: float | None = None,
+    expert_keys: Sequence[str] = EXPERT_KEYS,
+    num_experts: int | None = None,
+    head_patterns: Sequence[str] = HEAD_PATTERNS,
+    embedding_patterns: Sequence[str] = EMBEDDING_PATTERNS,
+    overrides: Override | None = None,
+    fused: Mapping[str, Mapping[str, Any]] | None = None,
+    known_layouts: bool = True,
+    conv: str = "adamw",
+    min_matrix_side: int = MIN_MATRIX_SIDE,
+    report: bool = False,
+    **muon_options: Any,
+) -> list[dict[str, Any]]:
+    """Split a model's parameters into Muon and AdamW groups for :class:`muon_dist.Muon`.
+
+    Hidden matrices go to Muon, each seen as its module applies it: ``nn.Linear`` ``[out,
+    in]``, transformers' ``Conv1D`` ``[in, out]``, expert stacks ``[E, ·, ·]`` (orientation
+    read from the container's shapes), fused ``[E*m, n]`` experts (``num_experts`` or the
+    config's expert count), fused QKV and gate+up projections split where their outputs add
+    up to config dimensions, interleavings from :mod:`muon_dist.routing.families`. AdamW gets
+    embeddings, output heads (tied or not), biases, vectors, state-space parameters
+    (``A_log``, ``D``, ``dt_bias``), convolutions (``conv="muon"`` flattens them to
+    ``[out, in*k]`` instead), matrices with a side below ``min_matrix_side`` and >2-D
+    tensors that are neither. Norms, biases, vectors and state-space parameters never take
+    weight decay; the other AdamW groups take ``weight_decay`` when it is passed, else
+    ``Muon(adamw_weight_decay=)``. Groups hold only the options passed here (``lr``,
+    ``adamw_lr``, ``weight_decay``, ``adamw_betas``, ``adamw_eps`` and ``muon_options``).
+
+    ``fused`` declares layouts by name regex (``split_sizes``, ``num_heads``,
+    ``split_groups``, ``transposed``); ``overrides`` moves parameters (a callable ``(name,
+    param) -> "muon" | "adamw" | None`` or name regex -> algorithm). Both win over the
+    structure and the family table; a pattern that matches nothing raises. Routing never
+    raises for a parameter it can route; what it guessed is logged as one warning with the
+    option that settles each guess. The audit (every parameter, its view, lr scale and the
+    reason) is logged at INFO, and printed (by rank 0) with ``report=True``.
+    """
+    routes = route_model(
+        model,
+        expert_keys=expert_keys,
+        num_experts=num_experts,
+        head_patterns=head_patterns,
+        embedding_patterns=embedding_patterns,
+        overrides=overrides,
+        fused=fused,
+        known_layouts=known_layouts,
+        conv=conv,
+        min_matrix_side=min_matrix_side,
+        muon_mode=muon_options.get("muon_mode", "2d"),
+    )
+    buckets: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]] = {}
+    for name, (p, route) in routes.items():
+        params, names = buckets.setdefault(route.group_key(), ([], []))
+        params.append(p)
+        names.append(name)
+    groups = _groups(buckets, lr, adamw_lr, weight_decay, adamw_betas, adamw_eps, muon_options)
+    reasons = {name: route.reason for name, (_, route) in routes.items()}
+    audit = format_routing_table(routing_entries(groups, reasons))
+    guesses = list(dict.fromkeys(r.guess for _, r in routes.values() if r.guess is not None))
+    if guesses:
+        logger.warning(
+            "muon_dist.param_groups guessed %d routing(s) (parameter name regex, shape); check "
+            "them, and pass the option given to settle each:\n- %s",
+            len(guesses),
+            "\n- ".join(guesses),
+        )
+    logger.info("muon_dist routing:\n%s", audit)
+    if report and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(audit)
+    return groups
+
+
+def route_model(
+    model: nn.Module,
+    *,
+    expert_keys: Sequence[str] = EXPERT_KEYS,
+    num_experts: int | None = None,
+    head_patterns: Sequence[str] = HEAD_PATTERNS,
+    embedding_patterns: Sequence[str] = EMBEDDING_PATTERNS,
+    overrides: Override | None = None,
+    fused: Mapping[str, Mapping[str, Any]] | None = None,
+    known_layouts: bool = True,
+    conv: str = "adamw",
+    min_matrix_side: int = MIN_MATRIX_SIDE,
+    muon_mode: str = "2d",
+) -> dict[str, tuple[torch.Tensor, Route]]:
+    """Every trainable parameter of ``model`` by normalised name (a tied one under its first
+    name), with its route; the arguments are :func:`param_groups`' routing arguments."""
+    route_of = _Overrides(overrides)
+    declared = _Declared(fused)
+    modules = {normalize_fqn(n): m for n, m in model.named_modules()}
+    embeddings, heads = embedding_and_head_ids(model, head_patterns, embedding_patterns)
+    router = Router(
+        model,
+        modules,
+        expert_keys=expert_keys,
+        num_experts=num_experts,
+        conv=conv,
+        min_matrix_side=min_matrix_side,
+        known_layouts=known_layouts,
+        muon_mode=muon_mode,
+        embedding_ids=embeddings,
+        head_ids=heads,
+    )
+    routes: dict[str, tuple[torch.Tensor, Route]] = {}
+    seen: set[int] = set()
+    for raw_name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        name = normalize_fqn(raw_name)
+        forced = route_of(name, p)
+        routes[name] = (p, router.route(name, p, forced, declared(name) if p.ndim >= 2 else None))
+    _check_matched(route_of, declared, {name: route for name, (_, route) in routes.items()})
+    return routes
+
+
+def _groups(
+    buckets: Mapping[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]],
+    lr: float | None,
+    adamw_lr: float | None,
+    weight_decay: float | None,
+    adamw_betas: tuple[float, float] | None,
+    adamw_eps: float | None,
+    muon_options: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """Torch param groups from the buckets of equal routes, Muon's first."""
+    given = {"lr": lr, "weight_decay": weight_decay, **muon_options}
+    muon = {"algorithm": "muon", **{k: v for k, v in given.items() if v is not None}}
+    adamw_given = {"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps}
+    adamw = {"algorithm": "adamw", **{k: v for k, v in adamw_given.items() if v is not None}}
+    groups = []
+    for key, (params, names) in buckets.items():
+        group: dict[str, Any] = {"params": params, "param_names": names}
+        if key[0] == "muon":
+            group.update(muon)
+            group.update({k: list(v) if isinstance(v, tuple) else v for k, v in key[1]})
+        else:
+            group.update(adamw)
+            if key[0] == "adamw_no_decay":
+                group["weight_decay"] = 0.0
+            elif weight_decay is not None:
+                group["weight_decay"] = weight_decay
+        groups.append(group)
+    groups.sort(key=lambda g: g["algorithm"] != "muon")
+    return groups
+
+
+def _check_matched(route_of: _Overrides, declared: _Declared, routes: Mapping[str, Route]) -> None:
+    """Every name pattern the caller gave must have matched a parameter."""
+    unmatched = [p for p in declared.patterns if p not in declared.hits]
+    if unmatched:
+        muon_names = [n for n, r in routes.items() if r.algorithm == "muon"]
+        raise ValueError(
+            f"fused patterns {unmatched} match no Muon matrix; Muon matrices are {muon_names}"
+        )
+    if route_of.unmatched():
+        raise ValueError(
+            f"overrides patterns {route_of.unmatched()} match no parameter (patterns are "
+            f"searched in normalised names such as {list(routes)[:4]}); fix or remove them"
+        )
+
+
+def algorithm_by_name(name: str, p: torch.Tensor, muon_mode: str) -> tuple[str, bool]:
+    """``(algorithm, expert stack)`` of a parameter known only by its name and shape, for
+    groups given to :class:`muon_dist.Muon` without ``"algorithm"``: the rules of
+    :func:`param_groups` that names and shapes alone can apply (embedding and head module
+    names, biases, vectors, state-space names, small 2-D matrices, 3-D stacks under an
+    expert module; other >2-D tensors to AdamW unless ``muon_mode`` is "flat" or "slice",
+    which the caller chose for them)."""
+    name = normalize_fqn(name)
+    module, _, leaf = name.rpartition(".")
+    if p.ndim < 2 or "bias" in re.split(r"[_\W]+", leaf) or leaf in STATE_SPACE_NAMES:
+        return "adamw", False
+    if any(re.search(pattern, module) for pattern in (*EMBEDDING_PATTERNS, *HEAD_PATTERNS)):
+        return "adamw", False
+    stacked = p.ndim == 3 and any(part in EXPERT_KEYS for part in module.split("."))
+    if p.ndim > 2 and not stacked and muon_mode == "2d":
+        return "adamw", False
+    if p.ndim == 2 and min(p.shape) < MIN_MATRIX_SIDE:
+        return "adamw", False
+    return "muon", stacked
+
+
+class UnlabelledRouting:
+    """Routes for the groups :class:`muon_dist.Muon` gets without ``"algorithm"``, and the
+    one warning about them: by name where the parameters are named
+    (:func:`algorithm_by_name`), else >= 2-D to Muon and the rest to AdamW."""
+
+    def __init__(self) -> None:
+        self.unnamed = False  # some >= 2-D parameter was routed by its dims alone
+        self.tensors: list[str] = []  # named >2-D parameters sent to AdamW
+
+    def routes(
+        self, params: Sequence[torch.Tensor], names: Sequence[str] | None, muon_mode: str
+    ) -> list[tuple[str, bool]]:
+        """``(algorithm, expert stack)`` per parameter of one group."""
+        if names is None:
+            self.unnamed = self.unnamed or any(p.ndim >= 2 for p in params)
+            return [("muon" if p.ndim >= 2 else "adamw", False) for p in params]
+        routes = [algorithm_by_name(n, p, muon_mode) for n, p in zip(names, params, strict=True)]
+        self.tensors += [
+            n
+            for n, p, (algorithm, _) in zip(names, params, routes, strict=True)
+            if p.ndim > 2 and algorithm == "adamw"
+        ]
+        return routes
+
+    def warn(self) -> None:
+        if self.tensors:
+            logger.warning(
+                "muon_dist.Muon routed %s (>2-D, neither convolutions nor expert stacks by "
+                "name alone) to AdamW; pass muon_mode='flat' or 'slice' to orthogonalize them, "
+                "or build groups with muon_dist.param_groups(model), which reads their modules",
+                ", ".join(self.tensors),
+            )
+        if self.unnamed:
+            logger.warning(
+                "muon_dist.Muon got parameters without names or 'algorithm' (as transformers' "
+                "Trainer passes them with optimizer_cls_and_kwargs=(Muon, ...)): every >= 2-D "
+                "parameter goes to Muon, embeddings and output heads included. Pass "
+                "muon_dist.param_groups(model), or model.named_parameters() to route by name; "
+                "with the Trainer, optimizer_cls_and_kwargs=(muon_dist.integrations."
+                "hf_trainer.MuonFactory, {...})"
+            )

@@ -1,0 +1,1 @@
+"""The update rules: what a step computes, written once."""

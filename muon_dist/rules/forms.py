@@ -1,0 +1,34 @@
+"""Where a pass takes its fused Triton form instead of its torch form: the one place that
+chooses, for every batched op of the rules."""
+
+from __future__ import annotations
+
+import torch
+
+from muon_dist.kernels.availability import triton_available
+
+# Below this many elements the fused pass loses to torch's two kernels under
+# ``backend="auto"``: a Triton launch costs the host more than a small piece's bytes cost the
+# GPU (the crossover is measured in benchmarks/README.md, "Elementwise passes").
+FUSED_MIN_NUMEL = 1 << 21
+
+
+def fused_launches(backend: str, tensor: torch.Tensor) -> bool:
+    """Whether a pass whose torch form is many small launches on small tensors takes its
+    one-launch Triton form: wherever the backend allows Triton on CUDA, whatever the size,
+    since what it saves is the host's time per launch."""
+    return backend != "torch" and tensor.is_cuda and triton_available()
+
+
+def fused_form(backend: str, *tensors: torch.Tensor) -> bool:
+    """Whether the fused Triton form runs on these tensors, under the optimizer's backend.
+
+    "torch" never fuses; "triton" fuses every contiguous CUDA tensor; "auto" only those of
+    at least :data:`FUSED_MIN_NUMEL` elements, where the fused pass measured faster.
+    """
+    first = tensors[0]
+    if backend == "torch" or not first.is_cuda:
+        return False
+    if backend == "auto" and first.numel() < FUSED_MIN_NUMEL:
+        return False
+    return all(t.shape == first.shape and t.is_contiguous() for t in tensors) and triton_available()

@@ -1,0 +1,1 @@
+"""The optimizer's state: created per group, saved, loaded, rebound to new storage."""

@@ -1,0 +1,1 @@
+"""One step on a bound plan: stage, agree, run the bucket tasks, commit."""

@@ -1,0 +1,380 @@
+"""Agreement on gradients, decided on the device, and the host's later view of its outcome.
+
+Every rank must take the same decision about each parameter (is there a gradient on any
+rank? is any gradient non-finite?), and the step must not wait for the device to learn
+it. So the decision stays a device tensor: one small all-reduce among the ranks holding
+the parameters (:mod:`muon_dist.dist.groups`) builds per-parameter
+flags, and the step turns them into a ``keep`` mask and a ``found_inf`` flag (as
+``torch.amp.GradScaler`` does) that the update rule and fused AdamW read on the device.
+
+The same all-reduce agrees on what a scheduler or the user may change between steps: each
+group's step values (lr, weight decay, momentum, Nesterov; AdamW's betas and eps) travel as
+``v`` and ``-v``, so the MAX gives every value's largest and smallest across ranks, and each
+rank puts a digest of all its group options (the step counts included) in a slot of its
+own; a difference anywhere fails the step on every rank, as a non-finite gradient does. The
+gradients of parameters every rank holds whole (replicas) are compared the same way, by
+their norms: every rank applies the owner's update to a replica, so replicas need equal
+gradients (the data-parallel wrapper averages them), and a difference fails the step.
+
+The host reads the outcome later, from a host copy queued at the end of the step: on a
+CUDA device, at the next point that needs it (the next ``step()``, ``state_dict()`` or
+``check_finite()``), after waiting on an event recorded with that copy; with CPU tensors,
+where the copy is already there, at the end of the step itself.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from muon_dist.dist.groups import Peers
+from muon_dist.options.schema import OPTIONS
+from muon_dist.step.scalars import Layout, StepInputs
+
+# Per-parameter gradient verdicts; the all-reduce takes the worst (MAX) over ranks.
+TOO_LARGE = 1.0  # finite, but its norm would overflow Newton–Schulz's normalisation
+NONFINITE = 2.0  # a NaN or an infinity somewhere in it
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What went wrong in one step, as every rank saw it. ``failed_rank`` is a rank whose
+    inputs were refused (it raised the error naming them), None when every rank's were fine."""
+
+    step: int
+    nonfinite_grads: tuple[str, ...]
+    nonfinite_results: tuple[str, ...]
+    overflowing_grads: tuple[str, ...] = ()
+    failed_rank: int | None = None
+    crashed_rank: int | None = None  # a rank whose Newton–Schulz raised during the step
+    disagreement: str | None = None  # what differed across ranks (options or replicas' grads)
+
+
+# The group options a scheduler or the user may change between steps, agreed every step.
+STEP_KEYS = {
+    algorithm: tuple(o.key for o in options if o.per_step) for algorithm, options in OPTIONS.items()
+}
+# A digest takes 24 bits, which a float32 holds exactly.
+_DIGEST_BITS = 0xFFFFFF
+
+
+def step_labels(groups: Sequence[dict[str, Any]]) -> list[str]:
+    """Names of the values :func:`step_values` returns, for messages."""
+    labels = []
+    for index, group in enumerate(groups):
+        for key in STEP_KEYS[group["algorithm"]]:
+            parts = ("[0]", "[1]") if key == "betas" else ("",)
+            labels += [f"param group {index} {key}{part}" for part in parts]
+    return labels
+
+
+def step_values(groups: Sequence[dict[str, Any]]) -> list[float]:
+    """The step values of ``groups`` (checked numbers: see ``check_step_values``)."""
+    values: list[float] = []
+    for group in groups:
+        for key in STEP_KEYS[group["algorithm"]]:
+            value = group[key]
+            values += [float(v) for v in value] if key == "betas" else [float(value)]
+    return values
+
+
+def options_digest(groups: Sequence[dict[str, Any]]) -> float:
+    """A digest of every option of every group (not the parameters), >= 1."""
+    text = repr(
+        [
+            sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names"))
+            for g in groups
+        ]
+    )
+    return float((zlib.crc32(text.encode()) & _DIGEST_BITS) + 1)
+
+
+class Agreement:
+    """Device flags of one step: presence and finiteness per parameter, ``keep`` per Muon
+    parameter, ``found_inf``, the non-finite Newton–Schulz results per Muon parameter, and
+    the ranks' agreement on step values, options and replicas' gradients."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        muon_positions: Sequence[int],
+        device: torch.device,
+        holders: Peers,
+        groups: Sequence[dict[str, Any]],
+        replicated: Sequence[int],
+    ) -> None:
+        count = len(names)
+        self.names = list(names)
+        self.muon_names = [self.names[i] for i in muon_positions]
+        self.device = device
+        self.holders = holders
+        # Compared across ranks only where there are several: the step values, one digest
+        # slot per rank, and the gradients of the parameters at ``replicated`` positions.
+        several = holders.size > 1
+        self.labels = step_labels(groups) if several else []
+        self.replicated = list(replicated) if several else []
+        self._replicated_slot = {p: j for j, p in enumerate(self.replicated)}
+        slots = holders.size if several else 0
+        k, r = len(self.labels), len(self.replicated)
+        # All-reduced (MAX) together. The host stages ``values`` to ``digests`` (the step
+        # values, negated, and one options digest slot per rank); ``verdict`` to ``failed``
+        # decide found_inf; ``values`` to the end is compared across ranks.
+        self._compared_layout = Layout.of(
+            values=k, negated=k, digests=slots, norms=r, negated_norms=r
+        )
+        self._layout = Layout.of(
+            present=count,  # 1.0 where a rank has the gradient
+            verdict=count,  # TOO_LARGE or NONFINITE per gradient
+            failed=1,  # a rank that refused its inputs: rank + 1
+            compared=self._compared_layout.numel,
+        )
+        self.flags = torch.zeros(self._layout.numel, device=device)
+        self._flag = self._layout.views(self.flags)
+        self._compared = self._flag["compared"]
+        self._compare = self._compared_layout.views(self._compared)
+        self.stage_size = 2 * k + slots
+        self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
+        self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
+        # Result flags, all-reduced together: per Muon parameter its non-finite
+        # Newton–Schulz results, and a rank whose own work of the step raised (rank + 1).
+        self._results = torch.zeros(len(muon_positions) + 1, device=device)
+        self.bad_results, self.crashed = self._results.split_with_sizes([len(muon_positions), 1])
+        self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
+        # The host's copy of a step's outcome.
+        self._report_layout = Layout.of(
+            verdict=count,
+            bad_results=len(muon_positions),
+            crashed=1,
+            failed=1,
+            found_inf=1,
+            compared=self._compared.numel(),
+        )
+        self._report = torch.zeros(self._report_layout.numel, device=device)
+        self._reported = self._report_layout.views(self._report)
+        self._staged = self._compared[self._compared_layout.bounds("values", "digests")]
+        self._checked = self.flags[self._layout.bounds("verdict", "failed")]
+        self._results_reported = self._report[self._report_layout.bounds("bad_results", "crashed")]
+        pinned = device.type == "cuda"
+        self._host = torch.zeros_like(self._report, device="cpu", pin_memory=pinned)
+        # A numpy view of the host copy: reading it is a plain memory read, made once here.
+        self._host_view = self._host.numpy() if pinned else self._report.numpy()
+        self._event = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
+        self._pending: int | None = None  # step number whose report is queued, unread
+        self._indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    @property
+    def present(self) -> torch.Tensor:
+        """Per parameter, after :meth:`decide`: > 0 where some rank has its gradient."""
+        return self._flag["present"]
+
+    def stage(self, groups: Sequence[dict[str, Any]], rank: int) -> list[float]:
+        """What this rank stages for the comparison: its step values, negated, and its
+        digest in its own slot (the others 0); empty on one rank."""
+        if not self.stage_size:
+            return []
+        values = step_values(groups)
+        digests = [0.0] * self.holders.size
+        digests[self.holders.index(rank)] = options_digest(groups)
+        return values + [-v for v in values] + digests
+
+    def _index(self, positions: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Positions of the present gradients as a device tensor, and which of those are
+        replicated (their norms' rows, then their slots), built once per pattern."""
+        cached = self._indices.get(positions)
+        if cached is None:
+            rows = [i for i, p in enumerate(positions) if p in self._replicated_slot]
+            pairs = None
+            if rows:
+                slots = [self._replicated_slot[positions[i]] for i in rows]
+                pairs = torch.tensor([rows, slots], dtype=torch.long, device=self.device)
+            cached = self._indices[positions] = (
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                pairs,
+            )
+        return cached
+
+    def decide(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        inputs: StepInputs,
+        *,
+        keep_results: bool = False,
+    ) -> None:
+        """Fill the flags for this step's local gradients and agree on them over all ranks.
+
+        ``inputs`` (staged by the caller) says per parameter whether it has a local
+        gradient and the largest gradient norm Newton–Schulz can normalise (inf for AdamW),
+        this rank's failure (rank + 1, or 0), and what :meth:`stage` returned. Norms are
+        taken in fp64, so a finite gradient of any dtype has a finite norm, and an overflow of the
+        normalisation is told apart from a non-finite entry. Zeroes the result flags, unless
+        ``keep_results`` (a step whose buckets started before it, see :meth:`clear_results`).
+        """
+        flag, compare = self._flag, self._compare
+        flag["present"].copy_(inputs.present)
+        flag["failed"].copy_(inputs.failed)
+        self._staged.copy_(inputs.compared)
+        flag["verdict"].zero_()
+        compare["norms"].fill_(-math.inf)
+        compare["negated_norms"].fill_(-math.inf)
+        positions = tuple(i for i, g in enumerate(grads) if g is not None)
+        if positions:
+            index, replicated = self._index(positions)
+            norms = torch.stack(
+                torch._foreach_norm([g for g in grads if g is not None], 2, dtype=torch.float64)
+            )
+            limits = inputs.norm_limit.index_select(0, index).double()
+            finite = torch.isfinite(norms)
+            bad = torch.where(
+                finite,
+                (norms > limits).to(self.flags.dtype) * TOO_LARGE,
+                torch.full_like(norms, NONFINITE, dtype=self.flags.dtype),
+            )
+            flag["verdict"].index_copy_(0, index, bad)
+            if replicated is not None:
+                mine = torch.where(finite, norms, -math.inf).index_select(0, replicated[0])
+                compare["norms"].index_copy_(0, replicated[1], mine.to(self.flags.dtype))
+                compare["negated_norms"].index_copy_(0, replicated[1], (-mine).to(self.flags.dtype))
+        if self.holders.size > 1:
+            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
+        torch.amax(self._checked, dim=0, out=self.found_inf)
+        self.found_inf.clamp_(max=1.0)
+        if self._compared.numel():
+            # max + (-min) > 0 where ranks differ; -inf + -inf where no rank has a value.
+            spread = torch.cat(
+                [
+                    compare["values"] + compare["negated"],
+                    compare["norms"] + compare["negated_norms"],
+                ]
+            )
+            digests = compare["digests"]
+            differs = (spread > 0).any() | (digests.amax() > digests.amin())
+            torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
+        if not keep_results:
+            self.clear_results()
+        self._set_keep()
+
+    def clear_results(self) -> None:
+        """Zero the result flags before the step's first Newton–Schulz result."""
+        self._results.zero_()
+
+    def _set_keep(self) -> None:
+        present = self._flag["present"].index_select(0, self._muon_index)
+        torch.logical_and(present > 0, self.found_inf == 0, out=self.keep)
+
+    def count_bad_results(self, tensors: torch.Tensor, bad: torch.Tensor) -> None:
+        """Add ``bad`` (1.0 per non-finite result) to the Muon parameters ``tensors`` name."""
+        self.bad_results.index_add_(0, tensors, bad)
+
+    def record_failure(self, rank: int, tensors: torch.Tensor) -> None:
+        """Flag an exception of ``rank``'s own work on the Muon parameters ``tensors``: the
+        other ranks learn of it in :meth:`agree_on_results` instead of waiting in a
+        collective this rank never joins."""
+        self.crashed.fill_(float(rank + 1))
+        self._results.index_fill_(0, tensors, 1.0)
+
+    def agree_on_results(self, skip: bool) -> None:
+        """All-reduce the result flags; under ``skip`` they also set ``found_inf`` and
+        clear ``keep``, so the still-pending writes leave everything alone."""
+        if self.holders.size > 1:
+            dist.all_reduce(self._results, op=dist.ReduceOp.MAX, group=self.holders.group)
+        if skip:
+            torch.maximum(self.found_inf, self._results.amax(), out=self.found_inf)
+            self.found_inf.clamp_(max=1.0)
+            self._set_keep()
+
+    def publish(self) -> None:
+        """Queue the host copy of this step's outcome (part of a captured step)."""
+        reported = self._reported
+        reported["verdict"].copy_(self._flag["verdict"])
+        self._results_reported.copy_(self._results)
+        reported["failed"].copy_(self._flag["failed"])
+        reported["found_inf"].copy_(self.found_inf.view(1))
+        reported["compared"].copy_(self._compared)
+        if self._event is not None:
+            self._host.copy_(self._report, non_blocking=True)
+
+    def queued(self, step: int) -> None:
+        """Mark the copy queued by :meth:`publish` as the outcome of ``step`` (host side)."""
+        if self._event is not None:
+            self._event.record()
+        self._pending = step
+
+    def discard(self) -> None:
+        """Forget the queued outcome: this rank failed the step and raises its own error."""
+        self._pending = None
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the queued outcome can be read without waiting for a device."""
+        return self._event is None
+
+    def read(self) -> Outcome | None:
+        """The queued outcome if anything went wrong in it; waits only for that step."""
+        if self._pending is None:
+            return None
+        step, self._pending = self._pending, None
+        if self._event is not None:
+            self._event.synchronize()
+        values, layout = self._host_view, self._report_layout
+        verdicts, results = values[layout.bounds("verdict")], values[layout.bounds("bad_results")]
+        crashed, failed, found_inf = values[layout.bounds("crashed", "found_inf")]
+        if not found_inf and not np.any(results) and not crashed:
+            return None
+        return Outcome(
+            step,
+            tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == NONFINITE),
+            tuple(n for n, v in zip(self.muon_names, results, strict=True) if v),
+            tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == TOO_LARGE),
+            int(failed) - 1 if failed else None,
+            int(crashed) - 1 if crashed else None,
+            self._disagreement(values[layout.bounds("compared")]),
+        )
+
+    def _disagreement(self, compared: np.ndarray[Any, Any]) -> str | None:
+        """What the ranks disagreed on in the compared part of a report, or None."""
+        if not compared.size:
+            return None
+        segment = self._compared_layout.views(compared)
+        largest, smallest = segment["values"], -segment["negated"]
+        digests, norms, low_norms = segment["digests"], segment["norms"], -segment["negated_norms"]
+        parts = [
+            f"{label} ranges from {low:.7g} to {high:.7g}"
+            for label, high, low in zip(
+                self.labels, largest.tolist(), smallest.tolist(), strict=True
+            )
+            if high > low
+        ]
+        if digests.max() > digests.min() and not parts:
+            parts.append("group options other than the step values, or the step counts")
+        if parts:
+            classes: dict[float, list[int]] = {}
+            for rank, digest in zip(self.holders.ranks, digests.tolist(), strict=True):
+                classes.setdefault(digest, []).append(rank)
+            parts.append(
+                "ranks by their options: " + " | ".join(str(ranks) for ranks in classes.values())
+            )
+        differing = [
+            n
+            for n, high, low in zip(
+                (self.names[i] for i in self.replicated),
+                norms.tolist(),
+                low_norms.tolist(),
+                strict=True,
+            )
+            if high > low
+        ]
+        if differing:
+            parts.append(
+                f"the gradient of {', '.join(differing)}, held whole on every rank (a replica), "
+                "differs across ranks (its norm does); every rank applies one update to a "
+                "replica, so its gradients must be equal: average them first (DDP does, or "
+                "dist.all_reduce(p.grad, op=dist.ReduceOp.AVG))"
+            )
+        return "; ".join(parts) or None

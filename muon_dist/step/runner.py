@@ -1,0 +1,339 @@
+"""The step machinery behind :meth:`muon_dist.Muon.step`, built once per set of groups.
+
+A step, in order: stage the host's values into device memory (:class:`StepInputs`), agree
+on the gradients (:mod:`muon_dist.step.agreement`), run the Muon phase
+(:mod:`muon_dist.step.muon_phase`), run torch's fused AdamW on the other groups, and queue the
+outcome's host copy. Under ``cuda_graph=True`` that device work is captured once and
+replayed (:mod:`muon_dist.step.cuda_graph`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.optim.adamw import adamw as adamw_update
+
+from muon_dist.dist.groups import CommGroups
+from muon_dist.options.settings import ExecutionSettings
+from muon_dist.plan.build import build_plan, placement_of
+from muon_dist.plan.recipes import StackRecipe
+from muon_dist.plan.views import MatrixView, matrix_views, named_params
+from muon_dist.rules.registry import rule_of
+from muon_dist.state.checks import check_grad
+from muon_dist.state.tensors import local, storage
+from muon_dist.step.agreement import Agreement
+from muon_dist.step.backward import BackwardStart
+from muon_dist.step.cuda_graph import StepGraph
+from muon_dist.step.muon_phase import MuonEntry, MuonPhase
+from muon_dist.step.scalars import StepInputs
+
+logger = logging.getLogger(__name__)
+
+# Group entries that a captured step does not read from the group: the lr is staged into
+# device memory every step, the rest is bookkeeping. Any other change is captured anew.
+_NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
+
+
+def fractions(groups: Sequence[dict[str, Any]]) -> list[float | None]:
+    """Each group's ``dion2_fraction`` (None for AdamW groups): the stacks' shapes follow it."""
+    return [g.get("dion2_fraction") for g in groups]
+
+
+def _travelling_share(group: dict[str, Any], settings: ExecutionSettings, peers: int) -> float:
+    """The part of a matrix the bucket budget counts: Dion2's fraction of its slices where
+    only they travel (among several ``peers``, uncaptured: a captured step's exchange
+    sizes are fixed, so whole matrices travel there), else all of it."""
+    if peers > 1 and not settings.cuda_graph:
+        return rule_of(group).travelling_share(group)
+    return 1.0
+
+
+def stack_recipe(group: dict[str, Any], view: MatrixView) -> StackRecipe:
+    """The recipe of ``view``'s matrices in ``group``."""
+    coefficients = group["coefficients"]
+    if not isinstance(coefficients, str):
+        coefficients = tuple(tuple(float(v) for v in t) for t in coefficients)
+    return StackRecipe(
+        group["ns_steps"],
+        coefficients,
+        view.part_split(group["adjust_lr"]),
+        group["ns_method"],
+        rule_of(group).stack_part(group, view.transposed),
+    )
+
+
+def muon_entries(groups: Sequence[dict[str, Any]]) -> tuple[list[MuonEntry], list[int]]:
+    """Every matrix view of the Muon parameters, in plan order, and each Muon parameter's
+    position among all parameters."""
+    group_index = {id(g): i for i, g in enumerate(groups)}
+    entries: list[MuonEntry] = []
+    positions: list[int] = []
+    for position, (name, group, p) in enumerate(named_params(groups)):
+        if group["algorithm"] != "muon":
+            continue
+        first = 0
+        for view in matrix_views(p.shape, group, name):
+            index = group_index[id(group)]
+            entries.append(
+                MuonEntry(p, group, view, view.label(name), first, len(positions), index)
+            )
+            first += view.count
+        positions.append(position)
+    return entries, positions
+
+
+class StepRunner:
+    """Everything a step repeats, built once: the Muon phase, the agreement, the device
+    copy of this step's host values, the AdamW tensors, and the CUDA graph when enabled."""
+
+    def __init__(
+        self,
+        groups: Sequence[dict[str, Any]],
+        state: dict[torch.Tensor, dict[str, Any]],
+        settings: ExecutionSettings,
+        comm: CommGroups,
+    ) -> None:
+        self.settings = settings
+        self.fractions = fractions(groups)  # what the plan was built for
+        self.rank = comm.rank
+        named = list(named_params(groups))
+        self.names = [name for name, _, _ in named]
+        self.params = [p for _, _, p in named]
+        self.storage = storage(self.params)  # where the bound views point (rebind.py)
+        self.device = local(self.params[0]).device
+        group_index = {id(g): i for i, g in enumerate(groups)}
+        self._group_of = [group_index[id(group)] for _, group, _ in named]
+        entries, self.muon_positions = muon_entries(groups)
+        self.agreement = Agreement(
+            self.names,
+            self.muon_positions,
+            self.device,
+            comm.holders,
+            groups,
+            [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
+        )
+        self.muon = self._muon_phase(entries, state, settings, len(groups), comm)
+        # overlap="backward": the Muon phase's buckets start from gradient hooks.
+        self.early = (
+            BackwardStart(self.muon, [self.names[i] for i in self.muon_positions])
+            if self.muon is not None and settings.overlap == "backward"
+            else None
+        )
+        self._muon_index = {id(self.params[i]): j for j, i in enumerate(self.muon_positions)}
+        # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
+        self._adamw_members: dict[int, list[int]] = {}
+        for position, (_, group, _) in enumerate(named):
+            if group["algorithm"] == "adamw":
+                self._adamw_members.setdefault(group_index[id(group)], []).append(position)
+        self.inputs = StepInputs.allocate(
+            len(groups), len(self.params), self.agreement.stage_size, self.device
+        )
+        self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
+        self._grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
+            (None, None) for _ in self.params
+        ]
+        self.bind_state(state)
+
+    def _muon_phase(
+        self,
+        entries: Sequence[MuonEntry],
+        state: dict[torch.Tensor, dict[str, Any]],
+        settings: ExecutionSettings,
+        group_count: int,
+        comm: CommGroups,
+    ) -> MuonPhase | None:
+        """The plan of the Muon parameters, bound to their tensors (None without any)."""
+        if not entries:
+            return None
+        placements = [
+            placement_of(e.param, e.name, e.view, comm.holders.ranks, stack_recipe(e.group, e.view))
+            for e in entries
+        ]
+        plan = build_plan(
+            placements,
+            comm.rank,
+            comm.world_size,
+            bucket_bytes=settings.bucket_bytes,
+            itemsize=settings.comm_dtype.itemsize,
+            replica_mode=settings.replica_mode,
+            steps=[e.group["ns_steps"] for e in entries],
+            backward_order=settings.overlap == "backward",
+            shares=[_travelling_share(e.group, settings, comm.exchange.size) for e in entries],
+        )
+        logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
+        return MuonPhase(plan, entries, state, settings, group_count, comm, self.agreement)
+
+    def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Point at the state tensors (again after a state load, which replaces them)."""
+        self._adamw_tensors = {
+            i: (
+                local(p),
+                local(state[p]["exp_avg"]),
+                local(state[p]["exp_avg_sq"]),
+                state[p]["step"],
+            )
+            for members in self._adamw_members.values()
+            for i in members
+            for p in (self.params[i],)
+        }
+        if self.muon is not None:
+            self.muon.bind_state(state)
+        if self.graph is not None:
+            self.graph.reset()
+
+    def _local_grads(self) -> list[torch.Tensor | None]:
+        """Local gradient shards; a gradient kept between steps is checked and unwrapped
+        only once."""
+        grads = [self._local_grad(index) for index in range(len(self.params))]
+        if self.early is not None:
+            self.early.check([grads[i] for i in self.muon_positions])
+        return grads
+
+    def _local_grad(self, index: int) -> torch.Tensor | None:
+        p = self.params[index]
+        grad = p.grad
+        source, unwrapped = self._grads[index]
+        if grad is not source:
+            unwrapped = None if grad is None else check_grad(self.names[index], p, grad)
+            self._grads[index] = (grad, unwrapped)
+        return unwrapped
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """A Muon parameter's gradient is final (its post-accumulate-grad hook, under
+        ``overlap="backward"``): start the buckets that now can. A gradient this rank
+        refuses starts nothing here; ``step()`` raises it, agreed with the other ranks."""
+        if self.early is None:
+            return
+        j = self._muon_index[id(p)]
+        try:
+            grad = self._local_grad(self.muon_positions[j])
+        except (TypeError, ValueError, RuntimeError):
+            return
+        if grad is not None:
+            self.early.report(j, grad)
+
+    def run(
+        self, groups: Sequence[dict[str, Any]], refusal: Exception | None = None
+    ) -> Exception | None:
+        """Queue one step. A rank that refuses its inputs (``refusal``: options or a closure
+        that raised; a gradient of the wrong layout, a sparse one, a missing one under
+        capture) still takes part in the step's agreement, with every gradient absent and
+        its failure flagged, so every rank leaves everything as it was and learns of the
+        failure; it returns its error for the caller to raise.
+        """
+        failure = refusal
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        if failure is None:
+            try:
+                grads = self._local_grads()
+                if self.graph is not None:
+                    _check_captured(grads)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                failure = exc
+                grads = [None] * len(self.params)
+        present = [g is not None for g in grads]
+        self.inputs.stage(
+            groups,
+            self._group_of,
+            present,
+            None if failure is None else self.rank,
+            [] if failure is not None else self.agreement.stage(groups, self.rank),
+        )
+        if self.graph is None or failure is not None:
+            self._body(groups, grads)
+            return failure or self.crash()
+
+        def body() -> None:
+            self._body(groups, grads)
+
+        key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
+        self.graph.run(body, key, grads)
+        return self.crash()
+
+    def crash(self) -> Exception | None:
+        """The exception this rank's own Muon work raised in the step just queued."""
+        return None if self.muon is None else self.muon.error
+
+    def _body(self, groups: Sequence[dict[str, Any]], grads: Sequence[torch.Tensor | None]) -> None:
+        """The device work of one step: everything a captured step replays."""
+        self.agreement.decide(grads, self.inputs, keep_results=self.early is not None)
+        transactional = self.settings.nonfinite == "skip_step"
+        muon_grads = [grads[i] for i in self.muon_positions]
+        if self.early is not None:
+            self.early.finish(muon_grads, self.inputs, transactional=transactional)
+        elif self.muon is not None:
+            self.muon.run(muon_grads, self.inputs, transactional=transactional)
+        for index, group in enumerate(groups):
+            if group["algorithm"] == "adamw":
+                self._adamw(group, index, grads)
+        self.agreement.publish()
+
+    def _adamw(
+        self, group: dict[str, Any], index: int, grads: Sequence[torch.Tensor | None]
+    ) -> None:
+        """AdamW for one group. A parameter without a local gradient takes a zero one where
+        another rank has a gradient, as a Muon parameter does, so replicas and step counts
+        stay equal: one launch each, skipped on the device where no rank has a gradient."""
+        members = self._adamw_members[index]
+        present = [i for i in members if grads[i] is not None]
+        if present:
+            self._adamw_launch(group, index, present, grads, self.agreement.found_inf)
+        for i in members:
+            if grads[i] is None:
+                skip = torch.maximum(self.agreement.found_inf, 1.0 - self.agreement.present[i])
+                zero = torch.zeros_like(self._adamw_tensors[i][0])
+                self._adamw_launch(group, index, [i], {i: zero}, skip)
+
+    def _adamw_launch(
+        self,
+        group: dict[str, Any],
+        index: int,
+        members: Sequence[int],
+        grads: Sequence[torch.Tensor | None] | dict[int, torch.Tensor],
+        found_inf: torch.Tensor,
+    ) -> None:
+        tensors = self._adamw_tensors
+        beta1, beta2 = group["betas"]
+        cuda = self.device.type == "cuda"
+        adamw_update(
+            [tensors[i][0] for i in members],
+            [cast(torch.Tensor, grads[i]) for i in members],
+            [tensors[i][1] for i in members],
+            [tensors[i][2] for i in members],
+            [],
+            [tensors[i][3] for i in members],
+            fused=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            # AdamW reads its lr from device memory on CUDA (fused AdamW takes a tensor lr).
+            lr=self.inputs.lr_of_group[index] if cuda else group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            found_inf=found_inf,
+        )
+
+
+def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
+    missing = [i for i, g in enumerate(grads) if g is None]
+    if missing:
+        raise RuntimeError(
+            f"cuda_graph=True: {len(missing)} parameters have no gradient this step; a "
+            "captured step reads every gradient tensor in place, so keep them between "
+            "steps with zero_grad(set_to_none=False), or use cuda_graph=False"
+        )
+
+
+def _held_whole(p: torch.Tensor, holders: int) -> bool:
+    """Whether each of the ``holders`` ranks holds all of ``p`` (a plain replica, or a
+    DTensor replicated on every dim of a mesh over all of them): its gradients must then
+    agree across ranks."""
+    if not isinstance(p, DTensor):
+        return True
+    whole = all(isinstance(x, Replicate) for x in p.placements)
+    return whole and p.device_mesh.size() == holders

@@ -1,0 +1,209 @@
+"""The device scalars of a step, each a named view, with the one place that fills them.
+
+:class:`StepInputs` holds what the host knows of a step (learning rates and weight decay
+per group, which parameters have a local gradient and how large a norm each may have,
+this rank's refusal), staged into device memory with one copy. :class:`MuonScalars`
+derives from them, on the device, what the update rule reads per Muon tensor, piece,
+group and step class (:mod:`muon_dist.rules.ops` says what each one is).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from muon_dist.rules.ops import decay_factor, decay_rate, step_size
+
+# Newton–Schulz divides its input by the Frobenius norm, whose square overflows fp32 above
+# about 1.84e19 (3.4e38 ** 0.5); the limit leaves room for Polar Express's 1.02 factor.
+NS_NORM_LIMIT = 1.8e19 / 1.02
+
+
+def norm_limit(group: dict[str, Any]) -> float:
+    """The largest gradient norm a Muon parameter of ``group`` takes: its momentum stays
+    below ``norm / (1 - momentum)``, and Newton–Schulz's input must stay below
+    :data:`NS_NORM_LIMIT`. AdamW parameters have none."""
+    if group["algorithm"] != "muon":
+        return math.inf
+    return NS_NORM_LIMIT * (1.0 - float(group["momentum"]))
+
+
+Sliceable = TypeVar("Sliceable", torch.Tensor, "np.ndarray[Any, Any]")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Named consecutive segments of one flat vector, sized once: views by name, and the
+    slice from one segment's start to another's end, so no offset is computed by hand."""
+
+    sizes: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, **sizes: int) -> Layout:
+        return cls(tuple(sizes.items()))
+
+    @property
+    def numel(self) -> int:
+        return sum(size for _, size in self.sizes)
+
+    def bounds(self, first: str, last: str | None = None) -> slice:
+        """From the start of segment ``first`` to the end of ``last`` (default: ``first``)."""
+        start = 0
+        begin = None
+        for name, size in self.sizes:
+            if name == first:
+                begin = start
+            start += size
+            if name == (last or first):
+                if begin is None:
+                    raise KeyError(f"segment {first!r} does not come before {last!r}")
+                return slice(begin, start)
+        raise KeyError(f"no segment {last or first!r} in {[name for name, _ in self.sizes]}")
+
+    def views(self, buffer: Sliceable) -> dict[str, Sliceable]:
+        """Each segment's view of ``buffer`` (a tensor or an array of :attr:`numel`)."""
+        return {name: buffer[self.bounds(name)] for name, _ in self.sizes}
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's host values in device memory: named views of one buffer, staged by
+    :meth:`stage` with one host-to-device copy (a CUDA graph replays reading them)."""
+
+    buffer: torch.Tensor
+    lr: torch.Tensor  # per group
+    weight_decay: torch.Tensor  # per group
+    present: torch.Tensor  # per parameter: 1.0 where this rank has its gradient
+    norm_limit: torch.Tensor  # per parameter (inf for AdamW)
+    failed: torch.Tensor  # [1]: this rank's rank + 1 when it refused its inputs, else 0
+    compared: torch.Tensor  # what the agreement compares across ranks (Agreement.stage)
+    lr_of_group: tuple[torch.Tensor, ...]  # one-element views of ``lr`` (fused AdamW's lr)
+
+    @classmethod
+    def allocate(cls, groups: int, params: int, compared: int, device: torch.device) -> StepInputs:
+        layout = Layout.of(
+            lr=groups,
+            weight_decay=groups,
+            present=params,
+            norm_limit=params,
+            failed=1,
+            compared=compared,
+        )
+        buffer = torch.zeros(layout.numel, device=device)
+        views = layout.views(buffer)
+        return cls(buffer, **views, lr_of_group=tuple(views["lr"].unbind(0)))
+
+    def stage(
+        self,
+        groups: Sequence[dict[str, Any]],
+        group_of: Sequence[int],
+        present: Sequence[bool],
+        failed_rank: int | None,
+        compared: Sequence[float],
+    ) -> None:
+        """Copy this step's values in (``group_of``: each parameter's group index). A rank
+        that refused its inputs stages nothing read from the groups (their options may be
+        what it refused): zeros, no norm limits, and zeros for ``compared``."""
+        if failed_rank is None:
+            values = [float(g["lr"]) for g in groups]
+            values += [float(g["weight_decay"]) for g in groups]
+            values += [1.0 if here else 0.0 for here in present]
+            limits = [norm_limit(g) for g in groups]
+            values += [limits[g] for g in group_of]
+            values += [0.0, *compared]
+        else:
+            values = [0.0] * (2 * len(groups) + len(group_of))
+            values += [math.inf] * len(group_of) + [float(failed_rank + 1)]
+            values += [0.0] * self.compared.numel()
+        pinned = self.buffer.device.type == "cuda"
+        staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
+        self.buffer.copy_(staged, non_blocking=pinned)
+
+
+class MuonScalars:
+    """What the update rule reads per Muon tensor, piece, group and step class, derived on
+    the device from :class:`StepInputs` and the agreement, with one-element views made
+    once so the step takes no new view of them.
+
+    ``group_of[j]`` is Muon tensor j's group index, ``piece_tensor[i]`` piece i's tensor,
+    ``neg_scale[i]`` its ``−lr_scale``; pieces of one group and lr scale form a step
+    class (``class_group``, ``class_neg_scale``), whose pieces share one step where kept.
+    ``stack_tensor`` names each stacked matrix's tensor (masks of dropped matrices).
+    """
+
+    def __init__(
+        self,
+        *,
+        group_of: Sequence[int],
+        cautious: Sequence[bool],
+        piece_tensor: Sequence[int],
+        neg_scale: Sequence[float],
+        class_group: Sequence[int],
+        class_neg_scale: Sequence[float],
+        stack_tensor: Sequence[int],
+        group_count: int,
+        device: torch.device,
+    ) -> None:
+        def tensor(values: Sequence[float | int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=dtype, device=device)
+
+        tensors = len(group_of)
+        self._group_of = tensor(group_of, torch.long)
+        self._cautious_mask = tensor([float(c) for c in cautious], torch.float32)
+        self._plain_mask = 1.0 - self._cautious_mask
+        self._piece_tensor = tensor(piece_tensor, torch.long)
+        self._neg_scale = tensor(neg_scale, torch.float32)
+        self._class_group = tensor(class_group, torch.long)
+        self._class_neg_scale = tensor(class_neg_scale, torch.float32)
+        self._stack_tensor = tensor(stack_tensor, torch.long)
+        # The agreed mask, copied in; per stacked matrix, whether the step drops it.
+        self.keep = torch.ones(tensors, dtype=torch.bool, device=device)
+        self.keep_of = self.keep.unbind(0)
+        self.dropped = torch.zeros(len(stack_tensor), dtype=torch.bool, device=device)
+        self.ok = torch.ones((), dtype=torch.bool, device=device)  # not found_inf
+        # Per tensor: decay factor (1 where cautious) and cautious rate; per piece: step.
+        self.decay = torch.ones(tensors, device=device)
+        self.decay_of = self.decay.unbind(0)
+        self.cautious = torch.zeros(tensors, device=device)
+        self.cautious_of = self.cautious.unbind(0)
+        self.step = torch.zeros(len(piece_tensor), device=device)
+        self.step_of = self.step.unbind(0)
+        # Per group and per step class, for tensors with a local gradient (kept exactly
+        # when the step is): the decay factor and the step.
+        self.group_decay = torch.ones(group_count, device=device)
+        self.group_decay_of = self.group_decay.unbind(0)
+        self.class_step = torch.zeros(len(class_group), device=device)
+        self.class_step_of = self.class_step.unbind(0)
+        # Magma's per-row steps of its pieces, set by the step after its scores advance.
+        self.magma_step_of: dict[int, torch.Tensor] = {}
+
+    def stage(
+        self,
+        keep: torch.Tensor,
+        found_inf: torch.Tensor,
+        inputs: StepInputs,
+        *,
+        drop: bool,
+    ) -> None:
+        """This step's scalars from the agreed ``keep`` and ``found_inf``; with ``drop``
+        also which stacked matrices are dropped (zeroed before Newton–Schulz)."""
+        self.keep.copy_(keep)
+        if drop:
+            torch.index_select(self.keep, 0, self._stack_tensor, out=self.dropped)
+            self.dropped.logical_not_()
+        kept = self.keep.float()
+        lr = inputs.lr.index_select(0, self._group_of)
+        rate = decay_rate(lr, inputs.weight_decay.index_select(0, self._group_of), kept)
+        decay_factor(rate * self._plain_mask, out=self.decay)
+        torch.mul(rate, self._cautious_mask, out=self.cautious)
+        step_size(lr, kept, self._neg_scale, index=self._piece_tensor, out=self.step)
+        torch.eq(found_inf, 0, out=self.ok)
+        ok = self.ok.float()
+        decay_factor(decay_rate(inputs.lr, inputs.weight_decay, ok), out=self.group_decay)
+        class_lr = inputs.lr.index_select(0, self._class_group)
+        step_size(class_lr, ok, self._class_neg_scale, out=self.class_step)

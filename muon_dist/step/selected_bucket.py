@@ -1,0 +1,320 @@
+"""One bucket holding Dion2 matrices as a generator task: only the selected slices travel.
+
+Norms, choose, gather, orthogonalize, scatter, apply: every rank adds its source pieces'
+partial slice norms (float64) into the bucket's norm vector and one all-reduce sums them;
+every rank then takes the same top slices (:func:`muon_dist.rules.slices.top_slices`), so
+the choice is exact and independent of the layout. One host copy of the choice per bucket
+sizes both exchanges (:mod:`muon_dist.plan.selection`); each moves the selected elements only.
+The owner orthogonalizes exactly the slices chosen; a holder writes its piece's update with
+zeros in the slices left out, the form the plain bucket hands over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from muon_dist.dist.exchange import pack, start_exchange
+from muon_dist.dist.groups import Peers
+from muon_dist.kernels.tables import PinnedStaging
+from muon_dist.plan.bucket_map import BucketMap, StackSpec, region_views
+from muon_dist.plan.build import BucketPlan
+from muon_dist.plan.packing import flat_views, peer_splits
+from muon_dist.plan.selection import (
+    BucketSelection,
+    HostRect,
+    PieceGrid,
+    Rect,
+    device_rects,
+    put_,
+    rect_indices,
+    take,
+    take_into,
+)
+from muon_dist.rules.slices import add_slice_norms_, top_slices
+from muon_dist.runtime.scheduler import Task, TaskBody
+from muon_dist.step.bucket_task import StepContext
+
+
+class SelectedContext(StepContext, Protocol):
+    """What a Dion2 bucket task needs beyond a plain bucket's: the norms' group and
+    stream, and the owner's Newton–Schulz on the chosen slices."""
+
+    norm_peers: Peers  # the norms' all-reduce
+    selection_stream: torch.cuda.Stream | None  # norms and choice (None: one stream)
+    world_size: int
+    backend: str
+
+    def orthogonalize(
+        self, stack: torch.Tensor, spec: StackSpec, chosen: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Newton–Schulz on a stack; for a Dion2 stack on the ``chosen`` slices of each
+        matrix (per part, ``[matrices, count]``)."""
+        ...
+
+
+class DeviceSelection:
+    """A bucket's selection layout with its fixed index tensors on the device (copied on
+    the first step, kept for the plan), and the pinned buffer its step's indices go
+    through."""
+
+    def __init__(self, selection: BucketSelection, device: torch.device) -> None:
+        self.host = selection
+        self.device = device
+        self.send_tiles = [_tiles_to(selection.tiles(p), device) for p in selection.gather_sends]
+        self.own_tiles = [_tiles_to(selection.tiles(p), device) for p in selection.own]
+        self.stack_chosen = {
+            stack: [index.to(device) for index in parts]
+            for stack, parts in selection.stack_chosen.items()
+        }
+        self._staging = PinnedStaging()
+
+    def rects_to(self, rects: Sequence[Sequence[HostRect]]) -> list[list[Rect]]:
+        """The step's rectangles on the device, in one copy through a pinned buffer reused
+        every step."""
+        flat = rect_indices(rects)
+        if self.device.type != "cuda":
+            return device_rects(rects, torch.from_numpy(flat))
+        return device_rects(rects, self._staging.upload(flat, self.device))
+
+
+def _tiles_to(
+    tiles: Sequence[tuple[HostRect, int, np.ndarray]], device: torch.device
+) -> list[tuple[Rect, int, torch.Tensor]]:
+    rects = [[rect for rect, _, _ in tiles]]
+    moved = device_rects(rects, torch.from_numpy(rect_indices(rects)).to(device))[0]
+    return [
+        (rect, axis, torch.from_numpy(slots).to(device))
+        for rect, (_, axis, slots) in zip(moved, tiles, strict=True)
+    ]
+
+
+def selected_bucket_task(
+    bucket: BucketPlan,
+    where: BucketMap,
+    selection: Callable[[], DeviceSelection],
+    ctx: SelectedContext,
+) -> Task:
+    """Wrap one communicating bucket with Dion2 matrices as a task; it yields once per
+    exchange or host copy it waits on. ``selection`` gives the bucket's layout.
+
+    Its norms and choice run on the selection stream, after only the work queued before
+    the task was made (the step's momentum and gradients, or a hook's); that stream, not
+    the host, waits for the norms' all-reduce."""
+    made = _event(ctx.selection_stream)
+    return Task(bucket.names, _run(where, selection, ctx, made))
+
+
+def _run(
+    where: BucketMap,
+    selection: Callable[[], DeviceSelection],
+    ctx: SelectedContext,
+    made: torch.cuda.Event | None,
+) -> TaskBody:
+    layout = selection()
+    sel = layout.host
+    dtype, device = ctx.comm_dtype, ctx.device
+    side = ctx.selection_stream
+    with _on(side, made):
+        staged = pack(
+            where.gather_send,
+            lambda outs: ctx.read_updates(where.gather_reads, outs),
+            dtype,
+            device,
+        )
+        inputs = [
+            view.view(len(p.rows), len(p.cols))
+            for view, p in zip(
+                flat_views(staged, where.gather_send.runs), sel.gather_sends, strict=True
+            )
+        ]
+        stacks = [torch.zeros(s.shape, dtype=dtype, device=device) for s in where.stacks]
+        ctx.read_updates(where.own, region_views(stacks, where.own_regions))
+        planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
+        norms = torch.zeros(sel.slots, dtype=torch.float64, device=device)
+        sources = [*zip(inputs, layout.send_tiles, strict=True)]
+        sources += [
+            (planes[piece.stack], tiles)
+            for piece, tiles in zip(sel.own, layout.own_tiles, strict=True)
+        ]
+        add_norms(norms, sources, ctx.backend)
+        # The choice follows at once on this stream (which waits for the all-reduce, the
+        # host does not): queued after the next buckets' staging, it would wait for them.
+        _wait(dist.all_reduce(norms, group=ctx.norm_peers.group, async_op=True))
+        chosen = torch.empty(sel.chosen_count, dtype=torch.long, device=device)
+        for slot, n, length, count, first in sel.batches:
+            top = top_slices(norms[slot : slot + n * length].view(n, length), count)
+            chosen[first : first + n * count].view(n, count).copy_(top)
+        del norms
+        host, chosen_ready = _to_host(chosen)
+    yield
+    if chosen_ready is not None:  # the side stream's work for this bucket is done
+        chosen_ready.synchronize()
+        _hand_over(chosen_ready, [staged, chosen, *stacks])
+
+    lists = (sel.gather_sends, sel.gather_recvs, sel.scatter_sends, sel.scatter_recvs)
+    choice = host.numpy()
+    moves = iter(layout.rects_to([sel.rects(p, choice) for pieces in lists for p in pieces]))
+    gather_sends, gather_recvs, scatter_sends, scatter_recvs = (
+        [next(moves) for _ in pieces] for pieces in lists
+    )
+    recv, work = _exchange(
+        inputs,
+        sel.gather_sends,
+        gather_sends,
+        sel.gather_recvs,
+        gather_recvs,
+        ctx,
+    )
+    del staged, inputs
+    yield
+    _wait(work)
+    _put_all([planes[p.stack] for p in sel.gather_recvs], gather_recvs, recv)
+    del recv, planes
+
+    results = [
+        ctx.orthogonalize(t, s, _chosen(layout, position, chosen))
+        for position, (t, s) in enumerate(zip(stacks, where.stacks, strict=True))
+    ]
+    del stacks
+    ctx.apply(where.own, region_views(results, where.own_regions))
+    outputs = [r.view(-1, r.shape[-1]) for r in results]
+    recv, work = _exchange(
+        [outputs[p.stack] for p in sel.scatter_sends],
+        sel.scatter_sends,
+        scatter_sends,
+        sel.scatter_recvs,
+        scatter_recvs,
+        ctx,
+    )
+    del results, outputs
+    yield
+    _wait(work)
+    updates = torch.zeros(where.scatter_recv.numel, dtype=dtype, device=device)
+    pieces = flat_views(updates, where.scatter_recv.runs)
+    _put_all(
+        [v.view(len(p.rows), len(p.cols)) for v, p in zip(pieces, sel.scatter_recvs, strict=True)],
+        scatter_recvs,
+        recv,
+    )
+    ctx.apply(where.scatter_writes, pieces)
+
+
+def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event recorded now on the current stream, where a side stream is to wait on it."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+@contextmanager
+def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Event | None) -> Iterator[None]:
+    """Run the block on ``stream`` (when there is one) once ``after`` has happened."""
+    if stream is None:
+        yield
+        return
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _hand_over(done: torch.cuda.Event, tensors: Sequence[torch.Tensor]) -> None:
+    """The current stream takes over ``tensors``, made on the side stream up to ``done``."""
+    stream = torch.cuda.current_stream()
+    stream.wait_event(done)
+    for tensor in tensors:
+        tensor.record_stream(stream)
+
+
+def _chosen(
+    layout: DeviceSelection, position: int, chosen: torch.Tensor
+) -> list[torch.Tensor] | None:
+    parts = layout.stack_chosen.get(position)
+    return None if parts is None else [chosen[index] for index in parts]
+
+
+def add_norms(
+    norms: torch.Tensor,
+    sources: Sequence[tuple[torch.Tensor, Sequence[tuple[Rect, int, torch.Tensor]]]],
+    backend: str,
+) -> None:
+    """Add the slice norms (L1, float64) of each source's tiles at their slots, in one
+    pass over all of them."""
+    xs, axes, slots = [], [], []
+    for x, tiles in sources:
+        for rect, axis, where in tiles:
+            xs.append(take(x, rect).view(rect.shape))
+            axes.append(-2 if axis == 0 else -1)
+            slots.append(where)
+    add_slice_norms_(norms, xs, axes, slots, backend)
+
+
+def _exchange(
+    sources: Sequence[torch.Tensor],
+    sends: Sequence[PieceGrid],
+    send_rects: Sequence[Sequence[Rect]],
+    recvs: Sequence[PieceGrid],
+    recv_rects: Sequence[Sequence[Rect]],
+    ctx: SelectedContext,
+) -> tuple[torch.Tensor, dist.Work]:
+    """Start the all-to-all of the selected elements, sized by this step's rectangles: each
+    piece's (read from its ``sources`` tensor) written in order into one send buffer."""
+    rects = [
+        (x, r) for x, piece_rects in zip(sources, send_rects, strict=True) for r in piece_rects
+    ]
+    sizes = [r.numel for _, r in rects]
+    send = torch.empty(sum(sizes), dtype=ctx.comm_dtype, device=ctx.device)
+    for part, (x, rect) in zip(_split(send, sizes), rects, strict=True):
+        take_into(part, x, rect)
+    return start_exchange(
+        send,
+        peer_splits(_sizes(sends, send_rects), ctx.world_size, ctx.peers.ranks),
+        peer_splits(_sizes(recvs, recv_rects), ctx.world_size, ctx.peers.ranks),
+        ctx.peers,
+    )
+
+
+def _sizes(pieces: Sequence[PieceGrid], rects: Sequence[Sequence[Rect]]) -> list[tuple[int, int]]:
+    return [(p.peer, sum(r.numel for r in rs)) for p, rs in zip(pieces, rects, strict=True)]
+
+
+def _put_all(
+    targets: Sequence[torch.Tensor], rects: Sequence[Sequence[Rect]], values: torch.Tensor
+) -> None:
+    """Write the received flat ``values`` to each piece's rectangles, in order."""
+    moves = [(t, r) for t, piece_rects in zip(targets, rects, strict=True) for r in piece_rects]
+    for part, (target, rect) in zip(
+        _split(values, [r.numel for _, r in moves]), moves, strict=True
+    ):
+        put_(target, rect, part)
+
+
+def _split(flat: torch.Tensor, sizes: list[int]) -> Sequence[torch.Tensor]:
+    """``flat`` in consecutive parts of ``sizes`` (one split for all)."""
+    return flat.split_with_sizes(sizes) if sizes else ()
+
+
+def _to_host(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying the choice to pinned host memory; the event (None off CUDA, where
+    the copy is done on return) marks its arrival on the stream it was queued on."""
+    if chosen.device.type != "cuda":
+        return chosen.cpu(), None
+    host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+    host.copy_(chosen, non_blocking=True)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return host, event
+
+
+def _wait(work: dist.Work | None) -> None:
+    if work is None:
+        raise RuntimeError("an asynchronous collective returned no work handle")
+    work.wait()
