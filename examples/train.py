@@ -569,7 +569,7 @@ def train(
             factor = lr_factor(step, args)
             for group, base in zip(opt.param_groups, base_lrs, strict=True):
                 group["lr"] = base * factor
-            batch = chain.global_batch(step, args.batch_size, args.seq_len)[rows]
+            batch = chain.batch(step, args.batch_size, args.seq_len, rows)
             batch = batch.to(env.device, non_blocking=True)
             sync(env)
             t0 = time.perf_counter()
