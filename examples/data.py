@@ -8,10 +8,10 @@ subset of successors with Dirichlet weights of small concentration, so the next 
 far more predictable from the previous one than from the token frequencies alone.
 
 Batches are a pure function of ``(seed, step)`` and the row index inside the global batch,
-never of the number of ranks: every rank builds the same global batch and keeps its own
-slice. A run resumed on a different world size therefore sees exactly the batches an
-uninterrupted run would have seen, and the checkpoint needs no data-loader state beyond the
-step counter.
+never of the number of ranks: every rank walks the chain for its own rows only (see
+``rank_slice``). A run resumed on a different world size therefore sees exactly the batches
+an uninterrupted run would have seen, and the checkpoint needs no data-loader state beyond
+the step counter.
 """
 
 from __future__ import annotations
@@ -80,20 +80,26 @@ class MarkovChain:
             unigram_entropy=float(-(pi * pi.clamp_min(1e-300).log()).sum()),
         )
 
-    def global_batch(self, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
-        """The ``[batch_size, seq_len + 1]`` int64 token batch of ``step``, same on every rank.
+    def batch(self, step: int, batch_size: int, seq_len: int, rows: slice) -> torch.Tensor:
+        """Rows ``rows`` of the ``[batch_size, seq_len + 1]`` int64 token batch of ``step``.
+
+        Row ``r`` is the same whichever ``rows`` it is asked with, so ranks that each build
+        their own rows together hold the global batch, on any number of ranks. The uniforms
+        of the whole global batch are drawn (8 bytes a token, from one generator seeded by
+        ``(seed, step)``); the chain is walked only for ``rows``, which is the costly part
+        (a transition-matrix row, ``vocab_size`` floats, read per token).
 
         The first token of each row is drawn from the stationary distribution, so every
         position is in the chain's steady state and the floor applies to every target.
         """
         g = torch.Generator().manual_seed(_mix(self.seed, step))
-        u = torch.rand(seq_len + 1, batch_size, 1, generator=g, dtype=torch.float64)
+        u = torch.rand(seq_len + 1, batch_size, 1, generator=g, dtype=torch.float64)[:, rows]
         last = self.vocab_size - 1
-        tokens = torch.empty(seq_len + 1, batch_size, dtype=torch.long)
+        tokens = torch.empty(seq_len + 1, u.size(1), dtype=torch.long)
         tokens[0] = torch.searchsorted(self._start_cdf, u[0, :, 0]).clamp_max(last)
         for t in range(1, seq_len + 1):
-            rows = self._cdf[tokens[t - 1]]
-            tokens[t] = torch.searchsorted(rows, u[t]).squeeze(1).clamp_max(last)
+            cdf_rows = self._cdf[tokens[t - 1]]
+            tokens[t] = torch.searchsorted(cdf_rows, u[t]).squeeze(1).clamp_max(last)
         return tokens.T.contiguous()
 
 

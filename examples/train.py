@@ -12,8 +12,9 @@ It is the end-to-end check of the library: every parameter is a DTensor sharded 
 muon_dist's gather / orthogonalize / scatter, checkpoints go through
 ``torch.distributed.checkpoint`` and can be resumed on a different number of ranks. The
 data is a synthetic Markov chain (see ``data.py``) whose entropy rate is the true loss
-floor, so "did it learn?" has a number to compare against. GPUs and NCCL are used when
-present, CPUs and gloo otherwise.
+floor, so "did it learn?" has a number to compare against; ``--data`` trains on real text
+instead (token shards or any files read as bytes, see ``corpus.py``) with an eval loss on
+held-out tokens. GPUs and NCCL are used when present, CPUs and gloo otherwise.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from corpus import Corpus, open_corpus
 from data import ChainStats, MarkovChain, rank_slice
-from model import ModelArgs, Transformer
+from model import Attention, ModelArgs, Transformer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -45,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import muon_dist
@@ -102,6 +104,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fraction of --steps at the end over which the lr decays linearly to 0",
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the Markov chain, data and init")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="train on these files instead of the Markov chain: a path or a glob (quote it);"
+        " .bin token shards (llm.c / modded-nanogpt layout) or any other files read as bytes"
+        " (byte-level, vocabulary 256), concatenated in sorted order",
+    )
+    p.add_argument(
+        "--eval-data",
+        default=None,
+        metavar="PATH",
+        help="held-out files for the eval loss (path or glob, same kind as --data; default:"
+        " the last --eval-fraction of --data's tokens)",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=None,
+        help="share of --data's tokens held out for the eval loss when there is no --eval-data"
+        " (default 0.05)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="eval loss on the held-out tokens every N steps and at the last step, logged as"
+        " eval_loss (default with --data: --steps / 10)",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=4,
+        help="batches of --batch-size sequences per eval, fixed windows the same in every run",
+    )
     p.add_argument("--comm-dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument(
         "--ns-dtype",
@@ -189,6 +227,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--replicate must be >= 1")
     if args.stop_after is not None and not 0 < args.stop_after <= args.steps:
         p.error("--stop-after must lie in [1, --steps]")
+    if args.data is None:
+        for flag in ("eval_data", "eval_fraction", "eval_every"):
+            if getattr(args, flag) is not None:
+                p.error(f"--{flag.replace('_', '-')} needs --data: it evaluates held-out text")
+    else:
+        if args.eval_data is not None and args.eval_fraction is not None:
+            p.error("--eval-fraction splits --data; it cannot be combined with --eval-data")
+        if args.eval_fraction is None:
+            args.eval_fraction = 0.05
+        if args.eval_every is None:
+            args.eval_every = max(1, args.steps // 10)
+        if args.eval_every < 1:
+            p.error(f"--eval-every {args.eval_every} must be >= 1")
+    if args.eval_batches < 1:
+        p.error(f"--eval-batches {args.eval_batches} must be >= 1")
     return args
 
 
@@ -434,8 +487,9 @@ def trim_metrics(path: Path, optimizer: str, keep_through: int) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def plot(out: Path, stats: ChainStats) -> Path | None:
-    """loss.png: loss vs step and vs wall time per optimizer, with both entropy references.
+def plot(out: Path, stats: ChainStats | None, title: str) -> Path | None:
+    """loss.png: loss vs step and vs wall time per optimizer; for the Markov chain with both
+    entropy references, for ``--data`` with the eval loss on held-out tokens.
 
     matplotlib is optional (``pip install -e '.[examples]'``): training needs none of it.
     """
@@ -449,34 +503,57 @@ def plot(out: Path, stats: ChainStats) -> Path | None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(out / "metrics.jsonl")
-    # Top row: the loss itself against both references. Bottom row: the excess over the
-    # floor on a log scale, smoothed, where optimizers that all end near the floor differ.
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col")
+    # Top row: the loss itself (and the eval loss). Bottom row, Markov chain only: the excess
+    # over the floor on a log scale, smoothed, where optimizers that all end near it differ.
+    if stats is None:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), squeeze=False)
+    else:
+        fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col")
     for name in OPTIMIZERS:
         mine = [r for r in rows if r["optimizer"] == name]
         if not mine:
             continue
         losses = [r["loss"] for r in mine]
-        excess = _moving_average([loss - stats.entropy_rate for loss in losses], 10)
+        evals = [r for r in mine if "eval_loss" in r]
         for col, key in enumerate(("step", "elapsed")):
             x = [r[key] for r in mine]
-            axes[0, col].plot(x, losses, label=name, lw=1)
-            axes[1, col].plot(x, excess, label=name, lw=1.2)
+            (line,) = axes[0, col].plot(x, losses, label=name, lw=1)
+            if evals:
+                axes[0, col].plot(
+                    [r[key] for r in evals],
+                    [r["eval_loss"] for r in evals],
+                    "o--",
+                    c=line.get_color(),
+                    ms=4,
+                    label=f"{name} eval (held out)",
+                )
+            if stats is not None:
+                excess = _moving_average([loss - stats.entropy_rate for loss in losses], 10)
+                axes[1, col].plot(x, excess, label=name, lw=1.2)
     for col, xlabel in enumerate(("step", "wall time (s)")):
-        top, bottom = axes[0, col], axes[1, col]
-        top.axhline(stats.unigram_entropy, ls="--", c="gray", label="unigram entropy")
-        top.axhline(stats.entropy_rate, ls=":", c="black", label="entropy rate (floor)")
+        top = axes[0, col]
         top.set_ylabel("loss (nats/token)")
-        bottom.axhline(
-            stats.unigram_entropy - stats.entropy_rate, ls="--", c="gray", label="unigram entropy"
-        )
-        bottom.set_yscale("log")
-        bottom.set_ylabel("loss - entropy rate (10-step mean)")
-        bottom.set_xlabel(xlabel)
-        for ax in (top, bottom):
+        panels = [top]
+        if stats is None:
+            top.set_xlabel(xlabel)
+        else:
+            bottom = axes[1, col]
+            top.axhline(stats.unigram_entropy, ls="--", c="gray", label="unigram entropy")
+            top.axhline(stats.entropy_rate, ls=":", c="black", label="entropy rate (floor)")
+            bottom.axhline(
+                stats.unigram_entropy - stats.entropy_rate,
+                ls="--",
+                c="gray",
+                label="unigram entropy",
+            )
+            bottom.set_yscale("log")
+            bottom.set_ylabel("loss - entropy rate (10-step mean)")
+            bottom.set_xlabel(xlabel)
+            panels.append(bottom)
+        for ax in panels:
             ax.grid(alpha=0.3, which="both")
             ax.legend()
-    fig.suptitle("Markov-chain language modelling: training loss")
+    fig.suptitle(title)
     fig.tight_layout()
     path = out / "loss.png"
     fig.savefig(path, dpi=110)
@@ -528,15 +605,58 @@ def log(env: Env, message: str) -> None:
         print(message, flush=True)
 
 
+def local_batch(
+    data: MarkovChain | Corpus, step: int, args: argparse.Namespace, rows: slice
+) -> torch.Tensor:
+    """This rank's ``rows`` of the global batch of ``step``, built by this rank alone."""
+    if isinstance(data, Corpus):
+        return torch.from_numpy(data.batch(step, args.batch_size, rows))
+    return data.batch(step, args.batch_size, args.seq_len, rows)
+
+
+@contextmanager
+def logits_untracked(model: nn.Module) -> Iterator[None]:
+    """No QK-clip logit tracking inside: an eval forward must not feed the next clip."""
+    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    saved = [m.track_logits for m in attention]
+    for m in attention:
+        m.track_logits = False
+    try:
+        yield
+    finally:
+        for m, flag in zip(attention, saved, strict=True):
+            m.track_logits = flag
+
+
+def evaluate(
+    model: nn.Module, corpus: Corpus, args: argparse.Namespace, env: Env, rows: slice
+) -> float:
+    """Mean loss per token on the fixed held-out windows, each rank its rows of each batch."""
+    total = torch.zeros((), device=env.device)
+    with torch.no_grad(), logits_untracked(model):
+        for index in range(args.eval_batches):
+            windows = corpus.eval_batch(index, args.batch_size, rows, args.eval_batches)
+            batch = torch.from_numpy(windows).to(env.device, non_blocking=True)
+            logits = model(batch[:, :-1])
+            total += F.cross_entropy(
+                logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
+            )
+    # The root module keeps its parameters gathered after a forward (for the backward that
+    # usually follows); give the memory back, as a training step does.
+    cast(FSDPModule, model).reshard()
+    dist.all_reduce(total)
+    tokens: int = args.eval_batches * args.batch_size * args.seq_len
+    return float(total.item()) / tokens
+
+
 def train(
     optimizer_name: str,
     args: argparse.Namespace,
     env: Env,
     mesh: DeviceMesh,
-    chain: MarkovChain,
-    stats: ChainStats,
-) -> list[float]:
-    """One full (or resumed) run with one optimizer; returns its per-step losses."""
+    data: MarkovChain | Corpus,
+) -> list[dict[str, Any]]:
+    """One full (or resumed) run with one optimizer; returns its metrics, a dict a step."""
     model = build_model(args, mesh, env)
     opt = build_optimizer(optimizer_name, model, args)
     base_lrs = [group["lr"] for group in opt.param_groups]
@@ -563,14 +683,13 @@ def train(
     end = args.stop_after or args.steps
     show = env.is_main and not args.no_progress
     log_every = max(1, args.steps // 10)
-    losses: list[float] = []
+    records: list[dict[str, Any]] = []
     with progress(args.steps, start, show) as bar:
         for step in range(start + 1, end + 1):
             factor = lr_factor(step, args)
             for group, base in zip(opt.param_groups, base_lrs, strict=True):
                 group["lr"] = base * factor
-            batch = chain.global_batch(step, args.batch_size, args.seq_len)[rows]
-            batch = batch.to(env.device, non_blocking=True)
+            batch = local_batch(data, step, args, rows).to(env.device, non_blocking=True)
             sync(env)
             t0 = time.perf_counter()
             logits = model(batch[:, :-1])
@@ -591,10 +710,9 @@ def train(
             loss = total.item() / global_tokens
             if not math.isfinite(loss):
                 raise FloatingPointError(f"[{optimizer_name}] loss is {loss} at step {step}")
-            losses.append(loss)
             fwd_bwd, opt_time = t1 - t0, t2 - t1
             elapsed += t2 - t0
-            record = {
+            record: dict[str, Any] = {
                 "step": step,
                 "loss": loss,
                 "tokens": step * global_tokens,
@@ -605,6 +723,9 @@ def train(
                 "lr_factor": factor,
                 "world_size": env.world_size,
             }
+            if isinstance(data, Corpus) and (step % args.eval_every == 0 or step == args.steps):
+                record["eval_loss"] = evaluate(model, data, args, env, rows)
+            records.append(record)
             if env.is_main:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -623,6 +744,12 @@ def train(
                 bar.update(1)
             elif step % log_every == 0 or step == end:
                 log(env, f"[{optimizer_name}] step {step}/{args.steps} loss {loss:.4f}")
+            if "eval_loss" in record:
+                message = f"[{optimizer_name}] step {step} eval loss {record['eval_loss']:.4f}"
+                if bar is not None:
+                    bar.write(message)
+                else:
+                    log(env, message)
             if args.ckpt_every and step % args.ckpt_every == 0:
                 path = ckpt_root / f"step_{step:06d}"
                 meta = {
@@ -644,23 +771,52 @@ def train(
         if env.is_main:
             target.parent.mkdir(parents=True, exist_ok=True)
             torch.save(full, target)
-    return losses
+    return records
 
 
-def summarize(name: str, losses: list[float], stats: ChainStats, env: Env) -> None:
-    """Final loss (mean of the last 10 steps, the last step alone is noisy) vs references."""
-    if not losses:
+def summarize(name: str, records: list[dict[str, Any]], stats: ChainStats | None, env: Env) -> None:
+    """Final loss (mean of the last 10 steps, the last step alone is noisy) vs references,
+    or with ``--data`` vs the last eval loss."""
+    if not records:
         return
-    tail = losses[-10:]
+    tail = [r["loss"] for r in records[-10:]]
     final = sum(tail) / len(tail)
-    gap = stats.unigram_entropy - stats.entropy_rate
-    learned = (stats.unigram_entropy - final) / gap
-    log(
-        env,
-        f"[{name}] final loss {final:.4f} (mean of last {len(tail)} steps) | entropy-rate "
-        f"floor {stats.entropy_rate:.4f} | unigram entropy {stats.unigram_entropy:.4f} | "
-        f"{100 * learned:.1f}% of the unigram-to-floor gap closed",
+    summary = f"[{name}] final loss {final:.4f} (mean of last {len(tail)} steps)"
+    if stats is not None:
+        gap = stats.unigram_entropy - stats.entropy_rate
+        learned = (stats.unigram_entropy - final) / gap
+        summary += (
+            f" | entropy-rate floor {stats.entropy_rate:.4f} | unigram entropy "
+            f"{stats.unigram_entropy:.4f} | {100 * learned:.1f}% of the unigram-to-floor gap "
+            "closed"
+        )
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        summary += f" | eval loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}"
+    log(env, summary)
+
+
+def open_data(args: argparse.Namespace) -> tuple[MarkovChain | Corpus, ChainStats | None, str]:
+    """The Markov chain, or the ``--data`` corpus: with the chain's entropy references (None
+    for real text) and a line that describes it."""
+    if args.data is None:
+        chain = MarkovChain(args.vocab, seed=args.seed)
+        stats = chain.stats()
+        line = (
+            f"Markov chain over {args.vocab} tokens: entropy rate {stats.entropy_rate:.4f} "
+            f"nats/token, unigram entropy {stats.unigram_entropy:.4f}, uniform "
+            f"{math.log(args.vocab):.4f}"
+        )
+        return chain, stats, line
+    corpus = open_corpus(
+        args.data, args.eval_data, args.eval_fraction, args.seq_len, args.vocab, args.seed
     )
+    line = (
+        f"data {corpus.source.describe()} for training; eval loss on "
+        f"{corpus.held_out_name}, {len(corpus.held_out):,} tokens ({args.eval_batches} fixed "
+        f"batches every {args.eval_every} steps)"
+    )
+    return corpus, None, line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -670,14 +826,11 @@ def main(argv: list[str] | None = None) -> None:
     env = init_distributed()
     try:
         mesh = build_mesh(env, args.replicate)
-        chain = MarkovChain(args.vocab, seed=args.seed)
-        stats = chain.stats()
+        data, stats, described = open_data(args)
         log(
             env,
             f"world {env.world_size} on {env.device.type} ({dist.get_backend()}), mesh "
-            f"{dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))}; Markov chain "
-            f"over {args.vocab} tokens: entropy rate {stats.entropy_rate:.4f} nats/token, "
-            f"unigram entropy {stats.unigram_entropy:.4f}, uniform {math.log(args.vocab):.4f}",
+            f"{dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))}; {described}",
         )
         log(env, f"lr: Muon {args.lr:g}, AdamW {args.adamw_lr:g} (at --dim {args.dim})")
         if env.is_main:
@@ -692,11 +845,16 @@ def main(argv: list[str] | None = None) -> None:
             )
         dist.barrier()
         names = args.compare if args.compare else [args.optimizer]
-        results = {name: train(name, args, env, mesh, chain, stats) for name in names}
-        for name, losses in results.items():
-            summarize(name, losses, stats, env)
+        results = {name: train(name, args, env, mesh, data) for name in names}
+        for name, records in results.items():
+            summarize(name, records, stats, env)
         if env.is_main:
-            log(env, f"metrics: {args.out / 'metrics.jsonl'}; plot: {plot(args.out, stats)}")
+            if args.data is None:
+                title = "Markov-chain language modelling: training loss"
+            else:
+                title = f"{args.data}: training loss, eval loss on held-out tokens"
+            path = plot(args.out, stats, title)
+            log(env, f"metrics: {args.out / 'metrics.jsonl'}; plot: {path}")
     finally:
         dist.destroy_process_group()
 

@@ -1,4 +1,5 @@
-"""The repository's folders, and the benchmark modules tests read, write or count with."""
+"""The repository's folders, and the benchmark and example modules tests read, write or
+count with."""
 
 from __future__ import annotations
 
@@ -20,9 +21,19 @@ def comm_bytes() -> ModuleType:
     return _benchmark_module("benchmark_comm_bytes", "comm_bytes.py")
 
 
+def example_module(name: str) -> ModuleType:
+    """examples/NAME.py, loaded by path as ``example_NAME``: examples/ is a folder of programs,
+    not a package, and ``data`` or ``corpus`` are too generic to put on ``sys.path``."""
+    return _load(f"example_{name}", ROOT / "examples" / f"{name}.py")
+
+
 def _benchmark_module(name: str, file: str) -> ModuleType:
+    return _load(name, ROOT / "benchmarks" / file)
+
+
+def _load(name: str, path: Path) -> ModuleType:
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
+        spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up there

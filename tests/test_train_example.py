@@ -291,3 +291,25 @@ def test_overlap_matches_plain_run(resume_runs: dict[str, Path]) -> None:
     ref, got = torch.load(tmp / "full.pt"), torch.load(tmp / "overlap.pt")
     assert ref.keys() == got.keys()
     assert max_rel_diff(got, ref, list(ref)) == 0.0
+
+
+def test_data_flag_trains_and_evaluates_alike_on_one_and_two_ranks(tmp_path: Path) -> None:
+    """``--data`` on byte-level text, the last 5% held out: an eval loss every 2 steps in
+    metrics.jsonl and the plot; one process and two ranks read the same rows of every batch
+    (fp32 arithmetic: the same losses, up to the order of sums)."""
+    text = tmp_path / "readme.txt"
+    text.write_bytes((ROOT / "README.md").read_bytes())
+    args = [*TINY, "--vocab", "256", "--steps", "4", "--data", str(text), "--eval-every", "2"]
+    launch(2, [*args, "--out", str(tmp_path / "two")])
+    launch(None, [*args, "--out", str(tmp_path / "one")])
+    runs = {}
+    for name in ("one", "two"):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
+        assert (tmp_path / name / "loss.png").stat().st_size > 0
+        runs[name] = rows
+    for one, two in zip(runs["one"], runs["two"], strict=True):
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["step"]
+        if "eval_loss" in one:
+            assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5), one["step"]
