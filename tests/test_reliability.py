@@ -133,7 +133,7 @@ def test_two_hundred_steps_on_four_ranks() -> None:
 
 def test_nonfinite_newton_schulz_result_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gradients are checked first, so a non-finite result means a fault or an overflow."""
-    import muon_dist.step.muon_phase as optimizer_module
+    import muon_dist.step.orthogonalizer as optimizer_module
 
     def broken(stack: torch.Tensor, **_: object) -> torch.Tensor:
         return torch.full_like(stack, float("nan"))
@@ -151,7 +151,7 @@ def test_nonfinite_newton_schulz_result_raises(monkeypatch: pytest.MonkeyPatch) 
 def test_nonfinite_newton_schulz_result_skips_under_skip_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import muon_dist.step.muon_phase as optimizer_module
+    import muon_dist.step.orthogonalizer as optimizer_module
 
     w, b = _pair()
     opt = muon_dist.Muon([w, b], nonfinite="skip_step", weight_decay=0.1)

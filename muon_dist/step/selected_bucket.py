@@ -13,17 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from muon_dist.dist.exchange import pack, start_exchange
-from muon_dist.dist.groups import Peers
+from muon_dist.dist.groups import dedicated
 from muon_dist.kernels.tables import PinnedStaging
-from muon_dist.plan.bucket_map import BucketMap, StackSpec, region_views
-from muon_dist.plan.build import BucketPlan
+from muon_dist.options.settings import ExecutionSettings
+from muon_dist.plan.bucket_map import BucketMap, region_views
+from muon_dist.plan.build import BucketPlan, Plan
 from muon_dist.plan.packing import flat_views, peer_splits
 from muon_dist.plan.selection import (
     BucketSelection,
@@ -36,26 +36,10 @@ from muon_dist.plan.selection import (
     take,
     take_into,
 )
+from muon_dist.plan.views import Box, MatrixView, PartSplit
 from muon_dist.rules.slices import add_slice_norms_, top_slices
 from muon_dist.runtime.scheduler import Task, TaskBody
-from muon_dist.step.bucket_task import StepContext
-
-
-class SelectedContext(StepContext, Protocol):
-    """What a Dion2 bucket task needs beyond a plain bucket's: the norms' group and
-    stream, and the owner's Newton–Schulz on the chosen slices."""
-
-    norm_peers: Peers  # the norms' all-reduce
-    selection_stream: torch.cuda.Stream | None  # norms and choice (None: one stream)
-    world_size: int
-    backend: str
-
-    def orthogonalize(
-        self, stack: torch.Tensor, spec: StackSpec, chosen: Sequence[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Newton–Schulz on a stack; for a Dion2 stack on the ``chosen`` slices of each
-        matrix (per part, ``[matrices, count]``)."""
-        ...
+from muon_dist.step.bucket_io import BucketTools, Exchanges
 
 
 class DeviceSelection:
@@ -94,36 +78,88 @@ def _tiles_to(
     ]
 
 
+class Dion2Buckets:
+    """Dion2's side of a phase: which buckets move only the selected slices (those that
+    exchange, unless the step is captured: a captured step's exchange sizes are fixed),
+    each bucket's selection layout (made on its first step), and the norms' own
+    communicator and stream, so that neither waits behind the all-to-alls and a bucket's
+    host copy of its choice waits for nothing else."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        maps: Sequence[BucketMap],
+        views: Sequence[MatrixView],
+        selects: dict[int, tuple[float, PartSplit | None]],
+        local_box: Callable[[int], Box],
+        exchanges: Exchanges,
+        settings: ExecutionSettings,
+    ) -> None:
+        self._plan, self._maps, self._views = plan, maps, views
+        self._selects, self._local_box = selects, local_box
+        self._exchanges = exchanges
+        self.backend = settings.backend
+        self.selected = frozenset(
+            index
+            for index, bucket in enumerate(plan.buckets)
+            if bucket.communicates
+            and not settings.cuda_graph
+            and any(b.view in selects and b.owner in exchanges.peers.ranks for b in bucket.blocks)
+        )
+        self._layouts: dict[int, DeviceSelection] = {}
+        peers = exchanges.peers
+        self.norm_peers = dedicated(peers, "dion2 norms") if self.selected else peers
+        self.stream: torch.cuda.Stream | None = None
+        if self.selected and exchanges.device.type == "cuda":
+            self.stream = torch.cuda.Stream(exchanges.device)  # type: ignore[no-untyped-call]
+
+    def layout(self, index: int) -> DeviceSelection:
+        """Bucket ``index``'s selection layout, laid out on its first step."""
+        found = self._layouts.get(index)
+        if found is None:
+            found = self._layouts[index] = DeviceSelection(
+                BucketSelection(
+                    self._plan.buckets[index],
+                    self._plan.rank,
+                    self._exchanges.peers.ranks,
+                    self._views,
+                    self._selects,
+                    self._local_box,
+                    self._maps[index].stacks,
+                ),
+                self._exchanges.device,
+            )
+        return found
+
+
 def selected_bucket_task(
-    bucket: BucketPlan,
-    where: BucketMap,
-    selection: Callable[[], DeviceSelection],
-    ctx: SelectedContext,
+    bucket: BucketPlan, index: int, where: BucketMap, tools: BucketTools, dion2: Dion2Buckets
 ) -> Task:
     """Wrap one communicating bucket with Dion2 matrices as a task; it yields once per
-    exchange or host copy it waits on. ``selection`` gives the bucket's layout.
+    exchange or host copy it waits on. ``index`` is its position in the plan.
 
     Its norms and choice run on the selection stream, after only the work queued before
     the task was made (the step's momentum and gradients, or a hook's); that stream, not
     the host, waits for the norms' all-reduce."""
-    made = _event(ctx.selection_stream)
-    return Task(bucket.names, _run(where, selection, ctx, made))
+    layout = dion2.layout(index)
+    made = _event(dion2.stream)
+    return Task(bucket.names, _run(where, layout, tools, dion2, made))
 
 
 def _run(
     where: BucketMap,
-    selection: Callable[[], DeviceSelection],
-    ctx: SelectedContext,
+    layout: DeviceSelection,
+    tools: BucketTools,
+    dion2: Dion2Buckets,
     made: torch.cuda.Event | None,
 ) -> TaskBody:
-    layout = selection()
-    sel = layout.host
-    dtype, device = ctx.comm_dtype, ctx.device
-    side = ctx.selection_stream
+    sel, exchanges = layout.host, tools.exchanges
+    dtype, device = exchanges.dtype, exchanges.device
+    side = dion2.stream
     with _on(side, made):
         staged = pack(
             where.gather_send,
-            lambda outs: ctx.read_updates(where.gather_reads, outs),
+            lambda outs: tools.io.read(where.gather_reads, outs),
             dtype,
             device,
         )
@@ -134,7 +170,7 @@ def _run(
             )
         ]
         stacks = [torch.zeros(s.shape, dtype=dtype, device=device) for s in where.stacks]
-        ctx.read_updates(where.own, region_views(stacks, where.own_regions))
+        tools.io.read(where.own, region_views(stacks, where.own_regions))
         planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
         norms = torch.zeros(sel.slots, dtype=torch.float64, device=device)
         sources = [*zip(inputs, layout.send_tiles, strict=True)]
@@ -142,10 +178,10 @@ def _run(
             (planes[piece.stack], tiles)
             for piece, tiles in zip(sel.own, layout.own_tiles, strict=True)
         ]
-        add_norms(norms, sources, ctx.backend)
+        add_norms(norms, sources, dion2.backend)
         # The choice follows at once on this stream (which waits for the all-reduce, the
         # host does not): queued after the next buckets' staging, it would wait for them.
-        _wait(dist.all_reduce(norms, group=ctx.norm_peers.group, async_op=True))
+        _wait(dist.all_reduce(norms, group=dion2.norm_peers.group, async_op=True))
         chosen = torch.empty(sel.chosen_count, dtype=torch.long, device=device)
         for slot, n, length, count, first in sel.batches:
             top = top_slices(norms[slot : slot + n * length].view(n, length), count)
@@ -169,7 +205,7 @@ def _run(
         gather_sends,
         sel.gather_recvs,
         gather_recvs,
-        ctx,
+        exchanges,
     )
     del staged, inputs
     yield
@@ -178,11 +214,11 @@ def _run(
     del recv, planes
 
     results = [
-        ctx.orthogonalize(t, s, _chosen(layout, position, chosen))
+        tools.orthogonalize(t, s, _chosen(layout, position, chosen))
         for position, (t, s) in enumerate(zip(stacks, where.stacks, strict=True))
     ]
     del stacks
-    ctx.apply(where.own, region_views(results, where.own_regions))
+    tools.io.write(where.own, region_views(results, where.own_regions))
     outputs = [r.view(-1, r.shape[-1]) for r in results]
     recv, work = _exchange(
         [outputs[p.stack] for p in sel.scatter_sends],
@@ -190,7 +226,7 @@ def _run(
         scatter_sends,
         sel.scatter_recvs,
         scatter_recvs,
-        ctx,
+        exchanges,
     )
     del results, outputs
     yield
@@ -202,7 +238,7 @@ def _run(
         scatter_recvs,
         recv,
     )
-    ctx.apply(where.scatter_writes, pieces)
+    tools.io.write(where.scatter_writes, pieces)
 
 
 def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
@@ -263,7 +299,7 @@ def _exchange(
     send_rects: Sequence[Sequence[Rect]],
     recvs: Sequence[PieceGrid],
     recv_rects: Sequence[Sequence[Rect]],
-    ctx: SelectedContext,
+    exchanges: Exchanges,
 ) -> tuple[torch.Tensor, dist.Work]:
     """Start the all-to-all of the selected elements, sized by this step's rectangles: each
     piece's (read from its ``sources`` tensor) written in order into one send buffer."""
@@ -271,14 +307,14 @@ def _exchange(
         (x, r) for x, piece_rects in zip(sources, send_rects, strict=True) for r in piece_rects
     ]
     sizes = [r.numel for _, r in rects]
-    send = torch.empty(sum(sizes), dtype=ctx.comm_dtype, device=ctx.device)
+    send = torch.empty(sum(sizes), dtype=exchanges.dtype, device=exchanges.device)
     for part, (x, rect) in zip(_split(send, sizes), rects, strict=True):
         take_into(part, x, rect)
     return start_exchange(
         send,
-        peer_splits(_sizes(sends, send_rects), ctx.world_size, ctx.peers.ranks),
-        peer_splits(_sizes(recvs, recv_rects), ctx.world_size, ctx.peers.ranks),
-        ctx.peers,
+        peer_splits(_sizes(sends, send_rects), exchanges.world_size, exchanges.peers.ranks),
+        peer_splits(_sizes(recvs, recv_rects), exchanges.world_size, exchanges.peers.ranks),
+        exchanges.peers,
     )
 
 

@@ -1,0 +1,48 @@
+"""A transactional step's writes (``nonfinite="skip_step"``, or a step begun in backward),
+held until every rank knows each Newton–Schulz result is finite."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import cast
+
+import torch
+
+from muon_dist.plan.bucket_map import LocalSlices
+
+
+class SkipTransaction:
+    """A transactional step's writes, held until every rank knows each result is finite."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[Sequence[LocalSlices], Sequence[torch.Tensor]]] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._held is not None
+
+    def begin(self) -> None:
+        self._held = []
+
+    def hold(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
+        cast(list[tuple[Sequence[LocalSlices], Sequence[torch.Tensor]]], self._held).append(
+            (pieces, updates)
+        )
+
+    def held_bytes(self) -> int:
+        """Bytes of the storages the held updates keep alive."""
+        storages = {
+            update.untyped_storage().data_ptr(): update.untyped_storage().nbytes()
+            for _, updates in self._held or []
+            for update in updates
+        }
+        return sum(storages.values())
+
+    def end(self) -> tuple[tuple[LocalSlices, ...], list[torch.Tensor], Hashable]:
+        """The held pieces and updates as one write, and a key naming them across steps."""
+        held, self._held = self._held or [], None
+        return (
+            tuple(piece for pieces, _ in held for piece in pieces),
+            [update for _, updates in held for update in updates],
+            tuple(id(pieces) for pieces, _ in held),
+        )
