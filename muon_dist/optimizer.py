@@ -44,10 +44,9 @@ from muon_dist.state.group_state import (
 )
 from muon_dist.state.rebind import follow_params
 from muon_dist.state.tensors import storage
-from muon_dist.step.agreement import Outcome
 from muon_dist.step.backward import register_grad_hooks
+from muon_dist.step.report import apply_policy
 from muon_dist.step.runner import StepRunner, fractions
-from muon_dist.step.scalars import NS_NORM_LIMIT
 
 logger = logging.getLogger(__name__)
 
@@ -455,14 +454,14 @@ class Muon(torch.optim.Optimizer):
         runner = self.runner
         with _autocast_off():
             failure = runner.run(self.param_groups, refusal)
-        runner.agreement.queued(self.param_groups[0]["steps"] + 1)
+        runner.agreement.report.queued(self.param_groups[0]["steps"] + 1)
         if failure is None or (failure is runner.crash() and self.settings.nonfinite == "raise"):
             for group in self.param_groups:  # a refused step changed nothing: not counted
                 group["steps"] += 1
         if failure is not None:
-            runner.agreement.discard()
+            runner.agreement.report.discard()
             raise failure
-        if runner.agreement.on_host:
+        if runner.agreement.report.on_host:
             self.check_finite()
         return loss
 
@@ -488,9 +487,9 @@ class Muon(torch.optim.Optimizer):
         """
         if self._runner is None:
             return
-        outcome = self._runner.agreement.read()
+        outcome = self._runner.agreement.report.read()
         if outcome is not None:
-            _apply_policy(outcome, self.settings.nonfinite, self.param_groups)
+            apply_policy(outcome, self.settings.nonfinite, self.param_groups)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -500,79 +499,6 @@ class Muon(torch.optim.Optimizer):
             "new_opt.load_state_dict(opt.state_dict()) (torch.save(opt.state_dict()) works, "
             "as does torch.distributed.checkpoint)"
         )
-
-
-def _apply_policy(outcome: Outcome, nonfinite: str, groups: list[dict[str, Any]]) -> None:
-    """Raise for a failed step, or count and log a skipped one (``nonfinite``)."""
-    step = outcome.step
-    skip = nonfinite == "skip_step"
-    if (
-        outcome.failed_rank is not None
-        or outcome.disagreement is not None
-        or (outcome.crashed_rank is not None and skip)
-        or (not skip and (outcome.nonfinite_grads or outcome.overflowing_grads))
-    ):
-        for group in groups:  # nothing changed: not a step
-            group["steps"] -= 1
-    if outcome.crashed_rank is not None:
-        kept = (
-            "parameters and state were left as they were on every rank"
-            if nonfinite == "skip_step"
-            else "under nonfinite='raise' the rest of the step was applied and the failed "
-            "matrices may be partly updated ('skip_step' leaves everything as it was)"
-        )
-        raise RuntimeError(
-            f"muon_dist.Muon step {step} failed on rank {outcome.crashed_rank}: its "
-            "Newton–Schulz or the read or write of an update raised an exception (raised "
-            f"there, with its traceback); {kept}"
-        )
-    if outcome.failed_rank is None and outcome.disagreement is not None:
-        raise RuntimeError(
-            f"muon_dist.Muon step {step}: the ranks disagree: {outcome.disagreement}; "
-            "parameters and state were left as they were on every rank. Set options "
-            "identically on every rank (a scheduler stepped on a rank's own loss, e.g. "
-            "ReduceLROnPlateau, needs the loss averaged over ranks first)"
-        )
-    if outcome.failed_rank is not None:
-        raise RuntimeError(
-            f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
-            "refused its inputs (gradients or options) or whose closure raised, and "
-            "raised that error there; parameters and state were left as they were on "
-            "every rank; fix that rank's inputs"
-        )
-    if outcome.nonfinite_grads:
-        reason = f"non-finite gradient in {', '.join(outcome.nonfinite_grads)}"
-    elif outcome.overflowing_grads:
-        reason = (
-            f"gradient norm too large in {', '.join(outcome.overflowing_grads)} (finite, "
-            f"but above {NS_NORM_LIMIT:.2g}·(1 - momentum), where Newton–Schulz's "
-            "normalisation would overflow fp32)"
-        )
-    else:
-        reason = f"non-finite Newton–Schulz result for {', '.join(outcome.nonfinite_results)}"
-    if nonfinite == "skip_step":
-        for group in groups:
-            group["skipped_steps"] += 1
-        logger.warning(
-            "muon_dist.Muon: skipped step %d (%s); %d skipped so far",
-            step,
-            reason,
-            groups[0]["skipped_steps"],
-        )
-        return
-    if outcome.nonfinite_grads or outcome.overflowing_grads:
-        raise FloatingPointError(
-            f"muon_dist.Muon step {step}: {reason}; parameters and state were left as "
-            "they were; fix the loss (or clip gradients) or pass nonfinite='skip_step' "
-            "to skip such steps"
-        )
-    raise FloatingPointError(
-        f"muon_dist.Muon step {step}: Newton–Schulz returned non-finite values for "
-        f"{', '.join(outcome.nonfinite_results)} although every gradient was finite; "
-        "either a momentum grew past a Frobenius norm of about 1.8e19 (lower the lr or "
-        "clip gradients) or a kernel or device failed (try backend='torch'); those "
-        "parameters were updated"
-    )
 
 
 def _split_by_algorithm(

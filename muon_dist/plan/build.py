@@ -469,54 +469,60 @@ def _rank_bucket(
     for block in bucket:
         mine = boxes[block.view].get(rank)
         if block.owner == rank:
-            index = len(plan.owned)
-            view = placements[block.view].view
-            own = intersect(mine, block.box) if mine is not None else None
-            own_slices = None
-            if own and mine is not None:
-                own_slices = (relative_slices(own, mine), relative_slices(own, block.box))
-            plan.owned.append(
-                OwnedBlock(
-                    block.view,
-                    block.start,
-                    block.stop,
-                    box_shape(block.box),
-                    view.rows,
-                    view.cols,
-                    placements[block.view].recipe,
-                    own_slices,
-                )
-            )
-            for src, piece in block.sources:
-                if src != rank:
-                    plan.gather_recvs.append(
-                        BlockPiece(src, index, relative_slices(piece, block.box), box_shape(piece))
-                    )
-            for dst, piece in block.returns:
-                plan.scatter_sends.append(
-                    BlockPiece(dst, index, relative_slices(piece, block.box), box_shape(piece))
-                )
-            continue
-        if mine is None:  # this rank holds nothing of the parameter: no pieces to move
-            continue
-        for src, piece in block.sources:
-            if src == rank:
-                plan.gather_sends.append(
-                    LocalPiece(
-                        block.owner, block.view, relative_slices(piece, mine), box_shape(piece)
-                    )
-                )
-        for dst, piece in block.returns:
-            if dst == rank:
-                plan.scatter_recvs.append(
-                    LocalPiece(
-                        block.owner, block.view, relative_slices(piece, mine), box_shape(piece)
-                    )
-                )
+            _own(plan, block, placements[block.view], rank, mine)
+        elif mine is not None:  # a rank holding nothing of the parameter moves no pieces
+            _hold(plan, block, rank, mine)
     # Pack per peer; the stable sort keeps block order, which sender and receiver share.
     for pieces in (plan.gather_sends, plan.gather_recvs, plan.scatter_sends, plan.scatter_recvs):
         pieces.sort(key=lambda p: p.peer)
     return plan
+
+
+def _own(
+    plan: BucketPlan, block: Block, placement: ViewPlacement, rank: int, mine: Box | None
+) -> None:
+    """Add a block this rank owns: the pieces it gathers from and returns to the others."""
+    index = len(plan.owned)
+    own = intersect(mine, block.box) if mine is not None else None
+    own_slices = None
+    if own and mine is not None:
+        own_slices = (relative_slices(own, mine), relative_slices(own, block.box))
+    view = placement.view
+    plan.owned.append(
+        OwnedBlock(
+            block.view,
+            block.start,
+            block.stop,
+            box_shape(block.box),
+            view.rows,
+            view.cols,
+            placement.recipe,
+            own_slices,
+        )
+    )
+    for src, piece in block.sources:
+        if src != rank:
+            plan.gather_recvs.append(
+                BlockPiece(src, index, relative_slices(piece, block.box), box_shape(piece))
+            )
+    for dst, piece in block.returns:
+        plan.scatter_sends.append(
+            BlockPiece(dst, index, relative_slices(piece, block.box), box_shape(piece))
+        )
+
+
+def _hold(plan: BucketPlan, block: Block, rank: int, mine: Box) -> None:
+    """Add a block another rank owns: the pieces of it this rank sends and gets back."""
+    for src, piece in block.sources:
+        if src == rank:
+            plan.gather_sends.append(
+                LocalPiece(block.owner, block.view, relative_slices(piece, mine), box_shape(piece))
+            )
+    for dst, piece in block.returns:
+        if dst == rank:
+            plan.scatter_recvs.append(
+                LocalPiece(block.owner, block.view, relative_slices(piece, mine), box_shape(piece))
+            )
 
 
 def _by_stack(bucket: Sequence[Block], placements: Sequence[ViewPlacement]) -> list[Block]:

@@ -241,6 +241,21 @@ class BucketSelection:
         """``members``: the ranks this rank exchanges with (a block owned elsewhere is
         another group's); ``selects``: per Dion2 view (plan index), its fraction and parts;
         ``local_box``: this rank's box of a view; ``stacks``: the bucket's stacks."""
+        self._lay_out_segments(bucket, members, views, selects)
+        blocks = {(b.view, b.owner, b.start, b.stop): b for b in bucket.blocks}
+        places = stack_places(stacks)
+        owned = [blocks[(o.view, rank, o.start, o.stop)] for o in bucket.owned]
+        self._lay_out_pieces(bucket, rank, views, local_box, stacks, owned, places)
+        self._lay_out_choices(owned, places)
+
+    def _lay_out_segments(
+        self,
+        bucket: BucketPlan,
+        members: Collection[int],
+        views: Sequence[MatrixView],
+        selects: Mapping[int, tuple[float, PartSplit | None]],
+    ) -> None:
+        """The segments of the bucket's Dion2 blocks, their slots and the top-k batches."""
         found: list[Segment] = []
         self.segment_views: list[int] = []  # each segment's view
         self._of_block: dict[int, list[int]] = {}
@@ -270,9 +285,18 @@ class BucketSelection:
                 slot += length
                 chosen += count
         self.slots, self.chosen_count = slot, chosen
-        blocks = {(b.view, b.owner, b.start, b.stop): b for b in bucket.blocks}
-        places = stack_places(stacks)
-        owned = [blocks[(o.view, rank, o.start, o.stop)] for o in bucket.owned]
+
+    def _lay_out_pieces(
+        self,
+        bucket: BucketPlan,
+        rank: int,
+        views: Sequence[MatrixView],
+        local_box: Callable[[int], Box],
+        stacks: Sequence[StackSpec],
+        owned: Sequence[Block],
+        places: Mapping[int, tuple[int, int]],
+    ) -> None:
+        """The grid of each piece this rank sends, receives or owns."""
 
         def local_piece(view: int, owner: int, slices: tuple[slice, ...]) -> PieceGrid:
             full = _shifted(local_box(view), slices)
@@ -302,7 +326,11 @@ class BucketSelection:
             for i, b in enumerate(bucket.owned)
             if b.own_slices is not None
         ]
-        # Per stack position, per part: each matrix's chosen positions, [matrices, count].
+
+    def _lay_out_choices(
+        self, owned: Sequence[Block], places: Mapping[int, tuple[int, int]]
+    ) -> None:
+        """Per stack position, per part: each matrix's chosen positions, [matrices, count]."""
         self.stack_chosen: dict[int, list[torch.Tensor]] = {}
         for index, block in enumerate(owned):
             if id(block) not in self._of_block:

@@ -76,6 +76,32 @@ def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, A
     """Name every parameter whose saved algorithm, group, matrix views (``muon_mode`` and
     the other routing keys), state keys or state shapes differ from now."""
     saved_groups = _saved_groups(state_dict, groups)
+    saved = _saved_by_name(state_dict, saved_groups)
+    current = {
+        name: (index, group, p)
+        for index, group in enumerate(groups)
+        for name, p in zip(group_param_names(group, index), group["params"], strict=True)
+    }
+    problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]
+    for name, (index, group, p) in current.items():
+        if name not in saved:
+            problems.append(f"{name}: absent from the saved state")
+        else:
+            problems += _param_problems(name, index, group, p, *saved[name])
+    saved_sizes = [len(g["params"]) for g in saved_groups]
+    if not problems and saved_sizes != [len(g["params"]) for g in groups]:
+        problems.append(f"param group sizes {saved_sizes} were saved; rebuild the same groups")
+    if problems:
+        raise ValueError(
+            "the saved optimizer state does not match this optimizer's routing:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def _saved_by_name(
+    state_dict: dict[str, Any], saved_groups: Sequence[dict[str, Any]]
+) -> dict[str, tuple[int, dict[str, Any], dict[str, Any]]]:
+    """Each saved parameter by name: its group index, group and state."""
     saved: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}
     for index, group in enumerate(saved_groups):
         for name, key in zip(group_param_names(group, index), group["params"], strict=True):
@@ -88,62 +114,49 @@ def check_saved_routing(state_dict: dict[str, Any], groups: Sequence[dict[str, A
                     "or rename the saved param_names to what each parameter is called now"
                 )
             saved[name] = (index, group, state_dict["state"].get(key, {}))
-    current = {
-        name: (index, group, p)
-        for index, group in enumerate(groups)
-        for name, p in zip(group_param_names(group, index), group["params"], strict=True)
-    }
-    problems = [f"{name}: in the saved state, absent now" for name in saved if name not in current]
-    for name, (index, group, p) in current.items():
-        if name not in saved:
-            problems.append(f"{name}: absent from the saved state")
-            continue
-        saved_index, saved_group, state = saved[name]
-        algorithm = group["algorithm"]
-        if saved_group["algorithm"] != algorithm:
-            problems.append(
-                f"{name}: saved as {saved_group['algorithm']}, routed to {algorithm} now"
-            )
-            continue
-        if saved_index != index:
-            problems.append(
-                f"{name}: in saved param group {saved_index}, in group {index} now; "
-                "build the groups as they were when saving"
-            )
-            continue
-        changed = [
-            f"{key}={saved_group[key]!r} when saved, {group.get(key)!r} now"
-            for key in ROUTING_KEYS
-            if algorithm == "muon" and key in saved_group and saved_group[key] != group.get(key)
+    return saved
+
+
+def _param_problems(
+    name: str,
+    index: int,
+    group: dict[str, Any],
+    p: torch.Tensor,
+    saved_index: int,
+    saved_group: dict[str, Any],
+    state: dict[str, Any],
+) -> list[str]:
+    """What differs between a parameter now and as saved (the first difference found)."""
+    algorithm = group["algorithm"]
+    if saved_group["algorithm"] != algorithm:
+        return [f"{name}: saved as {saved_group['algorithm']}, routed to {algorithm} now"]
+    if saved_index != index:
+        return [
+            f"{name}: in saved param group {saved_index}, in group {index} now; "
+            "build the groups as they were when saving"
         ]
-        if changed:
-            problems.append(
-                f"{name}: {'; '.join(changed)}; its momentum belongs to other matrices: "
-                "construct the optimizer with the saved values, or start it fresh"
-            )
-            continue
-        shapes = state_shapes(group, p, name)
-        kept = set(state) - {"step"}
-        if state and kept != set(shapes):
-            problems.append(
-                f"{name}: saved state has {sorted(kept)}, this optimizer keeps "
-                f"{sorted(shapes)}; set magma and rule as they were when saving"
-            )
-            continue
-        for key, value in state.items():
-            if key != "step" and tuple(value.shape) != shapes[key]:
-                problems.append(
-                    f"{name}: saved {key} has shape {tuple(value.shape)}, "
-                    f"this optimizer keeps {shapes[key]}"
-                )
-    saved_sizes = [len(g["params"]) for g in saved_groups]
-    if not problems and saved_sizes != [len(g["params"]) for g in groups]:
-        problems.append(f"param group sizes {saved_sizes} were saved; rebuild the same groups")
-    if problems:
-        raise ValueError(
-            "the saved optimizer state does not match this optimizer's routing:\n  "
-            + "\n  ".join(problems)
-        )
+    changed = [
+        f"{key}={saved_group[key]!r} when saved, {group.get(key)!r} now"
+        for key in ROUTING_KEYS
+        if algorithm == "muon" and key in saved_group and saved_group[key] != group.get(key)
+    ]
+    if changed:
+        return [
+            f"{name}: {'; '.join(changed)}; its momentum belongs to other matrices: "
+            "construct the optimizer with the saved values, or start it fresh"
+        ]
+    shapes = state_shapes(group, p, name)
+    kept = set(state) - {"step"}
+    if state and kept != set(shapes):
+        return [
+            f"{name}: saved state has {sorted(kept)}, this optimizer keeps "
+            f"{sorted(shapes)}; set magma and rule as they were when saving"
+        ]
+    return [
+        f"{name}: saved {key} has shape {tuple(value.shape)}, this optimizer keeps {shapes[key]}"
+        for key, value in state.items()
+        if key != "step" and tuple(value.shape) != shapes[key]
+    ]
 
 
 def by_name(state_dict: dict[str, Any], groups: Sequence[dict[str, Any]]) -> dict[str, Any]:

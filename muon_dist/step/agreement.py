@@ -27,35 +27,15 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from muon_dist.dist.groups import Peers
 from muon_dist.options.schema import OPTIONS
+from muon_dist.step.report import NONFINITE, TOO_LARGE, Report
 from muon_dist.step.scalars import Layout, StepInputs
-
-# Per-parameter gradient verdicts; the all-reduce takes the worst (MAX) over ranks.
-TOO_LARGE = 1.0  # finite, but its norm would overflow Newton–Schulz's normalisation
-NONFINITE = 2.0  # a NaN or an infinity somewhere in it
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What went wrong in one step, as every rank saw it. ``failed_rank`` is a rank whose
-    inputs were refused (it raised the error naming them), None when every rank's were fine."""
-
-    step: int
-    nonfinite_grads: tuple[str, ...]
-    nonfinite_results: tuple[str, ...]
-    overflowing_grads: tuple[str, ...] = ()
-    failed_rank: int | None = None
-    crashed_rank: int | None = None  # a rank whose Newton–Schulz raised during the step
-    disagreement: str | None = None  # what differed across ranks (options or replicas' grads)
-
 
 # The group options a scheduler or the user may change between steps, agreed every step.
 STEP_KEYS = {
@@ -147,26 +127,17 @@ class Agreement:
         self._results = torch.zeros(len(muon_positions) + 1, device=device)
         self.bad_results, self.crashed = self._results.split_with_sizes([len(muon_positions), 1])
         self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
-        # The host's copy of a step's outcome.
-        self._report_layout = Layout.of(
-            verdict=count,
-            bad_results=len(muon_positions),
-            crashed=1,
-            failed=1,
-            found_inf=1,
-            compared=self._compared.numel(),
-        )
-        self._report = torch.zeros(self._report_layout.numel, device=device)
-        self._reported = self._report_layout.views(self._report)
         self._staged = self._compared[self._compared_layout.bounds("values", "digests")]
         self._checked = self.flags[self._layout.bounds("verdict", "failed")]
-        self._results_reported = self._report[self._report_layout.bounds("bad_results", "crashed")]
-        pinned = device.type == "cuda"
-        self._host = torch.zeros_like(self._report, device="cpu", pin_memory=pinned)
-        # A numpy view of the host copy: reading it is a plain memory read, made once here.
-        self._host_view = self._host.numpy() if pinned else self._report.numpy()
-        self._event = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
-        self._pending: int | None = None  # step number whose report is queued, unread
+        self.report = Report(
+            self.names,
+            self.muon_names,
+            self.labels,
+            [self.names[i] for i in self.replicated],
+            holders.ranks,
+            self._compared_layout,
+            device,
+        )
         self._indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     @property
@@ -291,90 +262,10 @@ class Agreement:
 
     def publish(self) -> None:
         """Queue the host copy of this step's outcome (part of a captured step)."""
-        reported = self._reported
-        reported["verdict"].copy_(self._flag["verdict"])
-        self._results_reported.copy_(self._results)
-        reported["failed"].copy_(self._flag["failed"])
-        reported["found_inf"].copy_(self.found_inf.view(1))
-        reported["compared"].copy_(self._compared)
-        if self._event is not None:
-            self._host.copy_(self._report, non_blocking=True)
-
-    def queued(self, step: int) -> None:
-        """Mark the copy queued by :meth:`publish` as the outcome of ``step`` (host side)."""
-        if self._event is not None:
-            self._event.record()
-        self._pending = step
-
-    def discard(self) -> None:
-        """Forget the queued outcome: this rank failed the step and raises its own error."""
-        self._pending = None
-
-    @property
-    def on_host(self) -> bool:
-        """Whether the queued outcome can be read without waiting for a device."""
-        return self._event is None
-
-    def read(self) -> Outcome | None:
-        """The queued outcome if anything went wrong in it; waits only for that step."""
-        if self._pending is None:
-            return None
-        step, self._pending = self._pending, None
-        if self._event is not None:
-            self._event.synchronize()
-        values, layout = self._host_view, self._report_layout
-        verdicts, results = values[layout.bounds("verdict")], values[layout.bounds("bad_results")]
-        crashed, failed, found_inf = values[layout.bounds("crashed", "found_inf")]
-        if not found_inf and not np.any(results) and not crashed:
-            return None
-        return Outcome(
-            step,
-            tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == NONFINITE),
-            tuple(n for n, v in zip(self.muon_names, results, strict=True) if v),
-            tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == TOO_LARGE),
-            int(failed) - 1 if failed else None,
-            int(crashed) - 1 if crashed else None,
-            self._disagreement(values[layout.bounds("compared")]),
+        self.report.fill(
+            self._flag["verdict"],
+            self._results,
+            self._flag["failed"],
+            self.found_inf,
+            self._compared,
         )
-
-    def _disagreement(self, compared: np.ndarray[Any, Any]) -> str | None:
-        """What the ranks disagreed on in the compared part of a report, or None."""
-        if not compared.size:
-            return None
-        segment = self._compared_layout.views(compared)
-        largest, smallest = segment["values"], -segment["negated"]
-        digests, norms, low_norms = segment["digests"], segment["norms"], -segment["negated_norms"]
-        parts = [
-            f"{label} ranges from {low:.7g} to {high:.7g}"
-            for label, high, low in zip(
-                self.labels, largest.tolist(), smallest.tolist(), strict=True
-            )
-            if high > low
-        ]
-        if digests.max() > digests.min() and not parts:
-            parts.append("group options other than the step values, or the step counts")
-        if parts:
-            classes: dict[float, list[int]] = {}
-            for rank, digest in zip(self.holders.ranks, digests.tolist(), strict=True):
-                classes.setdefault(digest, []).append(rank)
-            parts.append(
-                "ranks by their options: " + " | ".join(str(ranks) for ranks in classes.values())
-            )
-        differing = [
-            n
-            for n, high, low in zip(
-                (self.names[i] for i in self.replicated),
-                norms.tolist(),
-                low_norms.tolist(),
-                strict=True,
-            )
-            if high > low
-        ]
-        if differing:
-            parts.append(
-                f"the gradient of {', '.join(differing)}, held whole on every rank (a replica), "
-                "differs across ranks (its norm does); every rank applies one update to a "
-                "replica, so its gradients must be equal: average them first (DDP does, or "
-                "dist.all_reduce(p.grad, op=dist.ReduceOp.AVG))"
-            )
-        return "; ".join(parts) or None

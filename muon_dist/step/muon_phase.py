@@ -100,6 +100,31 @@ def _primary_owner(entry: MuonEntry, comm: CommGroups, replica_mode: str) -> boo
     return coord is not None and all(coord[d] == 0 for d in replicated)
 
 
+def _dion2_buckets(
+    plan: Plan,
+    maps: Sequence[BucketMap],
+    entries: Sequence[MuonEntry],
+    comm: CommGroups,
+    exchanges: Exchanges,
+    settings: ExecutionSettings,
+) -> Dion2Buckets:
+    """The phase's Dion2 side, from the views whose rule selects slices (fraction, parts)."""
+    selects = {
+        i: (float(e.group["dion2_fraction"]), e.view.part_split(e.group["adjust_lr"]))
+        for i, e in enumerate(entries)
+        if rule_of(e.group).selects_slices
+    }
+    return Dion2Buckets(
+        plan,
+        maps,
+        [e.view for e in entries],
+        selects,
+        lambda view: _local_box(entries[view], comm),
+        exchanges,
+        settings,
+    )
+
+
 def _local_box(entry: MuonEntry, comm: CommGroups) -> Box:
     """The box of ``entry``'s view this rank holds."""
     placement = placement_of(entry.param, entry.name, entry.view, comm.holders.ranks)
@@ -177,30 +202,32 @@ class MuonPhase:
         self.params = list({id(e.param): e.param for e in entries}.values())
         self.shards = [local(p) for p in self.params]
         self.device = self.shards[0].device
-        self._views_of: list[list[int]] = [[] for _ in self.params]
+        self.views_of: list[list[int]] = [[] for _ in self.params]
         for index, e in enumerate(entries):
-            self._views_of[e.param_index].append(index)
-        self.groups = [entries[views[0]].group for views in self._views_of]
-        self._group_of = [entries[views[0]].group_index for views in self._views_of]
+            self.views_of[e.param_index].append(index)
+        self.groups = [entries[views[0]].group for views in self.views_of]
+        self._group_of = [entries[views[0]].group_index for views in self.views_of]
         exchanges = Exchanges(comm.exchange, settings.comm_dtype, self.device, comm.world_size)
         self.maps = _bucket_maps(plan, exchanges.peers)
-        self.state = MuonState(
-            self.params,
-            self.groups,
-            {
-                j: _row_matrices([entries[i] for i in self._views_of[j]], comm)
-                for j, g in enumerate(self.groups)
-                if g["magma"]
-            },
-            comm.holders,
-        )
+        self._make_state(state, comm)
+        self._make_step(group_count, comm, exchanges)
+
+    def _make_state(self, state: dict[torch.Tensor, dict[str, Any]], comm: CommGroups) -> None:
+        """The momenta and Magma scores, the local gradients, NorMuon's row moments."""
+        entries, settings, plan = self.entries, self.settings, self.plan
+        magma_rows = {
+            j: _row_matrices([entries[i] for i in views], comm)
+            for j, views in enumerate(self.views_of)
+            if self.groups[j]["magma"]
+        }
+        self.state = MuonState(self.params, self.groups, magma_rows, comm.holders)
         self.grads = LocalGrads(self.shards, self.state)
         self.state.bind(state, self._momenta(state))
         # NorMuon's per-row second moments; their all-reduce runs among the holders.
         self.row_moments = row_moments(
             [e.view for e in entries],
             [_primary_owner(e, comm, settings.replica_mode) for e in entries],
-            self._views_of,
+            self.views_of,
             self.groups,
             [(b, m.stacks) for b, m in zip(plan.buckets, self.maps, strict=True)],
             comm.holders,
@@ -208,12 +235,15 @@ class MuonPhase:
             settings.backend,
         )
         self.row_moments.bind(self._moment_tensors(state))
-        sizes = [stack.shape[0] for m in self.maps for stack in m.stacks]
-        stack_tensor = [
-            entries[i].param_index for m in self.maps for s in m.stacks for i in s.views
-        ]
+
+    def _make_step(self, group_count: int, comm: CommGroups, exchanges: Exchanges) -> None:
+        """The device scalars, the bucket tasks' collaborators, and the Dion2 side."""
+        entries, settings, plan, agreement = self.entries, self.settings, self.plan, self.agreement
+        # Per matrix of every stack, in plan order, its Muon tensor.
+        stacks = [stack for m in self.maps for stack in m.stacks]
+        stack_tensor = [entries[i].param_index for stack in stacks for i in stack.views]
         self.fusable_reads, self.fusable_writes = _fusable(
-            plan, self._views_of, self.groups, self.shards
+            plan, self.views_of, self.groups, self.shards
         )
         self.scalars, forms = _scalars_and_forms(self, group_count, stack_tensor)
         self.transaction = SkipTransaction()
@@ -225,22 +255,15 @@ class MuonPhase:
             settings,
         )
         self.orthogonalizer = Orthogonalizer(
-            settings, self.row_moments, self.failures, stack_tensor, sizes, self.scalars.dropped
+            settings,
+            self.row_moments,
+            self.failures,
+            stack_tensor,
+            [stack.shape[0] for stack in stacks],
+            self.scalars.dropped,
         )
         self.tools = BucketTools(exchanges, self.io, self.orthogonalizer)
-        self.dion2 = Dion2Buckets(
-            plan,
-            self.maps,
-            [e.view for e in entries],
-            {
-                i: (float(e.group["dion2_fraction"]), e.view.part_split(e.group["adjust_lr"]))
-                for i, e in enumerate(entries)
-                if rule_of(e.group).selects_slices
-            },
-            lambda view: _local_box(entries[view], comm),
-            exchanges,
-            settings,
-        )
+        self.dion2 = _dion2_buckets(plan, self.maps, self.entries, comm, exchanges, settings)
 
     @property
     def error(self) -> Exception | None:
@@ -342,13 +365,13 @@ class MuonPhase:
         scalars, grads, fused_reads = self.scalars, self.grads, self.io.io.forms.fused_reads
         by_beta: dict[float, list[int]] = {}
         for j, group in enumerate(self.groups):
-            if store_all or self._views_of[j][0] not in fused_reads:
+            if store_all or self.views_of[j][0] not in fused_reads:
                 by_beta.setdefault(rule_of(group).momentum_carry(group), []).append(j)
         self.state.advance_momenta(by_beta, grads.tensors, grads.local, scalars.ok, scalars.keep_of)
         if self.state.magma:
             for j, damping in self.state.advance_magma(grads.tensors, scalars.keep_of).items():
                 shape = (-1, *[1] * (self.shards[j].ndim - 1))
-                for i in self._views_of[j]:
+                for i in self.views_of[j]:
                     scalars.magma_step_of[i] = (damping * scalars.step_of[i]).view(shape)
         self._decay()
 
@@ -358,7 +381,7 @@ class MuonPhase:
         by_group: dict[int, list[int]] = {}
         alone: list[int] = []
         for j, group in enumerate(self.groups):
-            if group["cautious_wd"] or self._views_of[j][0] in self.io.io.forms.fused_writes:
+            if group["cautious_wd"] or self.views_of[j][0] in self.io.io.forms.fused_writes:
                 continue
             if self.grads.local[j]:
                 by_group.setdefault(self._group_of[j], []).append(j)

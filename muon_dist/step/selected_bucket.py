@@ -154,58 +154,19 @@ def _run(
     made: torch.cuda.Event | None,
 ) -> TaskBody:
     sel, exchanges = layout.host, tools.exchanges
-    dtype, device = exchanges.dtype, exchanges.device
-    side = dion2.stream
-    with _on(side, made):
-        staged = pack(
-            where.gather_send,
-            lambda outs: tools.io.read(where.gather_reads, outs),
-            dtype,
-            device,
-        )
-        inputs = [
-            view.view(len(p.rows), len(p.cols))
-            for view, p in zip(
-                flat_views(staged, where.gather_send.runs), sel.gather_sends, strict=True
-            )
-        ]
-        stacks = [torch.zeros(s.shape, dtype=dtype, device=device) for s in where.stacks]
-        tools.io.read(where.own, region_views(stacks, where.own_regions))
+    with _on(dion2.stream, made):
+        staged, inputs, stacks = _stage(where, layout, tools)
         planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
-        norms = torch.zeros(sel.slots, dtype=torch.float64, device=device)
-        sources = [*zip(inputs, layout.send_tiles, strict=True)]
-        sources += [
-            (planes[piece.stack], tiles)
-            for piece, tiles in zip(sel.own, layout.own_tiles, strict=True)
-        ]
-        add_norms(norms, sources, dion2.backend)
-        # The choice follows at once on this stream (which waits for the all-reduce, the
-        # host does not): queued after the next buckets' staging, it would wait for them.
-        _wait(dist.all_reduce(norms, group=dion2.norm_peers.group, async_op=True))
-        chosen = torch.empty(sel.chosen_count, dtype=torch.long, device=device)
-        for slot, n, length, count, first in sel.batches:
-            top = top_slices(norms[slot : slot + n * length].view(n, length), count)
-            chosen[first : first + n * count].view(n, count).copy_(top)
-        del norms
+        chosen = _choose(layout, inputs, planes, dion2, exchanges.device)
         host, chosen_ready = _to_host(chosen)
     yield
     if chosen_ready is not None:  # the side stream's work for this bucket is done
         chosen_ready.synchronize()
         _hand_over(chosen_ready, [staged, chosen, *stacks])
 
-    lists = (sel.gather_sends, sel.gather_recvs, sel.scatter_sends, sel.scatter_recvs)
-    choice = host.numpy()
-    moves = iter(layout.rects_to([sel.rects(p, choice) for pieces in lists for p in pieces]))
-    gather_sends, gather_recvs, scatter_sends, scatter_recvs = (
-        [next(moves) for _ in pieces] for pieces in lists
-    )
+    gather_sends, gather_recvs, scatter_sends, scatter_recvs = _moves(layout, host.numpy())
     recv, work = _exchange(
-        inputs,
-        sel.gather_sends,
-        gather_sends,
-        sel.gather_recvs,
-        gather_recvs,
-        exchanges,
+        inputs, sel.gather_sends, gather_sends, sel.gather_recvs, gather_recvs, exchanges
     )
     del staged, inputs
     yield
@@ -231,7 +192,7 @@ def _run(
     del results, outputs
     yield
     _wait(work)
-    updates = torch.zeros(where.scatter_recv.numel, dtype=dtype, device=device)
+    updates = torch.zeros(where.scatter_recv.numel, dtype=exchanges.dtype, device=exchanges.device)
     pieces = flat_views(updates, where.scatter_recv.runs)
     _put_all(
         [v.view(len(p.rows), len(p.cols)) for v, p in zip(pieces, sel.scatter_recvs, strict=True)],
@@ -239,6 +200,68 @@ def _run(
         recv,
     )
     tools.io.write(where.scatter_writes, pieces)
+
+
+def _stage(
+    where: BucketMap, layout: DeviceSelection, tools: BucketTools
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The Newton–Schulz inputs this rank sends (packed, and each as ``[rows, cols]``) and
+    the owner's stacks with its own pieces in place."""
+    dtype, device = tools.exchanges.dtype, tools.exchanges.device
+    staged = pack(
+        where.gather_send, lambda outs: tools.io.read(where.gather_reads, outs), dtype, device
+    )
+    inputs = [
+        view.view(len(p.rows), len(p.cols))
+        for view, p in zip(
+            flat_views(staged, where.gather_send.runs), layout.host.gather_sends, strict=True
+        )
+    ]
+    stacks = [torch.zeros(s.shape, dtype=dtype, device=device) for s in where.stacks]
+    tools.io.read(where.own, region_views(stacks, where.own_regions))
+    return staged, inputs, stacks
+
+
+def _choose(
+    layout: DeviceSelection,
+    inputs: Sequence[torch.Tensor],
+    planes: Sequence[torch.Tensor],
+    dion2: Dion2Buckets,
+    device: torch.device,
+) -> torch.Tensor:
+    """The bucket's chosen slices: partial norms of this rank's pieces, summed over the
+    exchange peers, and the same top slices on every rank."""
+    sel = layout.host
+    norms = torch.zeros(
+        sel.slots, dtype=torch.float64, device=planes[0].device if planes else inputs[0].device
+    )
+    sources = [*zip(inputs, layout.send_tiles, strict=True)]
+    sources += [
+        (planes[piece.stack], tiles) for piece, tiles in zip(sel.own, layout.own_tiles, strict=True)
+    ]
+    add_norms(norms, sources, dion2.backend)
+    # The choice follows at once on this stream (which waits for the all-reduce, the host
+    # does not): queued after the next buckets' staging, it would wait for them.
+    _wait(dist.all_reduce(norms, group=dion2.norm_peers.group, async_op=True))
+    chosen = torch.empty(sel.chosen_count, dtype=torch.long, device=device)
+    for slot, n, length, count, first in sel.batches:
+        top = top_slices(norms[slot : slot + n * length].view(n, length), count)
+        chosen[first : first + n * count].view(n, count).copy_(top)
+    return chosen
+
+
+def _moves(
+    layout: DeviceSelection, choice: np.ndarray
+) -> tuple[list[list[Rect]], list[list[Rect]], list[list[Rect]], list[list[Rect]]]:
+    """Each piece's rectangles of selected elements for this step's ``choice``: the
+    gather's sends and receives, the scatter's sends and receives."""
+    sel = layout.host
+    lists = (sel.gather_sends, sel.gather_recvs, sel.scatter_sends, sel.scatter_recvs)
+    moves = iter(layout.rects_to([sel.rects(p, choice) for pieces in lists for p in pieces]))
+    gather_sends, gather_recvs, scatter_sends, scatter_recvs = (
+        [next(moves) for _ in pieces] for pieces in lists
+    )
+    return gather_sends, gather_recvs, scatter_sends, scatter_recvs
 
 
 def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
