@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE / "README.md"
 # Flags that say where output goes, not what was measured: left out of recorded commands.
-OUTPUT_FLAGS = {"--write-table": 0, "--json": 1, "--write-tables": 0}
+OUTPUT_FLAGS = {"--write-table": 0, "--json": 1, "--write-tables": 0, "--logs": 1}
 WRITE_TABLE_HELP = "record the rows in benchmarks/results/ and benchmarks/README.md"
 
 
@@ -95,14 +95,16 @@ TABLES: dict[str, Table] = {
         (
             "model",
             "GPUs",
+            "batch",
             "optimizer",
             "forward+backward ms",
-            "optimizer step ms",
-            "optimizer share",
+            "exposed optimizer ms",
+            "step ms",
             "tokens/s",
-            "final loss",
+            "vs AdamW",
+            "runs",
         ),
-        key=("model", "GPUs", "optimizer"),
+        key=("model", "GPUs", "batch", "optimizer"),
     ),
     "parity": Table(
         ("GPUs", "comm / Newton–Schulz dtype", "criterion", "layouts passed", "worst (layout)"),
@@ -166,6 +168,14 @@ def record(
     readme: Path = README,
 ) -> None:
     """Put ``rows`` of one run into table ``name`` (replacing rows with their keys); render it."""
+    store(name, rows, run, results)
+    render(name, results, readme)
+
+
+def store(
+    name: str, rows: Sequence[Mapping[str, str]], run: Mapping[str, str], results: Path = RESULTS
+) -> None:
+    """Put ``rows`` of one run into ``results/NAME.json``, replacing the rows with their keys."""
     table = TABLES[name]
     for row in rows:
         missing = [c for c in table.key if c not in row]
@@ -182,7 +192,6 @@ def record(
     new = [{"cells": dict(row), "run": dict(run)} for row in rows]
     results.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rows": kept + new}, indent=1, ensure_ascii=False) + "\n")
-    render(name, results, readme)
 
 
 def markdown(name: str, results: Path = RESULTS) -> str:

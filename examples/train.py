@@ -26,8 +26,9 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -205,8 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--overlap",
         action="store_true",
-        help="start Muon's Newton-Schulz during backward (Muon(overlap='backward')); the "
-        "optimizer step column is then the exposed time, end of backward to end of step",
+        help="start Muon's Newton-Schulz during backward (Muon(overlap='backward'))",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -573,6 +573,116 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------
+# Timing and data
+
+
+def prefetched(
+    make: Callable[[int], torch.Tensor], steps: range, device: torch.device
+) -> Iterator[tuple[int, torch.Tensor, float]]:
+    """``(step, batch on device, seconds waited for it)`` for each of ``steps``, in order.
+
+    ``make(step)`` runs on a background thread one step ahead: the next batch is built while
+    the current step trains, so the step waits only when building a batch takes longer than
+    training on one (the wait says how long). Batches are a pure function of the step, so
+    the numbers are those of building each batch inline. On CUDA the thread pins the batch
+    and the copy to the device does not block the host.
+    """
+    cuda = device.type == "cuda"
+
+    def build(step: int) -> torch.Tensor:
+        batch = make(step)
+        return batch.pin_memory() if cuda else batch
+
+    # A new thread's current CUDA device is 0: pinning there would open a context on GPU 0
+    # from every rank, so the thread takes this rank's device first.
+    setup: dict[str, Any] = {"initializer": torch.cuda.set_device, "initargs": (device,)}
+    pool = ThreadPoolExecutor(1, thread_name_prefix="batches", **(setup if cuda else {}))
+    try:
+        futures = (pool.submit(build, step) for step in steps)  # submitted one ahead
+        following = next(futures, None)
+        for step in steps:
+            current, following = following, next(futures, None)
+            assert current is not None
+            begin = time.perf_counter()
+            batch = current.result()
+            waited = time.perf_counter() - begin
+            yield step, batch.to(device, non_blocking=True), waited
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One step's phases in seconds, each the slowest rank's (see ``StepTimer``)."""
+
+    data_wait: float
+    """Waiting for the prefetched batch, before the common start (not part of ``step``)."""
+    fwd_bwd: float
+    """Common start to the end of backward (its last gradient reduction included)."""
+    opt: float
+    """The optimizer's exposed time: end of backward to end of ``step()`` and ``zero_grad``."""
+    step: float
+    """Common start to the end of the step; at most ``fwd_bwd + opt`` (each is a maximum)."""
+
+
+class StepTimer:
+    """Times a step's phases from a common start, as the slowest rank sees them.
+
+    ``start`` waits at a barrier, and for the device, before the clock starts, so every
+    rank's phases begin together: a rank that reaches the step late (its batch, its logging)
+    waits there, outside the timed phases, rather than inside another rank's forward at
+    FSDP's first all-gather. On CUDA the end of backward is an event on the current stream,
+    so the host is not held between backward and the optimizer (it queues the step while
+    backward runs, as it does untimed); ``stop`` waits for the device once, after the step.
+    ``slowest`` then takes each phase's maximum over the ranks in one small all-reduce, also
+    outside the timed phases: a step is as slow as its slowest rank.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._backward_event = torch.cuda.Event(enable_timing=True)
+        self._start = self._backward = self._stop = 0.0
+
+    def _synchronize(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self._device)
+
+    def start(self) -> None:
+        """Barrier, then the clock starts (after this rank's queued work has finished)."""
+        dist.barrier()
+        self._synchronize()
+        self._start = time.perf_counter()
+        if self._cuda:
+            self._start_event.record()
+
+    def backward_done(self) -> None:
+        if self._cuda:
+            self._backward_event.record()
+        else:
+            self._backward = time.perf_counter()
+
+    def stop(self) -> None:
+        """The clock stops when the host has returned and the device has finished."""
+        self._synchronize()
+        self._stop = time.perf_counter()
+
+    def slowest(self, data_wait: float) -> StepTimes:
+        """This step's phases, each the maximum over ranks (one all-reduce, every rank)."""
+        total = self._stop - self._start
+        if self._cuda:
+            fwd_bwd = self._start_event.elapsed_time(self._backward_event) / 1e3
+        else:
+            fwd_bwd = self._backward - self._start
+        local = [data_wait, fwd_bwd, total - fwd_bwd, total]
+        times = torch.tensor(local, dtype=torch.float64, device=self._device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        return StepTimes(*times.tolist())
+
+
+# ---------------------------------------------------------------------------------------
 # Training
 
 
@@ -592,12 +702,6 @@ def progress(total: int, initial: int, enabled: bool) -> Iterator[Any]:
         yield bar
     finally:
         bar.close()
-
-
-def sync(env: Env) -> None:
-    """Wait for queued GPU work so timings split forward/backward from the optimizer."""
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
 
 
 def log(env: Env, message: str) -> None:
@@ -679,19 +783,23 @@ def train(
         trim_metrics(metrics_path, optimizer_name, start)
 
     rows = rank_slice(args.batch_size, env.rank, env.world_size)
+
+    def batch_of(step: int) -> torch.Tensor:
+        return local_batch(data, step, args, rows)
+
     global_tokens = args.batch_size * args.seq_len
     end = args.stop_after or args.steps
     show = env.is_main and not args.no_progress
     log_every = max(1, args.steps // 10)
     records: list[dict[str, Any]] = []
-    with progress(args.steps, start, show) as bar:
-        for step in range(start + 1, end + 1):
+    timer = StepTimer(env.device)
+    batches = prefetched(batch_of, range(start + 1, end + 1), env.device)
+    with progress(args.steps, start, show) as bar, closing(batches):
+        for step, batch, data_wait in batches:
             factor = lr_factor(step, args)
             for group, base in zip(opt.param_groups, base_lrs, strict=True):
                 group["lr"] = base * factor
-            batch = local_batch(data, step, args, rows).to(env.device, non_blocking=True)
-            sync(env)
-            t0 = time.perf_counter()
+            timer.start()
             logits = model(batch[:, :-1])
             loss_sum = F.cross_entropy(
                 logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
@@ -699,26 +807,26 @@ def train(
             # FSDP averages gradients over ranks; scaling by world/global_tokens turns that
             # average into the gradient of the global-batch mean whatever the rank split.
             (loss_sum * (env.world_size / global_tokens)).backward()
-            sync(env)
-            t1 = time.perf_counter()
+            timer.backward_done()
             opt.step()
             opt.zero_grad(set_to_none=not keep_grads)
-            sync(env)
-            t2 = time.perf_counter()
+            timer.stop()
+            times = timer.slowest(data_wait)
             total = loss_sum.detach().clone()
             dist.all_reduce(total)
             loss = total.item() / global_tokens
             if not math.isfinite(loss):
                 raise FloatingPointError(f"[{optimizer_name}] loss is {loss} at step {step}")
-            fwd_bwd, opt_time = t1 - t0, t2 - t1
-            elapsed += t2 - t0
+            elapsed += times.step
             record: dict[str, Any] = {
                 "step": step,
                 "loss": loss,
                 "tokens": step * global_tokens,
                 "elapsed": elapsed,
-                "fwd_bwd_s": fwd_bwd,
-                "opt_s": opt_time,
+                "fwd_bwd_s": times.fwd_bwd,
+                "opt_s": times.opt,
+                "step_s": times.step,
+                "data_wait_s": times.data_wait,
                 "optimizer": optimizer_name,
                 "lr_factor": factor,
                 "world_size": env.world_size,
@@ -730,20 +838,25 @@ def train(
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
             if bar is not None:
-                step_time = fwd_bwd + opt_time
                 bar.set_postfix(
                     {
                         "opt": optimizer_name,
                         "loss": f"{loss:.3f}",
-                        "tok/s": f"{global_tokens / step_time:,.0f}",
-                        "fwd+bwd": f"{100 * fwd_bwd / step_time:.0f}%",
-                        "optim": f"{100 * opt_time / step_time:.0f}%",
+                        "tok/s": f"{global_tokens / times.step:,.0f}",
+                        "step": f"{times.step * 1e3:.0f}ms",
+                        "fwd+bwd": f"{times.fwd_bwd * 1e3:.0f}ms",
+                        "optim": f"{times.opt * 1e3:.0f}ms",
                     },
                     refresh=False,
                 )
                 bar.update(1)
             elif step % log_every == 0 or step == end:
-                log(env, f"[{optimizer_name}] step {step}/{args.steps} loss {loss:.4f}")
+                log(
+                    env,
+                    f"[{optimizer_name}] step {step}/{args.steps} loss {loss:.4f} | step "
+                    f"{times.step * 1e3:.1f} ms (forward+backward {times.fwd_bwd * 1e3:.1f}, "
+                    f"optimizer {times.opt * 1e3:.1f}), {global_tokens / times.step:,.0f} tok/s",
+                )
             if "eval_loss" in record:
                 message = f"[{optimizer_name}] step {step} eval loss {record['eval_loss']:.4f}"
                 if bar is not None:
