@@ -173,44 +173,41 @@ def open_source(pattern: str, flag: str) -> Source:
     return Source(pattern, files, TokenStream(parts), byte_level=not shards)
 
 
+@dataclass(frozen=True)
 class Corpus:
     """Training and evaluation batches of real tokens, as pure functions of their index.
 
-    ``train`` and ``held_out`` are token streams; ``vocab_size`` is the model's vocabulary,
-    which every token must be below (checked on each batch for ``.bin`` shards, whose
-    vocabulary their header does not state; byte-level data needs 256).
+    ``source`` holds the training tokens and ``held_out`` the evaluation ones (named
+    ``held_out_name`` in messages); ``vocab_size`` is the model's vocabulary, which every
+    token must be below (checked on each batch for ``.bin`` shards, whose vocabulary their
+    header does not state; byte-level data needs 256).
     """
 
-    def __init__(
-        self,
-        train: Source,
-        held_out: TokenStream,
-        held_out_name: str,
-        seq_len: int,
-        vocab_size: int,
-        seed: int,
-    ) -> None:
-        if seed < 0:
-            raise ValueError(f"--seed {seed}: the data's generators need a seed >= 0")
+    source: Source
+    held_out: TokenStream
+    held_out_name: str
+    seq_len: int
+    vocab_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        seq_len, vocab_size, train = self.seq_len, self.vocab_size, self.source
+        if self.seed < 0:
+            raise ValueError(f"--seed {self.seed}: the data's generators need a seed >= 0")
         if train.byte_level and vocab_size < BYTE_VOCAB:
             raise ValueError(
                 f"--vocab {vocab_size} is smaller than the {BYTE_VOCAB} byte values of "
                 f"--data {train.pattern} (read byte-level); pass --vocab {BYTE_VOCAB} or more"
             )
         window = seq_len + 1
-        for name, tokens in (("--data " + train.pattern, train.tokens), (held_out_name, held_out)):
+        named = (("--data " + train.pattern, train.tokens), (self.held_out_name, self.held_out))
+        for name, tokens in named:
             if len(tokens) < window:
                 raise ValueError(
                     f"{name} has {len(tokens)} tokens, fewer than the --seq-len {seq_len} + 1 "
                     "that one sequence needs; use more text or a smaller --seq-len (held out: "
                     "a larger --eval-fraction, or --eval-data)"
                 )
-        self.source = train
-        self.held_out = held_out
-        self.held_out_name = held_out_name
-        self.seq_len = seq_len
-        self.vocab_size = vocab_size
-        self.seed = seed
 
     def batch(self, step: int, batch_size: int, rows: slice) -> np.ndarray:
         """Rows ``rows`` of the ``[batch_size, seq_len + 1]`` int64 training batch of ``step``.

@@ -11,17 +11,18 @@ checkpoint checks in :mod:`muon_dist.state.checks`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import inspect
 import logging
+import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.consensus import agree, describe
-from muon_dist.dist.groups import CommGroups, comm_groups, dedicated
-from muon_dist.options.schema import OPTIONS, SETTINGS, group_defaults
+from muon_dist.dist.consensus import agreed_comm
+from muon_dist.dist.groups import CommGroups
+from muon_dist.options.schema import OPTIONS, SETTINGS, args_section, group_defaults
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.options.validation import (
     check_step_values,
@@ -29,6 +30,7 @@ from muon_dist.options.validation import (
 from muon_dist.plan.views import (
     format_routing_table,
     named_params,
+    param_list,
     routing_entries,
 )
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
@@ -38,15 +40,13 @@ from muon_dist.state.group_state import (
     checked_load,
     held_before_load,
     init_state,
-    param_list,
     restore_after_load,
     saved_copies,
 )
 from muon_dist.state.rebind import follow_params
-from muon_dist.state.tensors import storage
 from muon_dist.step.backward import register_grad_hooks
 from muon_dist.step.report import apply_policy
-from muon_dist.step.runner import StepRunner, fractions
+from muon_dist.step.runner import StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,7 @@ class Muon(torch.optim.Optimizer):
     r"""Distributed Muon with AdamW for non-matrix parameters.
 
     For each matrix :math:`W` of a Muon group (gradient :math:`G`, momentum :math:`M`,
-    Newton–Schulz :math:`\mathrm{NS}`), one step computes
-    (``muon_update_`` (tests/composed_rules.py))
+    Newton–Schulz :math:`\mathrm{NS}`), one step computes (:func:`muon_dist.rules.muon.reference`)
 
     .. math::
         \begin{aligned}
@@ -77,21 +76,11 @@ class Muon(torch.optim.Optimizer):
     :math:`q`, Magma's score per matrix, an EMA (``magma_beta``) of
     :math:`(1 + \cos(M, G)) / 2`. Other parameters take torch's AdamW.
 
-    With ``rule="normuon"`` (NorMuon, Li et al. 2025; per group or for all Muon groups,
-    ``normuon_update_`` (tests/composed_rules.py)), :math:`O` is then normalized by
-    output row: :math:`v \leftarrow \beta_2 v + (1-\beta_2)\,\mathrm{mean}_{cols}(O \odot O)`,
-    :math:`\hat O = O / (\sqrt{v} + \epsilon)` rescaled to :math:`\|O\|_F`, and
-    :math:`\hat O` replaces :math:`O` above; :math:`v` is one fp32 entry per output row of
-    every matrix (``state[p]["row_second_moment"]``), exact on every layout.
-
-    With ``rule="dion2"`` (Dion2, microsoft/dion;
-    ``dion2_update_`` (tests/composed_rules.py)) the gradient is added to :math:`M`
-    without decay, Newton–Schulz runs on the ``dion2_fraction`` of each matrix's slices
-    (output rows, or input columns where there are more outputs than inputs) whose
-    Newton–Schulz input has the largest L1 norms, summed across the ranks holding the matrix
-    and chosen alike on all of them, so exactly and whatever the layout; only those slices
-    travel to the owner and back, only they of :math:`W` move and only their momentum decays
-    by :math:`\beta` (error feedback). ``dion2_fraction=1`` is Muon.
+    ``rule="normuon"`` (NorMuon, Li et al. 2025) then normalizes each output row of
+    :math:`O` by a running second moment (:mod:`muon_dist.rules.normuon`); ``rule="dion2"``
+    (Dion2, microsoft/dion) orthogonalizes only the ``dion2_fraction`` of each matrix's
+    slices with the largest norms, chosen alike on every rank, moves only them, and decays
+    only their momentum (:mod:`muon_dist.rules.dion2`).
 
     Groups carry ``"algorithm": "muon" | "adamw"``; a group without it is split, >=2-D
     parameters to Muon and the rest to AdamW. Muon parameters may be plain tensors or
@@ -107,74 +96,8 @@ class Muon(torch.optim.Optimizer):
     ``step()``, ``state_dict()`` or :meth:`check_finite`; with CPU tensors at the end of the
     step itself.
 
-    Args:
-        params: parameters, ``(name, parameter)`` pairs, or param-group dicts (as
-            :func:`muon_dist.param_groups` returns).
-        lr (float, default 0.02): Muon's learning rate.
-        momentum (float, default 0.95): Muon's momentum coefficient :math:`\beta`.
-        nesterov (bool, default True): feed :math:`G + \beta M` to Newton–Schulz, else
-            :math:`M`.
-        weight_decay (float, default 0.0): Muon's decoupled weight decay :math:`\lambda`.
-        adjust_lr (str | None, default "spectral_norm"): lr scale from the full matrix
-            shape: ``"spectral_norm"`` :math:`\sqrt{\max(1, rows/cols)}`, ``"rms_norm"``
-            :math:`0.2\sqrt{\max(rows, cols)}` (matches AdamW's update RMS), None: 1.
-        ns_steps (int, default 5): Newton–Schulz iterations.
-        coefficients (str | sequence, default "quintic"): ``"quintic"``, ``"keller"``,
-            ``"polar_express"`` or a list of ``(a, b, c)`` per iteration.
-        backend (str, default "auto"): Newton–Schulz kernels, ``"torch"``, ``"triton"``
-            (CUDA) or ``"auto"`` (Triton where measured faster); also picks the fused form
-            of the momentum and update passes.
-        ns_method (str, default "auto"): ``"standard"``, ``"gram"`` or ``"auto"`` (see
-            :func:`muon_dist.kernels.newton_schulz`).
-        comm_dtype (torch.dtype, default torch.bfloat16): dtype of gathers and scatters.
-        muon_mode (str, default "2d"): >2-D weights as ``"flat"`` ``[out, prod(rest)]``
-            or ``"slice"`` (one matrix per leading index); ``"2d"`` refuses them.
-        adamw_lr (float, default 3e-4): lr of AdamW groups.
-        adamw_betas (tuple, default (0.9, 0.95)): AdamW's betas.
-        adamw_eps (float, default 1e-8): AdamW's eps.
-        adamw_weight_decay (float, default 0.0): AdamW's weight decay.
-        bucket_bytes (int, default 128 MiB): gathered matrix bytes each owner handles per
-            bucket (of a Dion2 matrix exchanged between ranks, only the share of its slices
-            that travels).
-        max_inflight (int, default 3): buckets in flight at once.
-        replica_mode (str, default "split"): HSDP replicas split the Newton–Schulz work
-            (``"split"``) or each redo it (``"redundant"``).
-        ns_dtype (torch.dtype, default torch.bfloat16): dtype Newton–Schulz runs in.
-        nonfinite (str, default "raise"): on a non-finite gradient, raise
-            ``FloatingPointError`` naming the parameters and the step, or ``"skip_step"``:
-            count it in ``skipped_steps`` and log a warning (a non-finite Newton–Schulz
-            result skips the step too).
-        magma (bool, default False): damp each matrix's update by how well its gradient
-            agrees with its momentum (Magma-lite).
-        magma_beta (float, default 0.9): EMA coefficient of Magma's score.
-        rule (str, default "muon"): the update rule of Muon groups, ``"muon"``,
-            ``"normuon"`` or ``"dion2"`` (per group as ``"rule"``).
-        normuon_beta2 (float, default 0.95): NorMuon's EMA coefficient :math:`\beta_2` of
-            the row second moments.
-        normuon_eps (float, default 1e-8): NorMuon's :math:`\epsilon`, added to
-            :math:`\sqrt{v}` (> 0).
-        dion2_fraction (float, default 0.25): the share of each matrix's slices Dion2
-            orthogonalizes, in (0, 1] (1 is Muon); its error-feedback decay is ``momentum``.
-            Fixed when the step is built: a change rebuilds it.
-        cautious_wd (bool, default False): decay only weights whose sign the update shares.
-        qk_clip (sequence of QKClip, default ()): MuonClip: rescale attention query and
-            key heads whose logits exceed tau after each step (:mod:`muon_dist.qk_clip`).
-        max_logits (MaxLogitTracker | None, default None): records the logits ``qk_clip``
-            reads.
-        cuda_graph (bool, default False): capture the whole step in one CUDA graph after
-            ``graph_warmup`` eager steps and replay it (:mod:`muon_dist.step.cuda_graph`).
-        graph_warmup (int, default 2): eager steps before the capture.
-        overlap (str, default "none"): ``"backward"`` starts each bucket's Newton–Schulz
-            and exchanges from FSDP2's gradient hooks during backward, and ``step()``
-            finishes them and commits (:mod:`muon_dist.step.backward`); Muon parameters
-            must then be DTensors sharded by ``fully_shard``, and ``cuda_graph`` False.
-        process_group (ProcessGroup | None, default None): the ranks holding plain-tensor
-            replicas, if not the world; DTensor parameters need none.
-
-    Per group also: ``experts`` (3-D expert stacks), ``num_experts`` (fused experts),
-    ``num_heads`` (orthogonalize each head's rows), ``split_sizes``, ``split_groups`` and
-    ``transposed`` (fused weights, ``[in, out]`` storage); the README's Options section
-    lists them all.
+    The constructor's ``Args:`` follow (in ``help(Muon)``), written from the option schema
+    (:mod:`muon_dist.options.schema`), where each option is declared once.
     """
 
     # The signature lists every option (documented in Args above); muon_dist.options.schema
@@ -229,13 +152,12 @@ class Muon(torch.optim.Optimizer):
             algorithm: group_defaults(algorithm, arguments) for algorithm in OPTIONS
         }
         self._runner: StepRunner | None = None
-        # What torch reads: its schedulers scale "lr" and cycle "momentum" (OneCycleLR,
-        # CyclicLR), which is Muon's; AdamW groups keep their betas. Groups get their own
-        # algorithm's defaults in add_param_group, never these.
-        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         self._constructed = False  # add_param_group agrees on each later group by itself
         self._process_group = process_group
         self._qk_lines = [repr(spec) for spec in qk_clip]
+        # What torch reads: its schedulers scale "lr" and cycle "momentum" (OneCycleLR,
+        # CyclicLR), Muon's; each group gets its own algorithm's defaults, never these.
+        defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         self._init_groups(params, defaults, refused)
         self._constructed = True
         self._bind_step(cuda_graph, qk_clip, max_logits)
@@ -265,18 +187,8 @@ class Muon(torch.optim.Optimizer):
     ) -> CommGroups:
         """The collectives' groups for ``groups``, after every rank that holds them agreed on
         them (see :mod:`muon_dist.dist.consensus`); raises on every rank otherwise."""
-        params = [p for g in groups for p in param_list(g.get("params", []))]
-        comm = comm_groups(
-            [p for p in params if isinstance(p, torch.Tensor)],
-            "split" if refused else self.settings.replica_mode,
-            self._process_group,
-        )
-        entries = {} if refused else describe(groups, self.settings, self._qk_lines)
-        agree(entries, refused, comm.rank, comm.holders, when)
-        if self.settings.overlap == "backward":
-            # Exchanges issued during backward run beside FSDP's, not behind them.
-            comm = dataclasses.replace(comm, exchange=dedicated(comm.exchange))
-        return comm
+        settings = getattr(self, "settings", None)  # None: refused at construction
+        return agreed_comm(groups, refused, when, settings, self._process_group, self._qk_lines)
 
     def _bind_step(
         self, cuda_graph: bool, qk_clip: Sequence[QKClip], max_logits: MaxLogitTracker | None
@@ -415,27 +327,16 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """One step for every group.
 
-        The principle: every rank reaches the same outcome (the same exception, or the same
-        successful update), and a step that fails leaves parameters and optimizer state as
-        they were. Options were checked and agreed at construction and load; here each rank
-        checks the options a scheduler changes, whether a parameter's storage moved (then
-        the step is rebuilt) and its gradients against their parameters, then all ranks
-        agree on the device, in the step's one all-reduce, which gradients exist, which are
-        non-finite or too large to normalise, whether replicas' gradients and every rank's
-        options are alike, and whether some rank refused its inputs or its closure raised.
-        Any of these makes every rank keep everything as it was, without a host branch and
-        so also in a captured step. A rank that refused its inputs raises its error here;
-        the others raise ``RuntimeError`` naming it, and a bad gradient raises
-        ``FloatingPointError`` (or is skipped), where the host reads the outcome (see the
-        class docstring). A refused step is not counted in ``steps``. An exception from
-        Newton–Schulz on one rank is agreed the same way, through the all-reduce of the
-        result flags. What is not agreed: any other exception inside one rank's step, a
-        rank that skips ``step()``, or a rank that dies; the others then wait in the next
-        collective until the process group's timeout raises there (see the README's
-        Reliability section). Under
-        ``nonfinite="raise"`` a non-finite Newton–Schulz result of finite inputs, or its
-        exception, is raised on every rank after the rest of the update was applied;
-        ``"skip_step"`` keeps everything as it was instead.
+        Every rank reaches the same outcome (the same exception, or the same successful
+        update), and a step that fails leaves parameters and optimizer state as they were.
+        Each rank checks the options a scheduler changes, whether a parameter's storage
+        moved (then the step is rebuilt) and its gradients; then all ranks agree on the
+        device, in one all-reduce, which gradients exist, which are non-finite or too large
+        to normalise, whether replicas' gradients and options are alike, and whether some
+        rank refused its inputs or its closure raised. A refusing rank raises its error,
+        the others ``RuntimeError`` naming it; a bad gradient raises ``FloatingPointError``
+        (or is skipped) where the host reads the outcome. A refused step is not counted in
+        ``steps``. What is and is not agreed: README, "Reliability".
         """
         loss = None
         refusal: Exception | None = None
@@ -466,17 +367,13 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _follow_params(self) -> None:
-        """Rebuild the step when a parameter got new storage since it was built (see
-        :mod:`muon_dist.state.rebind`), its state moved along where its dtype or device changed,
-        or when a group's ``dion2_fraction`` changed (its stacks have other shapes)."""
-        if self._runner is not None and self._runner.fractions != fractions(self.param_groups):
-            logger.info("muon_dist.Muon: dion2_fraction changed; rebuilding the step")
+        """Rebuild the step where it no longer fits the groups and parameters
+        (:meth:`muon_dist.step.runner.StepRunner.stale`), state moved along with storage."""
+        reason = None if self._runner is None else self._runner.stale(self.param_groups)
+        if reason is not None:
+            logger.info("muon_dist.Muon: %s; rebuilding the step", reason)
+            follow_params(self.param_groups, self.state)
             self._runner = None
-        if self._runner is None or storage(self._runner.params) == self._runner.storage:
-            return
-        logger.info("muon_dist.Muon: parameter storage changed; rebuilding the step")
-        follow_params(self.param_groups, self.state)
-        self._runner = None
 
     def check_finite(self) -> None:
         """Read the last step's outcome and apply the ``nonfinite`` policy to it.
@@ -499,6 +396,11 @@ class Muon(torch.optim.Optimizer):
             "new_opt.load_state_dict(opt.state_dict()) (torch.save(opt.state_dict()) works, "
             "as does torch.distributed.checkpoint)"
         )
+
+
+Muon.__doc__ = f"{Muon.__doc__}\n" + textwrap.indent(
+    args_section([name for name in inspect.signature(Muon.__init__).parameters][1:]), "    "
+)
 
 
 def _split_by_algorithm(

@@ -12,20 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from muon_dist.rules.ops import (
-    advance_momentum,
-    decay_factor,
-    decay_rate,
-    error_feedback_,
-    magma_damping,
-    magma_score_,
-    magma_sums,
-    momentum_input,
-    nesterov_mix,
-    post_orthogonalize_,
-    step_size,
-    store_momentum_,
-)
+from muon_dist.rules import ops
 from muon_dist.rules.rows import row_factors, row_squares, scale_rows_, second_moment_next
 from muon_dist.rules.slices import selected_orthogonalize
 
@@ -56,23 +43,23 @@ def muon_update_(
     when the gradient is added (default ``beta``; see
     :meth:`muon_dist.rules.base.Rule.momentum_carry`).
     """
-    advanced = advance_momentum(grad, momentum, beta if carry is None else carry)
-    store_momentum_(momentum, advanced, keep)
-    ortho = orthogonalize(momentum_input(grad, advanced, nesterov_mix(beta, nesterov)))
+    advanced = ops.advance_momentum(grad, momentum, beta if carry is None else carry)
+    ops.store_momentum_(momentum, advanced, keep)
+    ortho = orthogonalize(ops.momentum_input(grad, advanced, ops.nesterov_mix(beta, nesterov)))
     kept = keep.float()
-    rate = decay_rate(lr, weight_decay, kept)
-    step = step_size(lr, kept, torch.tensor(-scale))
+    rate = ops.decay_rate(lr, weight_decay, kept)
+    step = ops.step_size(lr, kept, torch.tensor(-scale))
     if magma_score is not None:
-        dot, mm, gg = magma_sums(advanced, grad).sum(1)
-        magma_score_(magma_score, dot, mm, gg, beta=magma_beta, keep=keep)
-        step = magma_damping(magma_score) * step
+        dot, mm, gg = ops.magma_sums(advanced, grad).sum(1)
+        ops.magma_score_(magma_score, dot, mm, gg, beta=magma_beta, keep=keep)
+        step = ops.magma_damping(magma_score) * step
     ortho = torch.where(keep, ortho, 0.0)
-    post_orthogonalize_(
+    ops.post_orthogonalize_(
         param,
         ortho,
         step=step,
         keep=keep,
-        decay=None if cautious else decay_factor(rate),
+        decay=None if cautious else ops.decay_factor(rate),
         cautious=rate if cautious else None,
     )
     return ortho
@@ -185,4 +172,4 @@ def dion2_update_(
         keep=keep,
         carry=1.0,
     )
-    error_feedback_(momentum, update, beta, keep)
+    ops.error_feedback_(momentum, update, beta, keep)

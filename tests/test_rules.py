@@ -14,7 +14,7 @@ from composed_rules import dion2_update_, muon_update_, normuon_update_
 import muon_dist
 from muon_dist.kernels import newton_schulz
 from muon_dist.rules import dion2, muon, normuon, registry
-from muon_dist.rules.base import Rule
+from muon_dist.rules.base import MatrixStep, Rule
 from muon_dist.rules.scale import lr_scale
 
 LR, WD, BETA = 0.02, 0.1, 0.9
@@ -42,8 +42,8 @@ def _device_scalars() -> dict[str, torch.Tensor]:
     return {"lr": torch.tensor(LR), "weight_decay": torch.tensor(WD), "keep": torch.tensor(True)}
 
 
-def _host_scalars() -> dict[str, float]:
-    return {"lr": LR, "weight_decay": WD}
+def _matrix_step(shape: tuple[int, int], transposed: bool, nesterov: bool) -> MatrixStep:
+    return MatrixStep(LR, WD, BETA, nesterov, _scale(shape, transposed))
 
 
 @pytest.mark.parametrize("shape", [(12, 8), (6, 20)], ids=str)
@@ -58,23 +58,17 @@ def test_muon_reference_matches_the_composed_ops(
     magma = options.get("magma", False)
     ref_s, got_s = torch.ones(1), torch.ones(1)
     common = {"beta": BETA, "nesterov": nesterov, "scale": _scale(shape, False)}
+    cautious = options.get("cautious", False)
+    step = _matrix_step(shape, False, nesterov)
     for grad in grads:
-        muon.reference(
-            ref,
-            grad,
-            ref_m,
-            _orthogonalize,
-            cautious=options.get("cautious", False),
-            magma_score=ref_s if magma else None,
-            **_host_scalars(),
-            **common,
-        )
+        score = ref_s if magma else None
+        muon.reference(ref, grad, ref_m, _orthogonalize, step, cautious=cautious, magma_score=score)
         muon_update_(
             got,
             grad,
             got_m,
             _orthogonalize,
-            cautious=options.get("cautious", False),
+            cautious=cautious,
             magma_score=got_s if magma else None,
             **_device_scalars(),
             **common,
@@ -94,16 +88,11 @@ def test_normuon_reference_matches_the_composed_ops(
     ref_m, got_m = torch.zeros(shape), torch.zeros(shape)
     rows = shape[1] if transposed else shape[0]
     ref_v, got_v = torch.zeros(rows), torch.zeros(rows)
-    common = {
-        "beta": BETA,
-        "nesterov": True,
-        "scale": _scale(shape, transposed),
-        "beta2": 0.95,
-        "eps": 1e-8,
-        "transposed": transposed,
-    }
+    own = {"beta2": 0.95, "eps": 1e-8, "transposed": transposed}
+    common = {"beta": BETA, "nesterov": True, "scale": _scale(shape, transposed), **own}
+    step = _matrix_step(shape, transposed, True)
     for grad in grads:
-        normuon.reference(ref, grad, ref_m, ref_v, _orthogonalize, **_host_scalars(), **common)
+        normuon.reference(ref, grad, ref_m, ref_v, _orthogonalize, step, **own)
         normuon_update_(got, grad, got_m, got_v, _orthogonalize, **_device_scalars(), **common)
     torch.testing.assert_close(got_v, ref_v, **CLOSE)
     torch.testing.assert_close(got, ref, **CLOSE)
@@ -118,15 +107,11 @@ def test_dion2_reference_matches_the_composed_ops(
     start, grads = _inputs(shape)
     ref, got = start.clone(), start.clone()
     ref_m, got_m = torch.zeros(shape), torch.zeros(shape)
-    common = {
-        "beta": BETA,
-        "nesterov": False,
-        "scale": _scale(shape, transposed),
-        "fraction": fraction,
-        "transposed": transposed,
-    }
+    own = {"fraction": fraction, "transposed": transposed}
+    common = {"beta": BETA, "nesterov": False, "scale": _scale(shape, transposed), **own}
+    step = _matrix_step(shape, transposed, False)
     for grad in grads:
-        dion2.reference(ref, grad, ref_m, _orthogonalize, **_host_scalars(), **common)
+        dion2.reference(ref, grad, ref_m, _orthogonalize, step, **own)
         dion2_update_(got, grad, got_m, _orthogonalize, **_device_scalars(), **common)
     torch.testing.assert_close(got_m, ref_m, **CLOSE)
     torch.testing.assert_close(got, ref, **CLOSE)

@@ -13,6 +13,7 @@ scheduler changes between steps are agreed inside the step (:mod:`muon_dist.step
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import fields
@@ -22,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from muon_dist.dist.groups import Peers
-from muon_dist.plan.views import named_params
+from muon_dist.dist.groups import CommGroups, Peers, comm_groups, dedicated
+from muon_dist.plan.views import named_params, param_list
 from muon_dist.options.settings import ExecutionSettings
 
 # Differing keys named in an error, at most.
@@ -138,3 +139,29 @@ def _difference(
         "model.named_parameters(), never a set), and replicas must hold the same values "
         "(broadcast them first)."
     )
+
+
+def agreed_comm(
+    groups: Sequence[dict[str, Any]],
+    refused: Exception | None,
+    when: str,
+    settings: ExecutionSettings | None,
+    process_group: dist.ProcessGroup | None,
+    extra: Sequence[str],
+) -> CommGroups:
+    """The collectives' groups for ``groups`` (:func:`muon_dist.dist.groups.comm_groups`),
+    after every rank that holds them agreed on them and on ``extra``; raises on every rank
+    otherwise (a rank's own ``refused`` reaches the others through the same check, and
+    ``settings`` is None where they were refused)."""
+    params = [p for g in groups for p in param_list(g.get("params", []))]
+    comm = comm_groups(
+        [p for p in params if isinstance(p, torch.Tensor)],
+        "split" if refused or settings is None else settings.replica_mode,
+        process_group,
+    )
+    entries = {} if refused or settings is None else describe(groups, settings, extra)
+    agree(entries, refused, comm.rank, comm.holders, when)
+    if settings is not None and settings.overlap == "backward":
+        # Exchanges issued during backward run beside FSDP's, not behind them.
+        comm = dataclasses.replace(comm, exchange=dedicated(comm.exchange))
+    return comm

@@ -37,9 +37,9 @@ def validate_backend(backend: str) -> None:
 
 
 # Standard Newton–Schulz FLOPs per iteration, batch·(4m²n + 2m³), above which the Triton
-# kernels won on an H200 (torch 2.11, Triton 3.6, bf16, benchmarks/bench_kernels.py and a
-# sweep of 24 shapes): about 0.2 ms of matrix work per iteration. Below it Triton loses,
-# up to 2x, to its per-launch CPU overhead and to too few 128-row tiles to fill the GPU.
+# kernels win: below it their per-launch host cost and too few 128-row tiles to fill the
+# GPU outweigh the halved Gram products (the sweep is in benchmarks/README.md, "Thresholds
+# in the code").
 TRITON_MIN_FLOP_PER_STEP = 1.6e11
 
 
@@ -48,10 +48,8 @@ def prefer_triton(m: int, n: int, batch: int) -> bool:
 
     The symmetric kernels halve the FLOPs of the two Gram products, which pays only once
     there is enough work per call: e.g. one 3072² or 4096² matrix, 32×768×2048 experts, but
-    not one 2048×8192 or 1024×4096 matrix, nor 8×256×1024. The threshold is a first
-    measurement on one H200; retune it from benchmarks/bench_kernels.py on other GPUs. The
-    same rule holds for the Gram iteration: on an H200 its Triton form won on 4096×14336,
-    128×768×2048 and 32×1536×4096 and lost on one 1024×4096 matrix.
+    not one 2048×8192 or 1024×4096 matrix, nor 8×256×1024. The same rule holds for the Gram
+    iteration. Retune the threshold from benchmarks/bench_kernels.py on other GPUs.
     """
     small, large = min(m, n), max(m, n)
     return batch * (4 * small * small * large + 2 * small**3) >= TRITON_MIN_FLOP_PER_STEP
@@ -66,10 +64,9 @@ def _auto_uses_triton(X: torch.Tensor, dtype: torch.dtype) -> bool:
     return prefer_triton(rows, cols, batch) and triton_available()
 
 
-# Long-to-short side ratio from which "auto" takes the Gram iteration for CUDA matrices. On
-# an H200 (bf16, 2026-11-23, Triton products for both) Gram lost at 1.5 (4096×6144: 3.85
-# against 3.72 ms) and won from 2 on (4096×8192: 4.21 against 4.66 ms; 4096×14336: 4.74
-# against 6.80 ms); square matrices do more work in Gram form than in the standard one.
+# Long-to-short side ratio from which "auto" takes the Gram iteration for CUDA matrices:
+# square matrices do more work in Gram form than in the standard one, and the crossover
+# lies between 1.5 and 2 (benchmarks/README.md, "Thresholds in the code").
 GRAM_MIN_ASPECT = 2.0
 
 

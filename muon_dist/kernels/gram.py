@@ -29,12 +29,10 @@ from muon_dist.kernels.torch_ns import (
 
 METHODS = ("auto", "gram", "standard")
 
-# Steps (0-based) before which the Gram iteration restarts from X_k = Q_k·X₀. One restart
-# after three steps: on an H200 in bf16 (fp16 state) it gave the lowest error against a
-# float64 iteration of the schedules tried ((), (2,), (3,), (1, 3), (2, 4)) at the cost of
-# one, for inputs with singular values down to 1e-4 and rank-deficient ones, with the
-# output's singular values in the standard path's band (benchmarks/README.md). Without a
-# restart, Q's growth (up to ~10³ for small singular values) amplifies rounding past it.
+# Steps (0-based) before which the Gram iteration restarts from X_k = Q_k·X₀. Without a
+# restart, Q's growth (up to ~10³ for small singular values) amplifies rounding; one restart
+# after three steps gave the lowest error of the schedules tried at the cost of one
+# (benchmarks/README.md, "Thresholds in the code").
 DEFAULT_RESTARTS: tuple[int, ...] = (3,)
 
 

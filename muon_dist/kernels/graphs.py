@@ -1,8 +1,8 @@
 """Replay Newton–Schulz calls from cached CUDA graphs.
 
-A small stack (one 1024×4096 matrix: 0.25 ms of GPU work on an H200) is bound by the host
-launching its ~30 kernels one by one (0.46 ms eager). Replaying a graph captured on the
-first call costs one copy in, one launch and one copy out. Only ``backend="auto"`` uses
+A small stack (one 1024×4096 matrix) is bound by the host launching its ~30 kernels one by
+one, longer than the GPU takes to run them. Replaying a graph captured on the first call
+costs one copy in, one launch and one copy out. Only ``backend="auto"`` uses
 this, for stacks of at most :data:`GRAPH_MAX_BYTES`, and for larger ones whose caller
 knows its step is bound by the host (``graphed=True``: Dion2's selected slices, a quarter
 of each stack, where the step's other host work already exceeds the GPU's). A call made

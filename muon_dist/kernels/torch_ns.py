@@ -43,10 +43,9 @@ def gram_inverse_norms(A: torch.Tensor, norm_scale: float, eps: float) -> torch.
 
 
 # From this many elements per matrix on, a per-matrix scale runs as one vectorised foreach
-# launch per matrix; smaller matrices take one broadcast multiply over the whole stack. On
-# an H200 (2026-11-22) the foreach form scaled a 4096² bf16 matrix in 28 µs against 47 µs,
-# and four of them in 104 µs against 184 µs, while eight 1024² matrices took 132 µs
-# against 29 µs: below this size the per-matrix launches cost more than they save.
+# launch per matrix; smaller matrices take one broadcast multiply over the whole stack:
+# below this size the per-matrix launches cost more than the vectorised pass saves
+# (benchmarks/README.md, "Thresholds in the code").
 FOREACH_SCALE_MIN_NUMEL = 1 << 22
 
 

@@ -25,9 +25,8 @@ _INTERPRET = interpret_mode()
 
 # (BLOCK_M, BLOCK_K, warps, stages) of the autotuned configs on a GPU. A short list, so the
 # first call on a new shape compiles and times only a few kernels. Square 128 tiles feed the
-# Hopper tensor cores best on large Gram matrices (on an H200, 128/64 with 4 or 8 warps won
-# on every large shape measured); 64 tiles keep enough programs in flight when there are
-# few 128 tiles (one 1024-row matrix has only 36).
+# Hopper tensor cores best on large Gram matrices; 64 tiles keep enough programs in flight
+# when there are few 128 tiles (one 1024-row matrix has only 36).
 GPU_TILES: tuple[tuple[int, int, int, int], ...] = (
     (128, 64, 4, 3),
     (128, 64, 8, 3),

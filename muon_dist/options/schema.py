@@ -13,6 +13,7 @@ each step, :mod:`muon_dist.step.agreement`).
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,74 +147,257 @@ def backend(where: str, key: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class Option:
-    """One option: its key, default and check, and what it means.
+    """One option: its key, default and check, its type and what it means.
 
     ``check`` is None where the option is checked together with others (the Newton–Schulz
     schedule by :func:`muon_dist.kernels.coefficients.resolve_coefficients`, a parameter's
     view options by :func:`muon_dist.plan.views.matrix_views`). ``argument`` is the
     constructor's argument that sets it (None: set per group only). ``per_step`` options
     may change between steps (schedulers change them); the others are read when the step
-    is built.
+    is built. ``meaning`` is the constructor's ``Args:`` entry for it.
     """
 
     key: str
     default: Any
     check: Check | None
+    kind: str
     meaning: str
     argument: str | None = None
     per_step: bool = False
 
 
-def _muon(key: str, default: Any, check: Check | None, meaning: str, **kw: Any) -> Option:
-    return Option(key, default, check, meaning, argument=kw.pop("argument", key), **kw)
+def _muon(
+    key: str, default: Any, check: Check | None, kind: str, meaning: str, **kw: Any
+) -> Option:
+    return Option(key, default, check, kind, meaning, argument=kw.pop("argument", key), **kw)
+
+
+def _set(key: str, default: Any, check: Check, kind: str, meaning: str) -> Option:
+    return Option(key, default, check, kind, meaning, argument=key)
 
 
 MUON_OPTIONS: tuple[Option, ...] = (
-    _muon("lr", 0.02, at_least(0.0), "Muon's learning rate", per_step=True),
-    _muon("momentum", 0.95, unit, "momentum coefficient", per_step=True),
-    _muon("nesterov", True, flag, "Newton–Schulz reads G + beta M, else M", per_step=True),
-    _muon("weight_decay", 0.0, at_least(0.0), "decoupled weight decay", per_step=True),
-    _muon("adjust_lr", "spectral_norm", one_of(ADJUST_LR), "lr scale from the full shape"),
-    _muon("ns_steps", 5, None, "Newton–Schulz iterations"),
-    _muon("coefficients", "quintic", None, "Newton–Schulz coefficient schedule"),
-    _muon("ns_method", "auto", one_of(NS_METHODS), "standard or Gram Newton–Schulz"),
-    _muon("muon_mode", "2d", one_of(MUON_MODES), "how >2-D weights are viewed as matrices"),
-    _muon("experts", False, None, "3-D expert stacks", argument=None),
-    _muon("num_experts", None, None, "fused expert count", argument=None),
-    _muon("num_heads", None, None, "orthogonalize per head", argument=None),
-    _muon("split_sizes", None, None, "fused row blocks", argument=None),
-    _muon("split_groups", 1, None, "fused parts repeated along the outputs", argument=None),
-    _muon("transposed", False, None, "stored [in, out]", argument=None),
-    _muon("magma", False, flag, "Magma-lite damping"),
-    _muon("magma_beta", 0.9, unit, "EMA coefficient of Magma's score"),
-    _muon("rule", "muon", rule, "the update rule of Muon groups"),
-    _muon("normuon_beta2", 0.95, unit, "NorMuon's EMA of the row second moments"),
-    _muon("normuon_eps", 1e-8, normuon_eps, "NorMuon's epsilon"),
-    _muon("dion2_fraction", 0.25, dion2_fraction, "Dion2's share of slices"),
-    _muon("cautious_wd", False, flag, "decay only weights the update's sign agrees with"),
+    _muon("lr", 0.02, at_least(0.0), "float", "Muon's learning rate.", per_step=True),
+    _muon(
+        "momentum",
+        0.95,
+        unit,
+        "float",
+        r"Muon's momentum coefficient :math:`\beta`.",
+        per_step=True,
+    ),
+    _muon(
+        "nesterov",
+        True,
+        flag,
+        "bool",
+        r"feed :math:`G + \beta M` to Newton–Schulz, else :math:`M`.",
+        per_step=True,
+    ),
+    _muon(
+        "weight_decay",
+        0.0,
+        at_least(0.0),
+        "float",
+        r"Muon's decoupled weight decay :math:`\lambda`.",
+        per_step=True,
+    ),
+    _muon(
+        "adjust_lr",
+        "spectral_norm",
+        one_of(ADJUST_LR),
+        "str | None",
+        'lr scale from the full matrix shape: ``"spectral_norm"``'
+        r" :math:`\sqrt{\max(1, rows/cols)}`, ``"
+        '"rms_norm"`` '
+        r":math:`0.2\sqrt{\max(rows, cols)}` (matches AdamW's update RMS), None: 1.",
+    ),
+    _muon("ns_steps", 5, None, "int", "Newton–Schulz iterations."),
+    _muon(
+        "coefficients",
+        "quintic",
+        None,
+        "str | sequence",
+        '``"quintic"``, ``"keller"``, ``"polar_express"`` or a list of ``(a, b, c)`` per'
+        " iteration.",
+    ),
+    _muon(
+        "ns_method",
+        "auto",
+        one_of(NS_METHODS),
+        "str",
+        '``"standard"``, ``"gram"`` or ``"auto"`` (see :func:`muon_dist.kernels.newton_schulz`).',
+    ),
+    _muon(
+        "muon_mode",
+        "2d",
+        one_of(MUON_MODES),
+        "str",
+        '>2-D weights as ``"flat"`` ``[out, prod(rest)]`` or ``"slice"`` (one matrix per'
+        ' leading index); ``"2d"`` refuses them.',
+    ),
+    _muon("experts", False, None, "bool", "3-D expert stacks (per group).", argument=None),
+    _muon("num_experts", None, None, "int", "fused experts (per group).", argument=None),
+    _muon(
+        "num_heads", None, None, "int", "orthogonalize each head's rows (per group).", argument=None
+    ),
+    _muon("split_sizes", None, None, "list", "fused row blocks (per group).", argument=None),
+    _muon("split_groups", 1, None, "int", "fused parts repeated along the outputs.", argument=None),
+    _muon("transposed", False, None, "bool", "stored ``[in, out]`` (per group).", argument=None),
+    _muon(
+        "magma",
+        False,
+        flag,
+        "bool",
+        "damp each matrix's update by how well its gradient agrees with its momentum (Magma-lite).",
+    ),
+    _muon("magma_beta", 0.9, unit, "float", "EMA coefficient of Magma's score."),
+    _muon(
+        "rule",
+        "muon",
+        rule,
+        "str",
+        'the update rule of Muon groups, ``"muon"``, ``"normuon"`` or ``"dion2"``'
+        ' (:mod:`muon_dist.rules`; per group as ``"rule"``).',
+    ),
+    _muon(
+        "normuon_beta2",
+        0.95,
+        unit,
+        "float",
+        r"NorMuon's EMA coefficient :math:`\beta_2` of the row second moments.",
+    ),
+    _muon(
+        "normuon_eps",
+        1e-8,
+        normuon_eps,
+        "float",
+        r"NorMuon's :math:`\epsilon`, added to :math:`\sqrt{v}` (> 0).",
+    ),
+    _muon(
+        "dion2_fraction",
+        0.25,
+        dion2_fraction,
+        "float",
+        "the share of each matrix's slices Dion2 orthogonalizes, in (0, 1] (1 is Muon); its"
+        " error-feedback decay is ``momentum``. Fixed when the step is built: a change"
+        " rebuilds it.",
+    ),
+    _muon("cautious_wd", False, flag, "bool", "decay only weights whose sign the update shares."),
 )
 
 ADAMW_OPTIONS: tuple[Option, ...] = (
-    Option("lr", 3e-4, at_least(0.0), "AdamW's learning rate", "adamw_lr", per_step=True),
-    Option("betas", (0.9, 0.95), betas, "AdamW's betas", "adamw_betas", per_step=True),
-    Option("eps", 1e-8, at_least(0.0), "AdamW's epsilon", "adamw_eps", per_step=True),
-    Option("weight_decay", 0.0, at_least(0.0), "AdamW's weight decay", "adamw_weight_decay", True),
+    Option("lr", 3e-4, at_least(0.0), "float", "lr of AdamW groups.", "adamw_lr", True),
+    Option("betas", (0.9, 0.95), betas, "tuple", "AdamW's betas.", "adamw_betas", True),
+    Option("eps", 1e-8, at_least(0.0), "float", "AdamW's eps.", "adamw_eps", True),
+    Option(
+        "weight_decay",
+        0.0,
+        at_least(0.0),
+        "float",
+        "AdamW's weight decay.",
+        "adamw_weight_decay",
+        True,
+    ),
 )
 
 SETTINGS: tuple[Option, ...] = (
-    Option("backend", "auto", backend, "kernels: torch, triton or auto", "backend"),
-    Option("comm_dtype", torch.bfloat16, dtype, "dtype of the exchanges", "comm_dtype"),
-    Option("ns_dtype", torch.bfloat16, dtype, "dtype Newton–Schulz runs in", "ns_dtype"),
-    Option("bucket_bytes", 128 * 2**20, count_from(1), "bytes per bucket", "bucket_bytes"),
-    Option("max_inflight", 3, count_from(1), "buckets in flight", "max_inflight"),
-    Option("replica_mode", "split", one_of(REPLICA_MODES), "HSDP replicas", "replica_mode"),
-    Option("nonfinite", "raise", one_of(("raise", "skip_step")), "on non-finite", "nonfinite"),
-    Option("cuda_graph", False, flag, "capture the step in a CUDA graph", "cuda_graph"),
-    Option("graph_warmup", 2, count_from(1), "eager steps before capture", "graph_warmup"),
-    Option("overlap", "none", one_of(("none", "backward")), "start in backward", "overlap"),
+    _set(
+        "backend",
+        "auto",
+        backend,
+        "str",
+        'Newton–Schulz kernels, ``"torch"``, ``"triton"`` (CUDA) or ``"auto"`` (Triton where'
+        " measured faster); also picks the fused form of the momentum and update passes.",
+    ),
+    _set("comm_dtype", torch.bfloat16, dtype, "torch.dtype", "dtype of gathers and scatters."),
+    _set("ns_dtype", torch.bfloat16, dtype, "torch.dtype", "dtype Newton–Schulz runs in."),
+    _set(
+        "bucket_bytes",
+        128 * 2**20,
+        count_from(1),
+        "int",
+        "gathered matrix bytes each owner handles per bucket (of a Dion2 matrix exchanged"
+        " between ranks, only the share of its slices that travels).",
+    ),
+    _set("max_inflight", 3, count_from(1), "int", "buckets in flight at once."),
+    _set(
+        "replica_mode",
+        "split",
+        one_of(REPLICA_MODES),
+        "str",
+        'HSDP replicas split the Newton–Schulz work (``"split"``) or each redo it'
+        ' (``"redundant"``).',
+    ),
+    _set(
+        "nonfinite",
+        "raise",
+        one_of(("raise", "skip_step")),
+        "str",
+        "on a non-finite gradient, raise ``FloatingPointError`` naming the parameters and the"
+        ' step, or ``"skip_step"``: count it in ``skipped_steps`` and log a warning (a'
+        " non-finite Newton–Schulz result skips the step too).",
+    ),
+    _set(
+        "cuda_graph",
+        False,
+        flag,
+        "bool",
+        "capture the whole step in one CUDA graph after ``graph_warmup`` eager steps and"
+        " replay it (:mod:`muon_dist.step.cuda_graph`).",
+    ),
+    _set("graph_warmup", 2, count_from(1), "int", "eager steps before the capture."),
+    _set(
+        "overlap",
+        "none",
+        one_of(("none", "backward")),
+        "str",
+        "``\"backward\"`` starts each bucket's Newton–Schulz and exchanges from FSDP2's"
+        " gradient hooks during backward, and ``step()`` finishes them and commits"
+        " (:mod:`muon_dist.step.backward`); Muon parameters must then be DTensors sharded by"
+        " ``fully_shard``, and ``cuda_graph`` False.",
+    ),
 )
 
+# The constructor's arguments that are no option of a group and no setting.
+ARGUMENTS: dict[str, str] = {
+    "params": "parameters, ``(name, parameter)`` pairs, or param-group dicts (as"
+    " :func:`muon_dist.param_groups` returns).",
+    "qk_clip": "(sequence of QKClip, default ()): MuonClip: rescale attention query and key"
+    " heads whose logits exceed tau after each step (:mod:`muon_dist.qk_clip`).",
+    "max_logits": "(MaxLogitTracker | None, default None): records the logits ``qk_clip`` reads.",
+    "process_group": "(ProcessGroup | None, default None): the ranks holding plain-tensor"
+    " replicas, if not the world; DTensor parameters need none.",
+}
+
 OPTIONS: dict[str, tuple[Option, ...]] = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
+
+
+def args_section(arguments: Sequence[str]) -> str:
+    """The constructor's ``Args:`` docstring section, in the order of ``arguments``."""
+    by_argument = {
+        o.argument: o for options in (*OPTIONS.values(), SETTINGS) for o in options if o.argument
+    }
+    lines = ["Args:"]
+    for name in arguments:
+        option = by_argument.get(name)
+        if option is None:
+            text = ARGUMENTS[name]
+            entry = f"{name} {text}" if text.startswith("(") else f"{name}: {text}"
+        else:
+            entry = f"{name} ({option.kind}, default {_shown(option.default)}): {option.meaning}"
+        lines += textwrap.wrap(entry, 88, initial_indent="    ", subsequent_indent="        ")
+    per_group = ", ".join(f"``{o.key}``" for o in MUON_OPTIONS if o.argument is None)
+    lines += ["", *textwrap.wrap(f"Per group also: {per_group} (README, Options).", 92)]
+    return "\n".join(lines)
+
+
+def _shown(default: Any) -> str:
+    if isinstance(default, int) and not isinstance(default, bool) and default >= 2**20:
+        return f"{default // 2**20} MiB"
+    if isinstance(default, str):
+        return f'"{default}"'
+    return str(default)
 
 
 def group_defaults(algorithm: str, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from muon_dist.plan.build import BucketPlan, Slices, is_whole
+from muon_dist.plan.indices import StackIndex, ViewIndex
 from muon_dist.plan.packing import Packing, packing
 from muon_dist.plan.recipes import StackRecipe
 
 # A piece of a local shard: (view index in the plan, slices of the local tensor).
-LocalSlices = tuple[int, Slices]
+LocalSlices = tuple[ViewIndex, Slices]
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,12 @@ class StackSpec:
     """Same-shape, same-schedule owned blocks of a bucket, stacked for one batched kernel
     call; laid out once per plan. ``views`` names each matrix's view (plan position)."""
 
-    index: int  # unique over the plan: the context keys per-stack data by it
+    index: StackIndex  # unique over the plan: per-stack data is keyed by it
     blocks: tuple[int, ...]
     offsets: tuple[int, ...]  # first matrix of each block in the stack
     shape: tuple[int, int, int]
     recipe: StackRecipe | None  # None in plans built without a step (tests)
-    views: tuple[int, ...]
+    views: tuple[ViewIndex, ...]
 
 
 def stack_specs(bucket: BucketPlan, first_index: int) -> list[StackSpec]:
@@ -45,14 +46,14 @@ def stack_specs(bucket: BucketPlan, first_index: int) -> list[StackSpec]:
     stacks: list[StackSpec] = []
     for (rows, cols, recipe), members in groups.items():
         offsets: list[int] = []
-        views: list[int] = []
+        views: list[ViewIndex] = []
         for index in members:
             block = bucket.owned[index]
             offsets.append(len(views))
             views += [block.view] * (block.stop - block.start)
         stacks.append(
             StackSpec(
-                first_index + len(stacks),
+                StackIndex(first_index + len(stacks)),
                 tuple(members),
                 tuple(offsets),
                 (len(views), rows, cols),

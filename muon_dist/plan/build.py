@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from muon_dist.plan.indices import ViewIndex
 from muon_dist.plan.recipes import StackRecipe
 from muon_dist.plan.views import Box, MatrixView
 
@@ -150,7 +151,7 @@ def ns_cost(rows: int, cols: int, steps: int = 5) -> float:
 class Block:
     """Consecutive matrices of one parameter, orthogonalized together on one owner."""
 
-    view: int
+    view: ViewIndex
     start: int
     stop: int
     owner: int
@@ -166,7 +167,7 @@ class Block:
 
 @dataclass
 class _Job:
-    view: int
+    view: ViewIndex
     matrix: int
     part: tuple[int, ...]
     holders: dict[int, Box]
@@ -179,7 +180,8 @@ def _jobs(
     placements: Sequence[ViewPlacement], replica_mode: str, steps_of: Sequence[int]
 ) -> list[_Job]:
     jobs: list[_Job] = []
-    for v_index, placement in enumerate(placements):
+    for position, placement in enumerate(placements):
+        v_index = ViewIndex(position)
         boxes = local_boxes(placement)
         coords = mesh_coords(placement)
         replica_dims = [i for i, d in enumerate(placement.shard_dims) if d is None]
@@ -357,7 +359,7 @@ class LocalPiece:
     """A piece of this rank's local shard that is sent to, or received from, ``peer``."""
 
     peer: int
-    view: int
+    view: ViewIndex
     slices: Slices
     shape: tuple[int, ...]
 
@@ -376,7 +378,7 @@ class BlockPiece:
 class OwnedBlock:
     """A block this rank orthogonalizes; ``own_slices`` maps its own shard into the block."""
 
-    view: int
+    view: ViewIndex
     start: int
     stop: int
     shape: tuple[int, ...]
@@ -392,7 +394,7 @@ class BucketPlan:
     ``views`` are the views of all its blocks, on every rank (the same on all ranks)."""
 
     names: tuple[str, ...]
-    views: tuple[int, ...] = ()
+    views: tuple[ViewIndex, ...] = ()
     blocks: tuple[Block, ...] = ()  # all its blocks, in one order on every rank
     owned: list[OwnedBlock] = field(default_factory=list)
     gather_sends: list[LocalPiece] = field(default_factory=list)

@@ -14,11 +14,11 @@ CoefficientsKey = str | tuple[tuple[float, ...], ...]
 
 @dataclass(frozen=True)
 class StackRecipe:
-    """Newton–Schulz's steps, coefficients and method, the parts it cuts each matrix into
+    """Newton–Schulz's iterations, coefficients and method, the parts it cuts each matrix into
     (with their lr scales), and the rule's own part (NorMuon's row normalization reads the
     orientation; Dion2's selection also the fraction)."""
 
-    steps: int
+    iterations: int
     coefficients: CoefficientsKey
     parts: PartSplit | None
     method: str

@@ -367,6 +367,20 @@ def group_param_names(group: dict[str, Any], index: int) -> list[str]:
     ]
 
 
+def param_list(params: Any) -> list[Any]:
+    """A list of parameters (or groups), in the order given; a set has none, so the ranks
+    would list its parameters in different orders, and is refused as torch refuses it."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            f"Muon takes parameters in an ordered collection, got a {type(params).__name__}: "
+            "a set's order differs between processes, so ranks would pair different tensors; "
+            "pass a list, e.g. list(model.named_parameters()) or muon_dist.param_groups(model)"
+        )
+    return list(params)
+
+
 def named_params(groups: Sequence[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], Any]]:
     """``(name, group, param)`` for every parameter of ``groups``, in order, named as
     :func:`group_param_names` names them (a saved state's groups hold integer keys)."""

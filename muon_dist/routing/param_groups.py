@@ -118,26 +118,16 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Split a model's parameters into Muon and AdamW groups for :class:`muon_dist.Muon`.
 
-    Hidden matrices go to Muon, each seen as its module applies it: ``nn.Linear`` ``[out,
-    in]``, transformers' ``Conv1D`` ``[in, out]``, expert stacks ``[E, ·, ·]`` (orientation
-    read from the container's shapes), fused ``[E*m, n]`` experts (``num_experts`` or the
-    config's expert count), fused QKV and gate+up projections split where their outputs add
-    up to config dimensions, interleavings from :mod:`muon_dist.routing.families`. AdamW gets
-    embeddings, output heads (tied or not), biases, vectors, state-space parameters
-    (``A_log``, ``D``, ``dt_bias``), convolutions (``conv="muon"`` flattens them to
-    ``[out, in*k]`` instead), matrices with a side below ``min_matrix_side`` and >2-D
-    tensors that are neither. Norms, biases, vectors and state-space parameters never take
-    weight decay; the other AdamW groups take ``weight_decay`` when it is passed, else
-    ``Muon(adamw_weight_decay=)``. Groups hold only the options passed here (``lr``,
-    ``adamw_lr``, ``weight_decay``, ``adamw_betas``, ``adamw_eps`` and ``muon_options``).
-
-    ``fused`` declares layouts by name regex (``split_sizes``, ``num_heads``,
-    ``split_groups``, ``transposed``); ``overrides`` moves parameters (a callable ``(name,
-    param) -> "muon" | "adamw" | None`` or name regex -> algorithm). Both win over the
-    structure and the family table; a pattern that matches nothing raises. Routing never
-    raises for a parameter it can route; what it guessed is logged as one warning with the
-    option that settles each guess. The audit (every parameter, its view, lr scale and the
-    reason) is logged at INFO, and printed (by rank 0) with ``report=True``.
+    Hidden matrices go to Muon, each seen as its module applies it (``nn.Linear`` ``[out,
+    in]``, ``Conv1D`` ``[in, out]``, expert stacks, fused experts, fused projections split by
+    config or by :mod:`muon_dist.routing.families`); embeddings, output heads, biases,
+    vectors, state-space parameters, convolutions (``conv="muon"`` flattens them), small
+    matrices and other >2-D tensors go to AdamW. Groups hold only the options passed here.
+    ``fused`` (layouts by name regex) and ``overrides`` (algorithm by name regex or callable)
+    win over structure and the family table; a pattern that matches nothing raises. Guesses
+    are warned with the option that settles each; the audit (every parameter, its view, lr
+    scale and reason) is logged at INFO and printed by rank 0 with ``report=True``. The
+    README's ``param_groups`` reference has every argument.
     """
     routes = route_model(
         model,
@@ -158,6 +148,15 @@ def param_groups(
         params.append(p)
         names.append(name)
     groups = _groups(buckets, lr, adamw_lr, weight_decay, adamw_betas, adamw_eps, muon_options)
+    _audit(routes, groups, report)
+    return groups
+
+
+def _audit(
+    routes: dict[str, tuple[torch.Tensor, Route]], groups: list[dict[str, Any]], report: bool
+) -> None:
+    """Warn of every guess with the option that settles it; log the audit (and print it on
+    rank 0 with ``report``)."""
     reasons = {name: route.reason for name, (_, route) in routes.items()}
     audit = format_routing_table(routing_entries(groups, reasons))
     guesses = list(dict.fromkeys(r.guess for _, r in routes.values() if r.guess is not None))
@@ -171,7 +170,6 @@ def param_groups(
     logger.info("muon_dist routing:\n%s", audit)
     if report and (not dist.is_initialized() or dist.get_rank() == 0):
         print(audit)
-    return groups
 
 
 def route_model(

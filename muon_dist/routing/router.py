@@ -229,24 +229,7 @@ class Router:
                     reasons.append(fused[1])
                     out_dim //= fused[0]["num_experts"]
         elif p.ndim == 3 and self._stacked(name, shape):
-            options["experts"] = True
-            stacks = self._stacks_of(name.rpartition(".")[0], owner)
-            reasons.append(self._stack_reason(name))
-            if stacks.in_out:
-                options["transposed"] = True
-                out_dim, in_dim = shape[2], shape[1]
-            else:
-                out_dim, in_dim = shape[1], shape[2]
-            if stacks.in_out is None and len(stacks.fused) == 0 and self._siblings(owner) > 1:
-                guess = (
-                    f"{_regex(name)} ({_shape_text(shape)}): its container's shapes do not tell "
-                    f"[E, out, in] from [E, in, out]; read as [E, out, in]; pass fused="
-                    f"{{{_regex(name)!r}: {{'transposed': True}}}} if it is applied as x @ W[e]"
-                )
-            leaf = name.rpartition(".")[2]
-            if leaf in stacks.fused:
-                options["split_sizes"] = [out_dim // 2, out_dim // 2]
-                reasons.append("gate and up halves (twice the down projection's width)")
+            out_dim, in_dim, guess = self._stack_view(name, owner, shape, options, reasons)
         elif p.ndim > 2:
             reasons.append(f"{p.ndim}-D tensor, muon_mode={self.muon_mode!r}")
         if declared is not None:
@@ -267,6 +250,36 @@ class Router:
         return self._checked(
             name, shape, Route("muon", "; ".join(reasons), _frozen(options), guess=guess)
         )
+
+    def _stack_view(
+        self,
+        name: str,
+        owner: nn.Module | None,
+        shape: tuple[int, ...],
+        options: ViewOptions,
+        reasons: list[str],
+    ) -> tuple[int, int, str | None]:
+        """An expert stack's orientation and fused halves (into ``options`` and ``reasons``):
+        its ``(out, in)`` and the guess to warn of, if any."""
+        options["experts"] = True
+        stacks = self._stacks_of(name.rpartition(".")[0], owner)
+        reasons.append(self._stack_reason(name))
+        if stacks.in_out:
+            options["transposed"] = True
+            out_dim, in_dim = shape[2], shape[1]
+        else:
+            out_dim, in_dim = shape[1], shape[2]
+        guess = None
+        if stacks.in_out is None and len(stacks.fused) == 0 and self._siblings(owner) > 1:
+            guess = (
+                f"{_regex(name)} ({_shape_text(shape)}): its container's shapes do not tell "
+                f"[E, out, in] from [E, in, out]; read as [E, out, in]; pass fused="
+                f"{{{_regex(name)!r}: {{'transposed': True}}}} if it is applied as x @ W[e]"
+            )
+        if name.rpartition(".")[2] in stacks.fused:
+            options["split_sizes"] = [out_dim // 2, out_dim // 2]
+            reasons.append("gate and up halves (twice the down projection's width)")
+        return out_dim, in_dim, guess
 
     def _checked(self, name: str, shape: tuple[int, ...], route: Route) -> Route:
         """AdamW instead for a matrix (per expert for stacks) with a side below

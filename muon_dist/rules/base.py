@@ -15,6 +15,20 @@ from typing import Any, ClassVar, Protocol
 
 
 @dataclass(frozen=True)
+class MatrixStep:
+    """The scalars of one matrix's step, as a rule's plain reference takes them: the
+    learning rate, the decoupled weight decay, the momentum coefficient β, whether
+    Newton–Schulz reads Nesterov's ``G + β·M``, and the lr scale of the full matrix shape
+    (:func:`muon_dist.rules.scale.lr_scale`)."""
+
+    lr: float
+    weight_decay: float
+    beta: float
+    nesterov: bool
+    scale: float
+
+
+@dataclass(frozen=True)
 class RulePart:
     """What a rule adds to a stack's recipe, so that one stack holds matrices its owner
     treats alike: the rule, and what of the view or the group its own parts read."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from muon_dist.rules.base import Rule, RulePart
+from muon_dist.rules.base import MatrixStep, Rule, RulePart
 from muon_dist.rules.slices import slice_axis
 
 
@@ -22,12 +22,8 @@ def reference(
     grad: torch.Tensor,
     momentum: torch.Tensor,
     orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+    step: MatrixStep,
     *,
-    lr: float,
-    weight_decay: float,
-    beta: float,
-    nesterov: bool,
-    scale: float,
     fraction: float,
     transposed: bool = False,
 ) -> None:
@@ -44,7 +40,7 @@ def reference(
     the step is Muon's.
     """
     momentum.add_(grad)
-    x = grad.add(momentum, alpha=beta) if nesterov else momentum
+    x = grad.add(momentum, alpha=step.beta) if step.nesterov else momentum
     rows, cols = x.shape
     out_dim, in_dim = (cols, rows) if transposed else (rows, cols)
     axis = slice_axis(out_dim, in_dim, transposed)
@@ -53,9 +49,9 @@ def reference(
     chosen = torch.sort(norms, descending=True, stable=True).indices[:count].sort().values
     ortho = torch.zeros_like(x)
     ortho.index_copy_(axis, chosen, orthogonalize(x.index_select(axis, chosen)).to(x.dtype))
-    momentum.index_copy_(axis, chosen, momentum.index_select(axis, chosen) * beta)
-    param.mul_(1.0 - lr * weight_decay)
-    param.sub_(ortho, alpha=lr * scale)
+    momentum.index_copy_(axis, chosen, momentum.index_select(axis, chosen) * step.beta)
+    param.mul_(1.0 - step.lr * step.weight_decay)
+    param.sub_(ortho, alpha=step.lr * step.scale)
 
 
 class Dion2(Rule):

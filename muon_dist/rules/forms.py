@@ -9,7 +9,7 @@ from muon_dist.kernels.availability import triton_available
 
 # Below this many elements the fused pass loses to torch's two kernels under
 # ``backend="auto"``: a Triton launch costs the host more than a small piece's bytes cost the
-# GPU (the crossover is measured in benchmarks/README.md, "Elementwise passes").
+# GPU (the crossover is in benchmarks/README.md, "Fused momentum and update passes").
 FUSED_MIN_NUMEL = 1 << 21
 
 

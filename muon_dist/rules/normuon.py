@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from muon_dist.rules import muon
-from muon_dist.rules.base import Rule, RulePart, ViewShape
+from muon_dist.rules.base import MatrixStep, Rule, RulePart, ViewShape
 
 # The per-row second moments of a parameter, one fp32 entry per output row of each matrix.
 ROW_MOMENT = "row_second_moment"
@@ -25,12 +25,8 @@ def reference(
     momentum: torch.Tensor,
     second_moment: torch.Tensor,
     orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+    step: MatrixStep,
     *,
-    lr: float,
-    weight_decay: float,
-    beta: float,
-    nesterov: bool,
-    scale: float,
     beta2: float,
     eps: float,
     transposed: bool = False,
@@ -55,17 +51,7 @@ def reference(
         result: torch.Tensor = (scaled.mT if transposed else scaled).to(ortho.dtype)
         return result
 
-    muon.reference(
-        param,
-        grad,
-        momentum,
-        normalized,
-        lr=lr,
-        weight_decay=weight_decay,
-        beta=beta,
-        nesterov=nesterov,
-        scale=scale,
-    )
+    muon.reference(param, grad, momentum, normalized, step)
 
 
 def row_count(views: Sequence[ViewShape]) -> int:

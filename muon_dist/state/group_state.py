@@ -14,7 +14,7 @@ import torch
 
 from muon_dist.options.schema import missing_filled
 from muon_dist.options.validation import check_group_keys, check_unique_names, validate_group
-from muon_dist.plan.views import ALGORITHMS, group_param_names, matrix_views
+from muon_dist.plan.views import ALGORITHMS, group_param_names, matrix_views, param_list
 from muon_dist.rules.registry import fp32_state, rule_of
 from muon_dist.state.checks import (
     by_name,
@@ -33,20 +33,6 @@ State = dict[torch.Tensor, dict[str, Any]]
 OWN_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 # State kept in fp32 whatever the parameter's dtype (torch's load casts to the parameter's).
 FP32_TENSORS = ("magma_score", *fp32_state())
-
-
-def param_list(params: Any) -> list[Any]:
-    """A list of parameters (or groups), in the order given; a set has none, so the ranks
-    would list its parameters in different orders, and is refused as torch refuses it."""
-    if isinstance(params, torch.Tensor):
-        return [params]
-    if isinstance(params, (set, frozenset)):
-        raise TypeError(
-            f"Muon takes parameters in an ordered collection, got a {type(params).__name__}: "
-            "a set's order differs between processes, so ranks would pair different tensors; "
-            "pass a list, e.g. list(model.named_parameters()) or muon_dist.param_groups(model)"
-        )
-    return list(params)
 
 
 def _other(algorithm: str) -> str:

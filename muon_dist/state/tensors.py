@@ -15,7 +15,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def storage(params: Sequence[torch.Tensor]) -> list[int]:
     """Where each parameter's local tensor starts in memory now: a pointer read per
-    parameter, past ``__torch_function__`` (about 0.1 µs each)."""
+    parameter, past ``__torch_function__``, so a check every step costs almost nothing."""
     return [
         _data_ptr(p._local_tensor if isinstance(p, DTensor) else p)  # no dispatch
         for p in params

@@ -61,7 +61,7 @@ class BackwardStart:
         self.names = list(names)  # per Muon tensor
         # Per bucket, in plan order, the Muon tensors it needs (the same on every rank).
         self._needs = [
-            frozenset(phase.entries[v].param_index for v in bucket.views)
+            frozenset(phase.entries[v].tensor_index for v in bucket.views)
             for bucket in phase.plan.buckets
         ]
         # This step's reported tensors: the gradient read, and its version at the end of

@@ -29,25 +29,19 @@ class Exchanges:
     world_size: int
 
 
+@dataclass
 class BucketIO:
     """The reads of Newton–Schulz inputs and the writes of updates of every bucket task:
     held by the transaction while it is open, cast to the exchanges' dtype, and a failure
-    recorded instead of raised (``step()`` raises it once every rank knows)."""
+    recorded instead of raised (``step()`` raises it once every rank knows). ``early``:
+    between ``open_early`` and the end of ``close_early``, a step begun from gradient hooks
+    (:mod:`muon_dist.step.backward`), whose held updates must not pin their stacks."""
 
-    def __init__(
-        self,
-        io: PieceIO,
-        transaction: SkipTransaction,
-        failures: Failures,
-        settings: ExecutionSettings,
-    ) -> None:
-        self.io = io
-        self.transaction = transaction
-        self.failures = failures
-        self._settings = settings
-        # Between open_early and the end of close_early: a step begun from gradient hooks
-        # (muon_dist.step.backward), whose held updates must not pin their stacks.
-        self.early = False
+    io: PieceIO
+    transaction: SkipTransaction
+    failures: Failures
+    settings: ExecutionSettings
+    early: bool = False
 
     def read(self, pieces: Sequence[LocalSlices], outs: Sequence[torch.Tensor]) -> None:
         """Write the Newton–Schulz input of each piece of a local shard into its ``out``,
@@ -64,8 +58,8 @@ class BucketIO:
         """Add each piece's scaled update to that piece of a local shard (all pieces of one
         phase at once, so they share launches); ``pieces`` as for :meth:`read`."""
         try:
-            comm_dtype = self._settings.comm_dtype
-            if self._settings.ns_dtype != comm_dtype:
+            comm_dtype = self.settings.comm_dtype
+            if self.settings.ns_dtype != comm_dtype:
                 # Owners add their own result in the dtype the other holders receive it in,
                 # so replicas of a parameter round identically and stay bitwise equal. Piece
                 # by piece: a cast of whole stacks would hold both dtypes' stacks at once.

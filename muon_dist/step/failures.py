@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from muon_dist.plan.bucket_map import LocalSlices
+from muon_dist.plan.indices import TensorIndex
 from muon_dist.step.agreement import Agreement
 
 
@@ -16,7 +17,9 @@ class Failures:
     update) raised in a step, flagged in the agreement's result flags: the other ranks learn
     of it there instead of waiting in a collective this rank never joins."""
 
-    def __init__(self, agreement: Agreement, rank: int, tensor_of_view: Sequence[int]) -> None:
+    def __init__(
+        self, agreement: Agreement, rank: int, tensor_of_view: Sequence[TensorIndex]
+    ) -> None:
         self.error: Exception | None = None
         self._agreement = agreement
         self._rank = rank

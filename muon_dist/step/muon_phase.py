@@ -34,6 +34,7 @@ from muon_dist.plan.build import (
     mesh_coords,
     placement_of,
 )
+from muon_dist.plan.indices import GroupIndex, TensorIndex
 from muon_dist.plan.views import Box, MatrixView
 from muon_dist.rules.forms import fused_form
 from muon_dist.rules.normuon import ROW_MOMENT
@@ -60,7 +61,7 @@ class MuonEntry:
 
     A parameter cut by ``split_sizes`` has one entry per row block; its matrices are
     numbered across its views from ``first_matrix`` on (Magma keeps one score per matrix).
-    ``param_index`` is the parameter's position among the Muon parameters, ``group_index``
+    ``tensor_index`` is the parameter's position among the Muon parameters, ``group_index``
     its group's position among all groups.
     """
 
@@ -69,8 +70,8 @@ class MuonEntry:
     view: MatrixView
     name: str
     first_matrix: int
-    param_index: int
-    group_index: int
+    tensor_index: TensorIndex
+    group_index: GroupIndex
 
 
 def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tensor:
@@ -204,7 +205,7 @@ class MuonPhase:
         self.device = self.shards[0].device
         self.views_of: list[list[int]] = [[] for _ in self.params]
         for index, e in enumerate(entries):
-            self.views_of[e.param_index].append(index)
+            self.views_of[e.tensor_index].append(index)
         self.groups = [entries[views[0]].group for views in self.views_of]
         self._group_of = [entries[views[0]].group_index for views in self.views_of]
         exchanges = Exchanges(comm.exchange, settings.comm_dtype, self.device, comm.world_size)
@@ -241,13 +242,13 @@ class MuonPhase:
         entries, settings, plan, agreement = self.entries, self.settings, self.plan, self.agreement
         # Per matrix of every stack, in plan order, its Muon tensor.
         stacks = [stack for m in self.maps for stack in m.stacks]
-        stack_tensor = [entries[i].param_index for stack in stacks for i in stack.views]
+        stack_tensor = [entries[i].tensor_index for stack in stacks for i in stack.views]
         self.fusable_reads, self.fusable_writes = _fusable(
             plan, self.views_of, self.groups, self.shards
         )
         self.scalars, forms = _scalars_and_forms(self, group_count, stack_tensor)
         self.transaction = SkipTransaction()
-        self.failures = Failures(agreement, comm.rank, [e.param_index for e in entries])
+        self.failures = Failures(agreement, comm.rank, [e.tensor_index for e in entries])
         self.io = BucketIO(
             PieceIO(forms, self.shards, self.state, self.grads, self.scalars, settings.backend),
             self.transaction,
@@ -394,7 +395,7 @@ class MuonPhase:
 
 
 def _scalars_and_forms(
-    phase: MuonPhase, group_count: int, stack_tensor: list[int]
+    phase: MuonPhase, group_count: int, stack_tensor: Sequence[TensorIndex]
 ) -> tuple[MuonScalars, PieceForms]:
     """A phase's device scalars, and each piece's tensor, group, step class and forms
     (plan time, from its entries, groups and fusable pieces)."""
@@ -408,7 +409,7 @@ def _scalars_and_forms(
     scalars = MuonScalars(
         group_of=phase._group_of,
         cautious=[g["cautious_wd"] for g in phase.groups],
-        piece_tensor=[e.param_index for e in entries],
+        piece_tensor=[e.tensor_index for e in entries],
         neg_scale=[-scale for scale in scales],
         class_group=[g for g, _ in classes],
         class_neg_scale=[-scale for _, scale in classes],
@@ -416,7 +417,7 @@ def _scalars_and_forms(
         group_count=group_count,
         device=phase.device,
     )
-    tensor_of = [e.param_index for e in entries]
+    tensor_of = [e.tensor_index for e in entries]
     backend, momenta = phase.settings.backend, phase.state.momenta
     fused_reads = _fused(phase.fusable_reads, tensor_of, phase.shards, momenta, backend)
     fused_writes = _fused(phase.fusable_writes, tensor_of, phase.shards, momenta, backend)

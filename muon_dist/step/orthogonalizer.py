@@ -11,6 +11,7 @@ import torch
 from muon_dist.kernels.dispatch import newton_schulz
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import StackSpec
+from muon_dist.plan.indices import TensorIndex
 from muon_dist.rules.ops import mask_stack_
 from muon_dist.rules.registry import RULES
 from muon_dist.rules.slices import selected_orthogonalize
@@ -29,7 +30,7 @@ class Orthogonalizer:
         settings: ExecutionSettings,
         row_moments: RowMoments,
         failures: Failures,
-        stack_tensor: Sequence[int],
+        stack_tensor: Sequence[TensorIndex],
         stack_sizes: Sequence[int],
         dropped: torch.Tensor,
     ) -> None:
@@ -66,7 +67,7 @@ class Orthogonalizer:
             # launching their Newton–Schulz costs the host more than the GPU's work.
             return newton_schulz(
                 x,
-                steps=recipe.steps,
+                steps=recipe.iterations,
                 coefficients=recipe.coefficients,
                 dtype=settings.ns_dtype,
                 backend=settings.backend,

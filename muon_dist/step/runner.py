@@ -20,6 +20,7 @@ from torch.optim.adamw import adamw as adamw_update
 from muon_dist.dist.groups import CommGroups
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.build import build_plan, placement_of
+from muon_dist.plan.indices import GroupIndex, TensorIndex
 from muon_dist.plan.recipes import StackRecipe
 from muon_dist.plan.views import MatrixView, matrix_views, named_params
 from muon_dist.rules.registry import rule_of
@@ -77,10 +78,8 @@ def muon_entries(groups: Sequence[dict[str, Any]]) -> tuple[list[MuonEntry], lis
             continue
         first = 0
         for view in matrix_views(p.shape, group, name):
-            index = group_index[id(group)]
-            entries.append(
-                MuonEntry(p, group, view, view.label(name), first, len(positions), index)
-            )
+            tensor, index = TensorIndex(len(positions)), GroupIndex(group_index[id(group)])
+            entries.append(MuonEntry(p, group, view, view.label(name), first, tensor, index))
             first += view.count
         positions.append(position)
     return entries, positions
@@ -137,6 +136,16 @@ class StepRunner:
             (None, None) for _ in self.params
         ]
         self.bind_state(state)
+
+    def stale(self, groups: Sequence[dict[str, Any]]) -> str | None:
+        """Why this step no longer fits ``groups``, or None: a group's ``dion2_fraction``
+        changed (its stacks have other shapes), or a parameter got new storage since the
+        step was built (:mod:`muon_dist.state.rebind`)."""
+        if self.fractions != fractions(groups):
+            return "dion2_fraction changed"
+        if storage(self.params) != self.storage:
+            return "parameter storage changed"
+        return None
 
     def _muon_phase(
         self,
