@@ -90,6 +90,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "magma_cautious": {"magma": True, "cautious_wd": True},
     "normuon": {"rule": "normuon"},
     "dion2": {"rule": "dion2"},
+    "frozen": {},
 }
 
 
@@ -188,6 +189,8 @@ def parity(world_size: int, layout: str) -> dict[str, Any]:
     held: list[int] = []
     for overlap in ("none", "backward"):
         model, groups = _model(world_size, "fsdp" if layout in OPTIONS else layout)
+        if layout == "frozen":  # a Muon parameter without a gradient, hence without a hook
+            model[0].weight.requires_grad_(False)
         opt = _optimizer(groups, overlap, "raise", **OPTIONS.get(layout, {}))
 
         def record(_step: int, _micro: int, opt: muon_dist.Muon = opt) -> None:

@@ -21,6 +21,7 @@ import muon_dist
         pytest.param(2, "experts", marks=pytest.mark.slow),
         pytest.param(2, "magma_cautious", marks=pytest.mark.slow),
         (2, "normuon"),
+        (2, "frozen"),
         pytest.param(2, "dion2", marks=pytest.mark.slow),
     ],
 )

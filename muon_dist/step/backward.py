@@ -50,7 +50,10 @@ def register_grad_hooks(
             target(p)
 
     for p in params:
-        p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        # A frozen parameter has no gradient, hence no hook: its bucket starts at step(), as
+        # the buckets of parameters without a gradient do.
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
 
 class BackwardStart:
