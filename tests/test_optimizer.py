@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -292,3 +293,34 @@ def test_passes_fuse_only_where_a_shard_is_read_or_written_once() -> None:
     assert len(entries) == 5 and split_views <= set(labels)
     assert fused_reads == {"group0.param0", "group2.param0", *split_views}
     assert fused_writes == {"group0.param0", *split_views}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(6, 10).t(),  # transposed: dense, not contiguous
+        lambda: torch.randn(8, 12)[:, :5],  # a slice of a larger tensor
+        lambda: torch.randn(6, 10)[:, ::2],  # every other column
+    ],
+    ids=["transposed", "slice", "strided"],
+)
+def test_adamw_on_strided_parameters_matches_torch(make: Callable[[], torch.Tensor]) -> None:
+    """A parameter that is a strided view updates as torch's single-tensor AdamW updates a
+    contiguous copy, and stays a view of the tensor it was cut from."""
+    torch.manual_seed(3)
+    base = make()
+    param = nn.Parameter(base)
+    reference = nn.Parameter(base.detach().clone())
+    opt = muon_dist.Muon(
+        [{"params": [param], "algorithm": "adamw"}], adamw_lr=1e-2, adamw_weight_decay=0.1
+    )
+    ref = torch.optim.AdamW(
+        [reference], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
+    )
+    for _ in range(3):
+        grad = torch.randn(param.shape)
+        param.grad, reference.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(param.detach(), reference.detach(), rtol=1e-6, atol=1e-6)
+    assert param.data_ptr() == base.data_ptr() and param.stride() == base.stride()

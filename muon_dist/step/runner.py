@@ -308,11 +308,23 @@ class StepRunner:
         tensors = self._adamw_tensors
         beta1, beta2 = group["betas"]
         cuda = self.device.type == "cuda"
+        laid_out = [
+            [tensors[i][0], cast(torch.Tensor, grads[i]), tensors[i][1], tensors[i][2]]
+            for i in members
+        ]
+        # The fused kernel reads a parameter, its gradient and its moments as one dense
+        # layout; a parameter that is a strided view (a slice, a transpose) takes contiguous
+        # copies, written back after the update (unchanged where the step skips it).
+        moved = [
+            (k, list(t)) for k, t in enumerate(laid_out) if not all(x.is_contiguous() for x in t)
+        ]
+        for k, _ in moved:
+            laid_out[k] = [x.contiguous() for x in laid_out[k]]
         adamw_update(
-            [tensors[i][0] for i in members],
-            [cast(torch.Tensor, grads[i]) for i in members],
-            [tensors[i][1] for i in members],
-            [tensors[i][2] for i in members],
+            [t[0] for t in laid_out],
+            [t[1] for t in laid_out],
+            [t[2] for t in laid_out],
+            [t[3] for t in laid_out],
             [],
             [tensors[i][3] for i in members],
             fused=True,
@@ -326,6 +338,11 @@ class StepRunner:
             maximize=False,
             found_inf=found_inf,
         )
+        for k, (param, _, exp_avg, exp_avg_sq) in moved:
+            work = laid_out[k]
+            param.copy_(work[0])
+            exp_avg.copy_(work[2])
+            exp_avg_sq.copy_(work[3])
 
 
 def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
