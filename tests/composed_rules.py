@@ -34,7 +34,8 @@ def muon_update_(
     magma_beta: float = 0.9,
     carry: float | None = None,
 ) -> torch.Tensor:
-    """One Muon step of one matrix, in place: the reference for every form below. Returns
+    """One Muon step of one matrix from the step's ops, held bitwise to every batched and
+    fused form and to :func:`muon_dist.rules.muon.reference` within rounding. Returns
     the orthogonalized update as applied (zero where not kept), for a rule's state.
 
     ``lr`` and ``weight_decay`` are fp32 device scalars and ``keep`` a bool one, as the
@@ -82,23 +83,9 @@ def normuon_update_(
     eps: float,
     transposed: bool = False,
 ) -> None:
-    """One NorMuon step of one matrix, in place: Muon's step (:func:`muon_update_`) on
-    row-normalized orthogonalized updates; the reference for its distributed form.
-
-    NorMuon (Li et al. 2025, arXiv 2510.05491, Algorithm 1) keeps Muon's momentum and
-    orthogonalization, then normalizes each output row (neuron) of ``O = NS(·)``, an
-    ``m x n`` matrix (``transposed``: stored ``[in, out]``, so its columns are the rows)::
-
-        v ← β₂·v + (1 − β₂)·mean_cols(O ⊙ O)            (v: one entry per row, fp32)
-        Ô = O / (√v + ε)                                  (row i divided by √v_i + ε)
-        W ← W·(1 − η·λ) − η·scale·(‖O‖_F / ‖Ô‖_F)·Ô
-
-    The paper's step ``η̂ = 0.2·η·√(mn) / ‖Ô‖_F`` sets the update's RMS; here ``Ô`` is
-    rescaled to ``‖O‖_F`` and the group's ``adjust_lr`` applies as for Muon, so lr and
-    ``adjust_lr`` keep their meaning across the two rules; with ``adjust_lr="rms_norm"``
-    and an orthogonal ``O`` (``‖O‖_F = √min(m, n)``) the two steps are the same.
-    ``second_moment`` (shape ``[m]``) advances only where ``keep``.
-    """
+    """One NorMuon step of one matrix from the step's ops: :func:`muon_update_` on
+    row-normalized orthogonalized updates (the rule: :func:`muon_dist.rules.normuon.reference`).
+    ``second_moment`` (shape ``[m]``) advances only where ``keep``."""
 
     def normalized(update: torch.Tensor) -> torch.Tensor:
         ortho = torch.where(keep, orthogonalize(update), 0.0)
@@ -139,26 +126,8 @@ def dion2_update_(
     fraction: float,
     transposed: bool = False,
 ) -> None:
-    """One Dion2 step of one matrix, in place: Muon's step (:func:`muon_update_`) on a
-    fraction of the matrix's slices; the reference for its distributed form.
-
-    Dion2 (Ahn et al., microsoft/dion ``dion2.py``) orthogonalizes only the ``k`` slices
-    (output rows when the matrix has no more outputs than inputs, else input columns: the
-    shorter side) whose Newton–Schulz input has the largest L1 norms, and decays only
-    those::
-
-        A = M + G                                     (no decay here)
-        X = A  (Nesterov: X = G + β·A)                (Newton–Schulz's input, as Muon's)
-        S = top_k(X)                                  (:func:`select_slices`)
-        O = NS(X[S])                                  (k slices; zero elsewhere)
-        M = A, then M[S] ← β·A[S]                     (error feedback, :func:`error_feedback_`)
-        W ← W·(1 − η·λ) − η·scale·O
-
-    ``β`` is the group's ``momentum`` (the paper's error-feedback decay; its Dion2 is
-    ``nesterov=False``), ``scale`` the lr scale of the full matrix, ``k = ⌈fraction·L⌉``
-    for ``L`` slices. With ``fraction=1`` every slice is selected every step, so the stored
-    momentum is ``β·(M + G)`` and the step is Muon's. ``transposed``: stored ``[in, out]``.
-    """
+    """One Dion2 step of one matrix from the step's ops: :func:`muon_update_` on the
+    selected slices, then the error feedback (the rule: :func:`muon_dist.rules.dion2.reference`)."""
     update = muon_update_(
         param,
         grad,
