@@ -33,7 +33,7 @@ from muon_dist.plan.views import (
     param_list,
     routing_entries,
 )
-from muon_dist.qk_clip import MaxLogitTracker, QKClip, QKClipper
+from muon_dist.qk_clip import MaxLogitTracker, QKClip, qk_clipper
 from muon_dist.routing.param_groups import UnlabelledRouting
 from muon_dist.state.group_state import (
     checked_group,
@@ -57,47 +57,22 @@ _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
 class Muon(torch.optim.Optimizer):
     r"""Distributed Muon with AdamW for non-matrix parameters.
 
-    For each matrix :math:`W` of a Muon group (gradient :math:`G`, momentum :math:`M`,
-    Newton–Schulz :math:`\mathrm{NS}`), one step computes (:func:`muon_dist.rules.muon.reference`)
+    For each matrix :math:`W` of a Muon group (gradient :math:`G`, momentum :math:`M`),
+    one step computes :math:`M \leftarrow \beta M + G`, orthogonalizes :math:`U = G + \beta M`
+    (Nesterov) or :math:`M` with Newton–Schulz into :math:`O`, and sets
+    :math:`W \leftarrow (1 - \mathrm{lr}\,\lambda) W - \mathrm{lr}\cdot s\cdot O`, with
+    :math:`s` the ``adjust_lr`` scale of the whole matrix, never a shard's
+    (:func:`muon_dist.rules.muon.reference`, with Magma and cautious decay; NorMuon and
+    Dion2 in :mod:`muon_dist.rules`). Other parameters take torch's AdamW.
 
-    .. math::
-        \begin{aligned}
-        M &\leftarrow \beta M + G \\
-        U &\leftarrow G + \beta M \ \text{(nesterov)} \quad\text{or}\quad M \\
-        O &\leftarrow \mathrm{NS}_{k}(U) \approx \text{the polar factor of } U \\
-        \eta &\leftarrow \mathrm{lr} \cdot s(\text{full shape})
-              \cdot \big(\text{magma}: 0.1 + 0.9\, q\big) \\
-        W &\leftarrow (1 - \mathrm{lr}\,\lambda)\, W - \eta\, O
-             \quad\text{or, cautious:}\quad W - \mathrm{lr}\,\lambda\,
-             [\operatorname{sign} O = \operatorname{sign} W] \odot W - \eta\, O
-        \end{aligned}
-
-    where :math:`s` is ``adjust_lr``'s scale of the whole matrix (never a shard's) and
-    :math:`q`, Magma's score per matrix, an EMA (``magma_beta``) of
-    :math:`(1 + \cos(M, G)) / 2`. Other parameters take torch's AdamW.
-
-    ``rule="normuon"`` (NorMuon, Li et al. 2025) then normalizes each output row of
-    :math:`O` by a running second moment (:mod:`muon_dist.rules.normuon`); ``rule="dion2"``
-    (Dion2, microsoft/dion) orthogonalizes only the ``dion2_fraction`` of each matrix's
-    slices with the largest norms, chosen alike on every rank, moves only them, and decays
-    only their momentum (:mod:`muon_dist.rules.dion2`).
-
-    Groups carry ``"algorithm": "muon" | "adamw"``; a group without it is split, >=2-D
-    parameters to Muon and the rest to AdamW. Muon parameters may be plain tensors or
-    DTensors on any mesh (FSDP2, HSDP, expert or tensor parallel): whole matrices are
-    gathered onto one owner rank each, orthogonalized there, and scattered back, so the
-    update equals single-device Muon.
-
-    The step never waits for the device. All ranks agree on the device which gradients
-    exist and are finite; a parameter without a gradient on any rank is left alone, one
-    without a gradient on some ranks takes a zero gradient there (Muon and AdamW alike), and
-    a non-finite gradient anywhere leaves every parameter and all state as they were. The
-    host learns of it later, where it reads the step's flags: with CUDA tensors at the next
-    ``step()``, ``state_dict()`` or :meth:`check_finite`; with CPU tensors at the end of the
-    step itself.
-
-    The constructor's ``Args:`` follow (in ``help(Muon)``), written from the option schema
-    (:mod:`muon_dist.options.schema`), where each option is declared once.
+    Groups carry ``"algorithm": "muon" | "adamw"`` (a group without it is split by
+    dimension). Muon parameters may be plain tensors or DTensors on any mesh: whole matrices
+    are gathered onto one owner rank each, orthogonalized there and scattered back, so the
+    update equals single-device Muon. The step never waits for the device: the ranks agree
+    there which gradients exist and are finite, and a non-finite one anywhere leaves every
+    parameter and all state as they were; the host learns of it where it reads the step's
+    flags (the next ``step()``, ``state_dict()`` or :meth:`check_finite`; on CPU at once).
+    The ``Args:`` below are written from :mod:`muon_dist.options.schema`.
     """
 
     # The signature lists every option (documented in Args above); muon_dist.options.schema
@@ -200,15 +175,11 @@ class Muon(torch.optim.Optimizer):
                 f"cuda_graph=True captures CUDA work, and these parameters are on "
                 f"{runner.device}; leave cuda_graph=False there (that path runs eagerly)"
             )
-        if max_logits is not None and not qk_clip:
-            raise ValueError("max_logits is only read by qk_clip; pass qk_clip=[QKClip(...)]")
-        if qk_clip:
-            clipper = QKClipper(
-                qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
-            )
-            self.register_step_post_hook(
-                lambda opt, _args, _kwargs: clipper(opt.runner.agreement.found_inf)
-            )
+        clipper = qk_clipper(
+            qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
+        )
+        if clipper is not None:
+            self.register_step_post_hook(lambda opt, *_: clipper(opt.runner.agreement.found_inf))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group, checked as the constructor checks its groups; after construction,
@@ -325,19 +296,12 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One step for every group.
-
-        Every rank reaches the same outcome (the same exception, or the same successful
-        update), and a step that fails leaves parameters and optimizer state as they were.
-        Each rank checks the options a scheduler changes, whether a parameter's storage
-        moved (then the step is rebuilt) and its gradients; then all ranks agree on the
-        device, in one all-reduce, which gradients exist, which are non-finite or too large
-        to normalise, whether replicas' gradients and options are alike, and whether some
-        rank refused its inputs or its closure raised. A refusing rank raises its error,
-        the others ``RuntimeError`` naming it; a bad gradient raises ``FloatingPointError``
-        (or is skipped) where the host reads the outcome. A refused step is not counted in
-        ``steps``. What is and is not agreed: README, "Reliability".
-        """
+        """One step for every group: every rank reaches the same outcome (the same exception,
+        or the same update), and a step that fails changes nothing. The ranks agree on the
+        device, in one all-reduce, on gradients, options and refusals; a refusing rank
+        raises its error, the others ``RuntimeError`` naming it, a bad gradient
+        ``FloatingPointError`` (or is skipped) where the host reads the outcome. A refused
+        step is not counted in ``steps``. README, "Reliability", says what is agreed."""
         loss = None
         refusal: Exception | None = None
         if closure is not None:
@@ -376,12 +340,8 @@ class Muon(torch.optim.Optimizer):
             self._runner = None
 
     def check_finite(self) -> None:
-        """Read the last step's outcome and apply the ``nonfinite`` policy to it.
-
-        On CUDA this waits for that step only (it was queued before this call, usually long
-        before); ``step()`` and ``state_dict()`` call it first, so an explicit call is only
-        needed to learn of a bad step before either.
-        """
+        """Read the last step's outcome (on CUDA, waiting for that step only) and apply the
+        ``nonfinite`` policy; ``step()`` and ``state_dict()`` call it first."""
         if self._runner is None:
             return
         outcome = self._runner.agreement.report.read()
@@ -391,10 +351,8 @@ class Muon(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
             "muon_dist.Muon cannot be pickled or deep-copied: it is bound to its parameters, "
-            "their process groups and device buffers. Copy its state instead: build a Muon "
-            "on the copied model and load this one's state, "
-            "new_opt.load_state_dict(opt.state_dict()) (torch.save(opt.state_dict()) works, "
-            "as does torch.distributed.checkpoint)"
+            "process groups and device buffers. Build a Muon on the copied model and "
+            "new_opt.load_state_dict(opt.state_dict()) (torch.save and DCP work on that)"
         )
 
 

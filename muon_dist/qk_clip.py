@@ -248,3 +248,16 @@ class QKClipper:
         factors[block.tensor][first - lo : last - lo] *= per_row[
             first - block.start : last - block.start
         ]
+
+
+def qk_clipper(
+    layers: Sequence[QKClip],
+    tracker: MaxLogitTracker | None,
+    named: Mapping[str, torch.Tensor],
+    rank: int,
+    holders: Peers,
+) -> QKClipper | None:
+    """The clipper of ``layers`` (None without any), refusing a tracker nothing reads."""
+    if tracker is not None and not layers:
+        raise ValueError("max_logits is only read by qk_clip; pass qk_clip=[QKClip(...)]")
+    return QKClipper(layers, tracker, named, rank, holders) if layers else None
