@@ -189,6 +189,13 @@ class StepRunner:
             for i in members
             for p in (self.params[i],)
         }
+        # Parameters that are strided views (a slice, a transpose): the fused kernel reads a
+        # parameter and its moments as one dense layout, so they take contiguous copies.
+        self._adamw_strided = {
+            i
+            for i, tensors in self._adamw_tensors.items()
+            if not all(t.is_contiguous() for t in tensors[:3])
+        }
         if self.muon is not None:
             self.muon.bind_state(state)
         if self.graph is not None:
@@ -308,23 +315,27 @@ class StepRunner:
         tensors = self._adamw_tensors
         beta1, beta2 = group["betas"]
         cuda = self.device.type == "cuda"
-        laid_out = [
-            [tensors[i][0], cast(torch.Tensor, grads[i]), tensors[i][1], tensors[i][2]]
-            for i in members
-        ]
-        # The fused kernel reads a parameter, its gradient and its moments as one dense
-        # layout; a parameter that is a strided view (a slice, a transpose) takes contiguous
-        # copies, written back after the update (unchanged where the step skips it).
+        params = [tensors[i][0] for i in members]
+        grad_list = [cast(torch.Tensor, grads[i]) for i in members]
+        exp_avgs = [tensors[i][1] for i in members]
+        exp_avg_sqs = [tensors[i][2] for i in members]
+        # A strided parameter (or gradient) is updated in contiguous copies, written back
+        # after the update (unchanged where the step skips it).
         moved = [
-            (k, list(t)) for k, t in enumerate(laid_out) if not all(x.is_contiguous() for x in t)
+            k
+            for k, i in enumerate(members)
+            if i in self._adamw_strided or not grad_list[k].is_contiguous()
         ]
-        for k, _ in moved:
-            laid_out[k] = [x.contiguous() for x in laid_out[k]]
+        originals = [(params[k], exp_avgs[k], exp_avg_sqs[k]) for k in moved]
+        for k in moved:
+            params[k], grad_list[k], exp_avgs[k], exp_avg_sqs[k] = (
+                x.contiguous() for x in (params[k], grad_list[k], exp_avgs[k], exp_avg_sqs[k])
+            )
         adamw_update(
-            [t[0] for t in laid_out],
-            [t[1] for t in laid_out],
-            [t[2] for t in laid_out],
-            [t[3] for t in laid_out],
+            params,
+            grad_list,
+            exp_avgs,
+            exp_avg_sqs,
             [],
             [tensors[i][3] for i in members],
             fused=True,
@@ -338,11 +349,10 @@ class StepRunner:
             maximize=False,
             found_inf=found_inf,
         )
-        for k, (param, _, exp_avg, exp_avg_sq) in moved:
-            work = laid_out[k]
-            param.copy_(work[0])
-            exp_avg.copy_(work[2])
-            exp_avg_sq.copy_(work[3])
+        for k, (param, exp_avg, exp_avg_sq) in zip(moved, originals, strict=True):
+            param.copy_(params[k])
+            exp_avg.copy_(exp_avgs[k])
+            exp_avg_sq.copy_(exp_avg_sqs[k])
 
 
 def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
