@@ -1,4 +1,4 @@
-"""Agreement on gradients, decided on the device, and the host's later view of its outcome.
+"""Agreement on gradients, decided on the device.
 
 Every rank must take the same decision about each parameter (is there a gradient on any
 rank? is any gradient non-finite?), and the step must not wait for the device to learn
@@ -16,10 +16,8 @@ gradients of parameters every rank holds whole (replicas) are compared the same 
 their norms: every rank applies the owner's update to a replica, so replicas need equal
 gradients (the data-parallel wrapper averages them), and a difference fails the step.
 
-The host reads the outcome later, from a host copy queued at the end of the step: on a
-CUDA device, at the next point that needs it (the next ``step()``, ``state_dict()`` or
-``check_finite()``), after waiting on an event recorded with that copy; with CPU tensors,
-where the copy is already there, at the end of the step itself.
+The host reads the outcome later, from a copy queued at the end of the step
+(:mod:`muon_dist.step.report`).
 """
 
 from __future__ import annotations

@@ -249,12 +249,10 @@ class MuonPhase:
         self.scalars, forms = _scalars_and_forms(self, group_count, stack_tensor)
         self.transaction = SkipTransaction()
         self.failures = Failures(agreement, comm.rank, [e.tensor_index for e in entries])
-        self.io = BucketIO(
-            PieceIO(forms, self.shards, self.state, self.grads, self.scalars, settings.backend),
-            self.transaction,
-            self.failures,
-            settings,
+        self.pieces = PieceIO(
+            forms, self.shards, self.state, self.grads, self.scalars, settings.backend
         )
+        self.io = BucketIO(self.pieces, self.transaction, self.failures, settings)
         self.orthogonalizer = Orthogonalizer(
             settings,
             self.row_moments,
@@ -285,14 +283,14 @@ class MuonPhase:
         state load)."""
         self.state.bind(state, self._momenta(state))
         self.row_moments.bind(self._moment_tensors(state))
-        self.io.io.bind()
+        self.pieces.bind()
 
     # -- the step -----------------------------------------------------------------------
 
     def set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """This step's local gradients (None where absent), read by the bucket tasks."""
         if self.grads.set(grads):
-            self.io.io.forget_writes()
+            self.pieces.forget_writes()
 
     def bucket(self, index: int) -> Task:
         """Bucket ``index``'s task, in plan order."""
@@ -358,12 +356,12 @@ class MuonPhase:
         pieces, updates, key = self.transaction.end()
         self.scalars.stage(self.agreement.keep, self.agreement.found_inf, inputs, drop=False)
         self._advance_state(store_all=True)
-        self.io.io.write(pieces, updates, key=key, unchecked=True)
+        self.pieces.write(pieces, updates, key=key, unchecked=True)
 
     def _advance_state(self, store_all: bool) -> None:
         """Momentum (one foreach pass per coefficient; with ``store_all`` also of the
         tensors whose fused read advances it otherwise), Magma and the unfused decay."""
-        scalars, grads, fused_reads = self.scalars, self.grads, self.io.io.forms.fused_reads
+        scalars, grads, fused_reads = self.scalars, self.grads, self.pieces.forms.fused_reads
         by_beta: dict[float, list[int]] = {}
         for j, group in enumerate(self.groups):
             if store_all or self.views_of[j][0] not in fused_reads:
@@ -382,7 +380,7 @@ class MuonPhase:
         by_group: dict[int, list[int]] = {}
         alone: list[int] = []
         for j, group in enumerate(self.groups):
-            if group["cautious_wd"] or self.views_of[j][0] in self.io.io.forms.fused_writes:
+            if group["cautious_wd"] or self.views_of[j][0] in self.pieces.forms.fused_writes:
                 continue
             if self.grads.local[j]:
                 by_group.setdefault(self._group_of[j], []).append(j)
