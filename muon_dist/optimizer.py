@@ -24,9 +24,7 @@ from muon_dist.dist.consensus import agreed_comm
 from muon_dist.dist.groups import CommGroups
 from muon_dist.options.schema import OPTIONS, SETTINGS, args_section, group_defaults
 from muon_dist.options.settings import ExecutionSettings
-from muon_dist.options.validation import (
-    check_step_values,
-)
+from muon_dist.options.validation import check_step_values, validate_group
 from muon_dist.plan.views import (
     format_routing_table,
     named_params,
@@ -312,8 +310,7 @@ class Muon(torch.optim.Optimizer):
                 refusal = exc
         self.check_finite()
         try:
-            check_step_values(self.param_groups)
-            self._follow_params()
+            self._follow_groups()
         except (TypeError, ValueError) as exc:
             refusal = refusal or exc
         runner = self.runner
@@ -330,14 +327,26 @@ class Muon(torch.optim.Optimizer):
             self.check_finite()
         return loss
 
-    def _follow_params(self) -> None:
-        """Rebuild the step where it no longer fits the groups and parameters
-        (:meth:`muon_dist.step.runner.StepRunner.stale`), state moved along with storage."""
-        reason = None if self._runner is None else self._runner.stale(self.param_groups)
-        if reason is not None:
-            logger.info("muon_dist.Muon: %s; rebuilding the step", reason)
-            follow_params(self.param_groups, self.state)
-            self._runner = None
+    def _follow_groups(self) -> None:
+        """Refuse group edits the state cannot follow, check the step values, and rebuild
+        the step where it no longer fits the groups and parameters (:mod:`muon_dist.step.changes`,
+        :meth:`muon_dist.step.runner.StepRunner.stale`), state moved along with storage."""
+        previous = self._runner
+        refused = None if previous is None else previous.built.refused(self.param_groups)
+        if refused is not None:
+            raise ValueError(refused)
+        check_step_values(self.param_groups)
+        if previous is None:
+            return
+        reason = previous.stale(self.param_groups)
+        if reason is None:
+            return
+        for index, group in enumerate(self.param_groups):
+            validate_group(group, index)
+        logger.info("muon_dist.Muon: %s; rebuilding the step", reason)
+        follow_params(self.param_groups, self.state)
+        self._runner = None
+        self.runner.replacing(previous)
 
     def check_finite(self) -> None:
         """Read the last step's outcome (on CUDA, waiting for that step only) and apply the

@@ -295,9 +295,62 @@ def resume(world_size: int) -> dict[str, Any]:
     return {"equal": _equal(*snapshots), "started": started}
 
 
-def changed_grad(world_size: int) -> dict[str, Any]:
-    """Rank 0 scales its gradients in place between backward and step: every rank refuses
-    that step and changes nothing; the next step runs."""
+def _scale_grads(model: nn.Module, factor: float) -> None:
+    for p in model.parameters():
+        p.grad.mul_(factor)
+
+
+def _set_momentum(opt: muon_dist.Muon, value: float) -> None:
+    opt.param_groups[0]["momentum"] = value
+
+
+# Edits between backward and step() (all on every rank but the last): the step must still be
+# the plain mode's. Each takes (model, opt, step) and edits at step 1.
+EDITS: dict[str, Callable[[nn.Module, muon_dist.Muon], None]] = {
+    "clip_grad_norm_": lambda model, _opt: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
+    "grad.mul_": lambda model, _opt: _scale_grads(model, 0.5),
+    "zero_grad(set_to_none=False)": lambda _model, opt: opt.zero_grad(set_to_none=False),
+    "momentum": lambda _model, opt: _set_momentum(opt, 0.8),
+    "nesterov": lambda _model, opt: opt.param_groups[0].update(nesterov=False),
+    "ns_steps": lambda _model, opt: opt.param_groups[0].update(ns_steps=3),
+    "grad.mul_ on rank 0": lambda model, _opt: (
+        _scale_grads(model, 0.5) if torch.distributed.get_rank() == 0 else None
+    ),
+}
+
+
+def edited(world_size: int) -> dict[str, Any]:
+    """Each of ``EDITS`` at step 1 of 3, and a gradient hook registered after the
+    optimizer's that scales each gradient during backward: both modes end bitwise equal,
+    and the overlapped one ran its started buckets again where they read the edit."""
+    results: dict[str, Any] = {}
+    for name in [*EDITS, "later hook"]:
+        snapshots = []
+        redone = 0
+        for overlap in ("none", "backward"):
+            model, groups = _model(world_size, "fsdp")
+            opt = _optimizer(groups, overlap, "raise")
+            if name == "later hook":
+                for p in model.parameters():
+                    p.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
+
+            def edit(
+                step: int, _micro: int, model: nn.Module = model, opt: Any = opt, name: str = name
+            ) -> None:
+                if step == 1 and name in EDITS:
+                    EDITS[name](model, opt)
+
+            _train(model, opt, 3, after_backward=edit)
+            snapshots.append(_snapshot(model, opt))
+            early = opt.runner.early
+            redone = 0 if early is None else early.redone
+        results[name] = {"equal": _equal(*snapshots), "redone": redone}
+    return results
+
+
+def changed_on_one_rank(world_size: int) -> dict[str, Any]:
+    """Rank 0 sets a group's momentum between backward and step(): its started buckets
+    read the old one; every rank runs them again and refuses the step, nothing changed."""
     model, groups = _model(world_size, "fsdp")
     opt = _optimizer(groups, "backward", "raise")
     errors: list[str] = []
@@ -305,17 +358,15 @@ def changed_grad(world_size: int) -> dict[str, Any]:
     for step in range(3):
         opt.zero_grad()
         model(_batch(step, 0)).square().mean().backward()
-        if step != 1:
-            opt.step()
-            continue
-        if torch.distributed.get_rank() == 0:
-            torch._foreach_mul_([p.grad.to_local() for p in model.parameters()], 0.5)
+        if step == 1 and torch.distributed.get_rank() == 0:
+            _set_momentum(opt, 0.8)
         before = _snapshot(model, opt)
         try:
             opt.step()
         except RuntimeError as exc:
             errors.append(str(exc))
-        unchanged = _equal(before, _snapshot(model, opt))
+            unchanged = _equal(before, _snapshot(model, opt))
+            _set_momentum(opt, 0.95)
     finite = all(bool(torch.isfinite(t).all()) for t in _snapshot(model, opt))
     return {"errors": errors, "unchanged": unchanged, "finite": finite}
 
@@ -352,7 +403,8 @@ def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[st
         "accumulation": accumulation,
         "nonfinite": nonfinite,
         "early_gather": early_gather,
-        "changed_grad": changed_grad,
+        "edited": edited,
+        "changed_on_one_rank": changed_on_one_rank,
         "resume": resume,
     }
     return cases[case](world_size, *args)

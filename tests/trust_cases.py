@@ -266,13 +266,17 @@ def closure_raising_on_one_rank_is_agreed() -> None:
     assert not torch.equal(_full(p), before)
 
 
-def _changed_on_rank_1(key: str, value: object, pattern: str, sharded: bool) -> None:
+def _changed_on_rank_1(
+    key: str, value: object, pattern: str, sharded: bool, **options: Any
+) -> None:
     """``key`` set to ``value`` on rank 1 between steps: the next step fails on every rank
     naming it, changes nothing and is not counted; set back, the step runs."""
+    torch.manual_seed(14)  # a replica starts equal on every rank
     p = _sharded((8, 6), 14) if sharded else nn.Parameter(torch.randn(8, 6))
     bias = nn.Parameter(torch.zeros(6))
     opt = muon_dist.Muon(
-        [{"params": [p], "param_names": ["w"]}, {"params": [bias], "param_names": ["b"]}]
+        [{"params": [p], "param_names": ["w"]}, {"params": [bias], "param_names": ["b"]}],
+        **options,
     )
     _set_grads([p, bias], 15)
     opt.step()
@@ -296,7 +300,13 @@ def scheduler_values_are_agreed_every_step() -> None:
     _changed_on_rank_1("momentum", 0.9, r"param group 0 momentum ranges from 0\.9", False)
     _changed_on_rank_1("nesterov", False, r"param group 0 nesterov ranges from 0 to 1", True)
     _changed_on_rank_1("betas", (0.8, 0.95), r"param group 1 betas\[0\] ranges", False)
-    _changed_on_rank_1("ns_steps", 3, r"group options other than the step values" + ranks, True)
+    # Read when the step is built: rank 1 rebuilds, learns the others did not, and joins
+    # their step's collectives; each rank shows its own value.
+    _changed_on_rank_1(
+        "ns_steps", 3, r"param group 0 ns_steps differs \([35] on this rank\)" + ranks, True
+    )
+    dion2 = r"param group 0 dion2_fraction differs \(0\.[25]5? on this rank\)" + ranks
+    _changed_on_rank_1("dion2_fraction", 0.5, dion2, True, rule="dion2")
 
 
 def replicas_with_different_gradients_fail_the_step() -> None:

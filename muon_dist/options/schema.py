@@ -6,8 +6,13 @@ validation runs their checks, ``load_state_dict`` fills the keys an older checkp
 with their defaults (the behaviour before the key existed), the step checks the
 ``per_step`` values at every step, and the tests hold the constructor's signature and the
 README's options table to them. Every option must be the same on every rank that holds the
-parameters (:mod:`muon_dist.dist.consensus` at construction; the ``per_step`` values also at
-each step, :mod:`muon_dist.step.agreement`).
+parameters (:mod:`muon_dist.dist.consensus` at construction, :mod:`muon_dist.step.agreement`
+at each step).
+
+When a change takes effect: a ``per_step`` option is read by every step; a ``layout`` option
+decides the matrix views or the state's layout, so it is fixed once the state exists (a
+change is refused, naming it); any other option is read when the step is built, and a change
+rebuilds it at the next step (:mod:`muon_dist.step.changes`).
 """
 
 from __future__ import annotations
@@ -153,8 +158,9 @@ class Option:
     schedule by :func:`muon_dist.kernels.coefficients.resolve_coefficients`, a parameter's
     view options by :func:`muon_dist.plan.views.matrix_views`). ``argument`` is the
     constructor's argument that sets it (None: set per group only). ``per_step`` options
-    may change between steps (schedulers change them); the others are read when the step
-    is built. ``meaning`` is the constructor's ``Args:`` entry for it.
+    may change between steps (schedulers change them); ``layout`` ones are fixed once the
+    state exists; the others are read when the step is built. ``meaning`` is the
+    constructor's ``Args:`` entry for it.
     """
 
     key: str
@@ -164,6 +170,7 @@ class Option:
     meaning: str
     argument: str | None = None
     per_step: bool = False
+    layout: bool = False
 
 
 def _muon(
@@ -235,21 +242,57 @@ MUON_OPTIONS: tuple[Option, ...] = (
         "str",
         '>2-D weights as ``"flat"`` ``[out, prod(rest)]`` or ``"slice"`` (one matrix per'
         ' leading index); ``"2d"`` refuses them.',
+        layout=True,
     ),
-    _muon("experts", False, None, "bool", "3-D expert stacks (per group).", argument=None),
-    _muon("num_experts", None, None, "int", "fused experts (per group).", argument=None),
     _muon(
-        "num_heads", None, None, "int", "orthogonalize each head's rows (per group).", argument=None
+        "experts", False, None, "bool", "3-D expert stacks (per group).", argument=None, layout=True
     ),
-    _muon("split_sizes", None, None, "list", "fused row blocks (per group).", argument=None),
-    _muon("split_groups", 1, None, "int", "fused parts repeated along the outputs.", argument=None),
-    _muon("transposed", False, None, "bool", "stored ``[in, out]`` (per group).", argument=None),
+    _muon(
+        "num_experts", None, None, "int", "fused experts (per group).", argument=None, layout=True
+    ),
+    _muon(
+        "num_heads",
+        None,
+        None,
+        "int",
+        "orthogonalize each head's rows (per group).",
+        argument=None,
+        layout=True,
+    ),
+    _muon(
+        "split_sizes",
+        None,
+        None,
+        "list",
+        "fused row blocks (per group).",
+        argument=None,
+        layout=True,
+    ),
+    _muon(
+        "split_groups",
+        1,
+        None,
+        "int",
+        "fused parts repeated along the outputs.",
+        argument=None,
+        layout=True,
+    ),
+    _muon(
+        "transposed",
+        False,
+        None,
+        "bool",
+        "stored ``[in, out]`` (per group).",
+        argument=None,
+        layout=True,
+    ),
     _muon(
         "magma",
         False,
         flag,
         "bool",
         "damp each matrix's update by how well its gradient agrees with its momentum (Magma-lite).",
+        layout=True,
     ),
     _muon("magma_beta", 0.9, unit, "float", "EMA coefficient of Magma's score."),
     _muon(
@@ -259,6 +302,7 @@ MUON_OPTIONS: tuple[Option, ...] = (
         "str",
         'the update rule of Muon groups, ``"muon"``, ``"normuon"`` or ``"dion2"``'
         ' (:mod:`muon_dist.rules`; per group as ``"rule"``).',
+        layout=True,
     ),
     _muon(
         "normuon_beta2",
@@ -280,8 +324,7 @@ MUON_OPTIONS: tuple[Option, ...] = (
         dion2_fraction,
         "float",
         "the share of each matrix's slices Dion2 orthogonalizes, in (0, 1] (1 is Muon); its"
-        " error-feedback decay is ``momentum``. Fixed when the step is built: a change"
-        " rebuilds it.",
+        " error-feedback decay is ``momentum``.",
     ),
     _muon("cautious_wd", False, flag, "bool", "decay only weights whose sign the update shares."),
 )
@@ -416,6 +459,16 @@ def missing_filled(group: dict[str, Any], algorithm: str) -> dict[str, Any]:
     """``group`` with the options it lacks (a checkpoint saved before they existed) set to
     their declared defaults, the behaviour before they existed."""
     return {**{o.key: o.default for o in OPTIONS[algorithm]}, **group}
+
+
+def layout_keys(algorithm: str) -> tuple[str, ...]:
+    """The options of ``algorithm`` fixed once the state exists."""
+    return tuple(o.key for o in OPTIONS[algorithm] if o.layout)
+
+
+def plan_keys(algorithm: str) -> tuple[str, ...]:
+    """The options of ``algorithm`` read when the step is built."""
+    return tuple(o.key for o in OPTIONS[algorithm] if not (o.per_step or o.layout))
 
 
 def check_options(group: dict[str, Any], where: str, per_step: bool | None = None) -> None:

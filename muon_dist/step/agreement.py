@@ -7,11 +7,12 @@ the parameters (:mod:`muon_dist.dist.groups`) builds per-parameter
 flags, and the step turns them into a ``keep`` mask and a ``found_inf`` flag (as
 ``torch.amp.GradScaler`` does) that the update rule and fused AdamW read on the device.
 
-The same all-reduce agrees on what a scheduler or the user may change between steps: each
-group's step values (lr, weight decay, momentum, Nesterov; AdamW's betas and eps) travel as
-``v`` and ``-v``, so the MAX gives every value's largest and smallest across ranks, and each
-rank puts a digest of all its group options (the step counts included) in a slot of its
-own; a difference anywhere fails the step on every rank, as a non-finite gradient does. The
+The same all-reduce agrees on what a scheduler or the user may change between steps: every
+entry of every group travels as ``v`` and ``-v``, so the MAX gives its largest and smallest
+value across ranks and a difference is named by its key (the step values and counts as
+numbers, every other option as a digest of its ``repr``), and each rank puts a digest of
+all its group options in a slot of its own, to group the ranks by their options; a
+difference anywhere fails the step on every rank, as a non-finite gradient does. The
 gradients of parameters every rank holds whole (replicas) are compared the same way, by
 their norms: every rank applies the owner's update to a replica, so replicas need equal
 gradients (the data-parallel wrapper averages them), and a difference fails the step.
@@ -32,46 +33,70 @@ import torch.distributed as dist
 
 from muon_dist.dist.groups import Peers
 from muon_dist.options.schema import OPTIONS
-from muon_dist.step.report import NONFINITE, TOO_LARGE, Report
+from muon_dist.step.report import NONFINITE, TOO_LARGE, Compared, Report
 from muon_dist.step.scalars import Layout, StepInputs
 
-# The group options a scheduler or the user may change between steps, agreed every step.
-STEP_KEYS = {
-    algorithm: tuple(o.key for o in options if o.per_step) for algorithm, options in OPTIONS.items()
-}
+# Group entries that are no option and are compared as numbers: the step counts.
+_COUNTS = ("steps", "skipped_steps")
+_BOOKKEEPING = ("params", "param_names", "algorithm", *_COUNTS)
 # A digest takes 24 bits, which a float32 holds exactly.
 _DIGEST_BITS = 0xFFFFFF
 
 
-def step_labels(groups: Sequence[dict[str, Any]]) -> list[str]:
-    """Names of the values :func:`step_values` returns, for messages."""
-    labels = []
+def _digest(text: str) -> float:
+    return float((zlib.crc32(text.encode()) & _DIGEST_BITS) + 1)
+
+
+def compared_entries(groups: Sequence[dict[str, Any]]) -> list[Compared]:
+    """Every group entry the ranks compare at each step, in the order :func:`compared_values`
+    returns them: per group its options (``betas`` as two numbers), its step counts and a
+    digest of the keys no option declares (``initial_lr`` of a scheduler, the user's own)."""
+    entries: list[Compared] = []
     for index, group in enumerate(groups):
-        for key in STEP_KEYS[group["algorithm"]]:
-            parts = ("[0]", "[1]") if key == "betas" else ("",)
-            labels += [f"param group {index} {key}{part}" for part in parts]
-    return labels
+        where = f"param group {index}"
+        for option in OPTIONS[group["algorithm"]]:
+            if option.key == "betas":
+                entries += [Compared(f"{where} betas[{i}]", "betas", index, True) for i in (0, 1)]
+            else:
+                entries.append(
+                    Compared(f"{where} {option.key}", option.key, index, option.per_step)
+                )
+        entries += [Compared(f"{where} {key}", key, index, True) for key in _COUNTS]
+        entries.append(Compared(f"{where} keys no option declares", "", index, False))
+    return entries
 
 
-def step_values(groups: Sequence[dict[str, Any]]) -> list[float]:
-    """The step values of ``groups`` (checked numbers: see ``check_step_values``)."""
+def compared_values(
+    groups: Sequence[dict[str, Any]], entries: Sequence[Compared]
+) -> tuple[list[float], list[str]]:
+    """The values of ``entries`` in ``groups`` (options already checked), and each as text."""
     values: list[float] = []
-    for group in groups:
-        for key in STEP_KEYS[group["algorithm"]]:
-            value = group[key]
-            values += [float(v) for v in value] if key == "betas" else [float(value)]
-    return values
+    shown: list[str] = []
+    for entry in entries:
+        group = groups[entry.group]
+        if entry.key == "betas":
+            value: Any = group["betas"][int(entry.label[-2])]
+        elif entry.key:
+            value = group[entry.key]
+        else:
+            known = {o.key for o in OPTIONS[group["algorithm"]]}
+            value = {k: v for k, v in group.items() if k not in known and k not in _BOOKKEEPING}
+        text = repr(value)
+        values.append(float(value) if entry.numeric else _digest(text))
+        shown.append(text)
+    return values, shown
 
 
 def options_digest(groups: Sequence[dict[str, Any]]) -> float:
     """A digest of every option of every group (not the parameters), >= 1."""
-    text = repr(
-        [
-            sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names"))
-            for g in groups
-        ]
+    return _digest(
+        repr(
+            [
+                sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names"))
+                for g in groups
+            ]
+        )
     )
-    return float((zlib.crc32(text.encode()) & _DIGEST_BITS) + 1)
 
 
 class Agreement:
@@ -96,11 +121,11 @@ class Agreement:
         # Compared across ranks only where there are several: the step values, one digest
         # slot per rank, and the gradients of the parameters at ``replicated`` positions.
         several = holders.size > 1
-        self.labels = step_labels(groups) if several else []
+        self.entries = compared_entries(groups) if several else []
         self.replicated = list(replicated) if several else []
         self._replicated_slot = {p: j for j, p in enumerate(self.replicated)}
         slots = holders.size if several else 0
-        k, r = len(self.labels), len(self.replicated)
+        k, r = len(self.entries), len(self.replicated)
         # All-reduced (MAX) together. The host stages ``values`` to ``digests`` (the step
         # values, negated, and one options digest slot per rank); ``verdict`` to ``failed``
         # decide found_inf; ``values`` to the end is compared across ranks.
@@ -111,6 +136,7 @@ class Agreement:
             present=count,  # 1.0 where a rank has the gradient
             verdict=count,  # TOO_LARGE or NONFINITE per gradient
             failed=1,  # a rank that refused its inputs: rank + 1
+            redo=1,  # 1.0 where a rank's buckets started early must start again (backward.py)
             compared=self._compared_layout.numel,
         )
         self.flags = torch.zeros(self._layout.numel, device=device)
@@ -119,6 +145,7 @@ class Agreement:
         self._compare = self._compared_layout.views(self._compared)
         self.stage_size = 2 * k + slots
         self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
+        self._differs = torch.zeros((), dtype=torch.bool, device=device)
         self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
         # Result flags, all-reduced together: per Muon parameter its non-finite
         # Newton–Schulz results, and a rank whose own work of the step raised (rank + 1).
@@ -130,7 +157,7 @@ class Agreement:
         self.report = Report(
             self.names,
             self.muon_names,
-            self.labels,
+            self.entries,
             [self.names[i] for i in self.replicated],
             holders.ranks,
             self._compared_layout,
@@ -144,11 +171,11 @@ class Agreement:
         return self._flag["present"]
 
     def stage(self, groups: Sequence[dict[str, Any]], rank: int) -> list[float]:
-        """What this rank stages for the comparison: its step values, negated, and its
+        """What this rank stages for the comparison: its group entries, negated, and its
         digest in its own slot (the others 0); empty on one rank."""
         if not self.stage_size:
             return []
-        values = step_values(groups)
+        values, self.report.shown = compared_values(groups, self.entries)
         digests = [0.0] * self.holders.size
         digests[self.holders.index(rank)] = options_digest(groups)
         return values + [-v for v in values] + digests
@@ -175,6 +202,7 @@ class Agreement:
         inputs: StepInputs,
         *,
         keep_results: bool = False,
+        redo: torch.Tensor | None = None,
     ) -> None:
         """Fill the flags for this step's local gradients and agree on them over all ranks.
 
@@ -184,10 +212,16 @@ class Agreement:
         taken in fp64, so a finite gradient of any dtype has a finite norm, and an overflow of the
         normalisation is told apart from a non-finite entry. Zeroes the result flags, unless
         ``keep_results`` (a step whose buckets started before it, see :meth:`clear_results`).
+        ``redo`` (one element, > 0) asks every rank to start those buckets again
+        (:meth:`redo_asked`).
         """
         flag, compare = self._flag, self._compare
         flag["present"].copy_(inputs.present)
         flag["failed"].copy_(inputs.failed)
+        if redo is None:
+            flag["redo"].zero_()
+        else:
+            flag["redo"].copy_(redo.view(1))
         self._staged.copy_(inputs.compared)
         flag["verdict"].zero_()
         compare["norms"].fill_(-math.inf)
@@ -225,9 +259,28 @@ class Agreement:
             digests = compare["digests"]
             differs = (spread > 0).any() | (digests.amax() > digests.amin())
             torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
+            self._differs = differs
         if not keep_results:
             self.clear_results()
         self._set_keep()
+
+    def ranks_differ(self) -> bool:
+        """Whether the ranks' options differed in the last :meth:`decide`: a host read, made
+        only on the first step of a rebuilt plan, before its collectives."""
+        return bool(self._differs.item())
+
+    def redo_asked(self) -> bool:
+        """Whether a rank asked, in the last :meth:`decide`, to start early buckets again:
+        a host read, made once per step under ``overlap="backward"``."""
+        return bool(self._flag["redo"].item())
+
+    def refuse_all(self, *, keep_results: bool) -> None:
+        """Keep nothing in a step whose flags this agreement did not decide (see
+        :meth:`muon_dist.step.runner.StepRunner.mirror`)."""
+        self.found_inf.fill_(1.0)
+        self.keep.zero_()
+        if not keep_results:
+            self.clear_results()
 
     def clear_results(self) -> None:
         """Zero the result flags before the step's first Newton–Schulz result."""

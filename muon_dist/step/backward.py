@@ -17,8 +17,14 @@ for the stream the hook runs on (where the gradient was reduced); ``step()`` wai
 
 A gradient reported twice before ``step()`` (micro-batches that each reduce, without
 ``set_requires_gradient_sync(False)``) restarts the step from that hook: the started
-buckets finish and their results are dropped. A gradient changed in place after its hook
-(``clip_grad_norm_`` between backward and step) is refused at ``step()`` on every rank.
+buckets finish and their results are dropped. The same happens at ``step()``, on every rank
+(the ranks agree on it in the step's all-reduce), where what the started buckets read
+changed after its hook on any rank: a gradient whose norm changed (``clip_grad_norm_``, a
+scaling, ``zero_grad(set_to_none=False)``, a later hook that edits it), a gradient replaced
+by another tensor, or a group's ``momentum`` or ``nesterov``. The result is then the plain
+step's, and the overlap saved nothing: change gradients and those values before backward
+ends to keep it. (The lr and weight decay are read at ``step()``; any other option change
+rebuilds the step, :mod:`muon_dist.step.changes`.)
 """
 
 from __future__ import annotations
@@ -27,14 +33,21 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
+from muon_dist.options.schema import MUON_OPTIONS
 from muon_dist.runtime import Pipeline
 from muon_dist.step.muon_phase import MuonPhase
 from muon_dist.step.scalars import StepInputs
 
 logger = logging.getLogger(__name__)
+
+# The step values the started buckets read (the lr and weight decay wait for step()).
+_READ_EARLY = tuple(
+    o.key for o in MUON_OPTIONS if o.per_step and o.key not in ("lr", "weight_decay")
+)
 
 
 def register_grad_hooks(
@@ -67,13 +80,17 @@ class BackwardStart:
             frozenset(phase.entries[v].tensor_index for v in bucket.views)
             for bucket in phase.plan.buckets
         ]
-        # This step's reported tensors: the gradient read, and its version at the end of
-        # the backward that reported it (a gradient's version counter is its reduce
-        # buffer's, which FSDP's later accumulations into its neighbours also bump).
-        self._reported: dict[int, tuple[torch.Tensor, int]] = {}
-        self._versions_queued = False
+        # This step's reported tensors and the gradients read. Their fp64 norms at their
+        # hooks, compared at step(): in-place edits of a DTensor gradient bump no version
+        # counter of its local tensor, and FSDP's own writes to its neighbours do.
+        self._reported: dict[int, torch.Tensor] = {}
+        self._norms = torch.zeros(len(names), dtype=torch.float64, device=phase.device)
+        self._groups = list({id(e.group): e.group for e in phase.entries}.values())
+        self._read_early: list[tuple[Any, ...]] = []  # _READ_EARLY per group at the first hook
+        self._callback_queued = False
         self._open = False
         self.restarts = 0  # steps restarted by a gradient reported twice
+        self.redone = 0  # steps whose started buckets ran again at step() (changed())
         self.held_bytes = 0  # updates held for step() at the end of the last backward
         # The open step's pipeline, and how many buckets, in plan order, it has started.
         self._pipeline = Pipeline(phase.settings.max_inflight)
@@ -100,6 +117,7 @@ class BackwardStart:
     def report(self, j: int, grad: torch.Tensor) -> None:
         """Muon tensor ``j``'s local gradient is final: start every bucket, in plan order,
         whose tensors all are."""
+        self._norms[j].copy_(torch.linalg.vector_norm(grad, dtype=torch.float64))
         with self._side_stream():
             if j in self._reported:
                 self.restarts += 1
@@ -111,15 +129,12 @@ class BackwardStart:
                         "micro-batch so nothing starts early for nothing",
                         self.names[j],
                     )
-                self._pipeline.finish()  # the results are dropped: their gradients changed
-                self.phase.transaction.end()
-                self._open = False
-                self._reported.clear()
+                self._drop()  # their gradients changed
             if not self._open:
                 self._begin()
-            self._reported[j] = (grad, grad._version)
-            if not self._versions_queued:
-                self._versions_queued = True
+            self._reported[j] = grad
+            if not self._callback_queued:
+                self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
             self.phase.grads.set_one(j, grad)
             needs, reported = self._needs, self._reported.keys()
@@ -127,6 +142,7 @@ class BackwardStart:
                 self._start_next()
 
     def _begin(self) -> None:
+        self._read_early = [tuple(g[k] for k in _READ_EARLY) for g in self._groups]
         self.phase.open_early()
         self._pipeline = Pipeline(self.phase.settings.max_inflight)
         self._started = 0
@@ -140,30 +156,54 @@ class BackwardStart:
         self._pipeline.round()
 
     def _backward_done(self) -> None:
-        """Record the reported gradients' versions once backward (and FSDP's own
-        accumulation into their reduce buffers) is done."""
-        self._versions_queued = False
-        self._reported = {j: (grad, grad._version) for j, (grad, _) in self._reported.items()}
+        self._callback_queued = False
         self.held_bytes = self.phase.transaction.held_bytes()
 
-    def check(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Refuse gradients that are not the ones the hooks started from."""
-        for j, (grad, version) in self._reported.items():
-            if grads[j] is not grad or grad._version != version:
-                raise RuntimeError(
-                    f"overlap='backward': the gradient of {self.names[j]} changed after "
-                    "backward reduced it, when its Newton-Schulz had already started (an "
-                    "in-place clip_grad_norm_ or scaling between backward and step(), or "
-                    "a gradient assigned by hand); change gradients inside backward, or "
-                    "use overlap='none'"
-                )
+    def _drop(self) -> None:
+        """Let the started buckets finish (the other ranks run their collectives too) and
+        drop their results."""
+        self._pipeline.finish()
+        self.phase.transaction.end()
+        self._open = False
+        self._reported.clear()
+
+    def abandon(self) -> None:
+        """Drop the open step: the step was rebuilt, and the new one starts every bucket."""
+        if self._open:
+            with self._side_stream():
+                self._drop()
+
+    def changed(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        """Whether what the started buckets read changed since the hooks (see the module's
+        docstring), as a device flag for the step's agreement; None where none started."""
+        if not self._started:
+            return None
+        reported = list(self._reported)
+        now = [self._reported[j] for j in reported]
+        values = [tuple(g[k] for k in _READ_EARLY) for g in self._groups]
+        if values != self._read_early or any(
+            grads[j] is not g for j, g in zip(reported, now, strict=True)
+        ):
+            return torch.ones((), device=self._norms.device)
+        norms = torch.stack(torch._foreach_norm(now, 2, dtype=torch.float64))
+        index = torch.tensor(reported, device=self._norms.device)
+        return (norms != self._norms.index_select(0, index)).any().float()
 
     def finish(
-        self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, *, transactional: bool
+        self,
+        grads: Sequence[torch.Tensor | None],
+        inputs: StepInputs,
+        *,
+        transactional: bool,
+        redo: bool = False,
     ) -> None:
-        """Finish the step after the agreement: start the buckets no hook started, wait for
-        all, then commit where kept (see :meth:`MuonPhase.close_early`)."""
+        """Finish the step after the agreement: start the buckets no hook started (all of
+        them again where ``redo``), wait for all, then commit where kept (see
+        :meth:`MuonPhase.close_early`)."""
         with self._side_stream():
+            if redo and self._open:
+                self.redone += 1
+                self._drop()
             if not self._open:
                 self._begin()
             try:

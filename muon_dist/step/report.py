@@ -22,6 +22,18 @@ NONFINITE = 2.0  # a NaN or an infinity somewhere in it
 
 
 @dataclass(frozen=True)
+class Compared:
+    """One group entry the ranks compare at each step: its label, and whether it travels as
+    its numbers (the step values and counts, shown as a range) or as a digest of its
+    ``repr`` (shown as this rank's value)."""
+
+    label: str
+    key: str
+    group: int
+    numeric: bool
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What went wrong in one step, as every rank saw it. ``failed_rank`` is a rank whose
     inputs were refused (it raised the error naming them), None when every rank's were fine."""
@@ -44,13 +56,14 @@ class Report:
         self,
         names: Sequence[str],
         muon_names: Sequence[str],
-        labels: Sequence[str],
+        entries: Sequence[Compared],
         replicated_names: Sequence[str],
         ranks: Sequence[int],
         compared: Layout,
         device: torch.device,
     ) -> None:
-        self.names, self.muon_names, self.labels = list(names), list(muon_names), list(labels)
+        self.names, self.muon_names, self.entries = list(names), list(muon_names), list(entries)
+        self.shown: list[str] = []  # this rank's compared entries as text, as last staged
         self._replicated_names = list(replicated_names)
         self._ranks = list(ranks)
         self._compared_layout = compared
@@ -135,14 +148,14 @@ class Report:
         largest, smallest = segment["values"], -segment["negated"]
         digests, norms, low_norms = segment["digests"], segment["norms"], -segment["negated_norms"]
         parts = [
-            f"{label} ranges from {low:.7g} to {high:.7g}"
-            for label, high, low in zip(
-                self.labels, largest.tolist(), smallest.tolist(), strict=True
+            f"{entry.label} ranges from {low:.7g} to {high:.7g}"
+            if entry.numeric
+            else f"{entry.label} differs ({shown} on this rank)"
+            for entry, high, low, shown in zip(
+                self.entries, largest.tolist(), smallest.tolist(), self.shown, strict=True
             )
             if high > low
         ]
-        if digests.max() > digests.min() and not parts:
-            parts.append("group options other than the step values, or the step counts")
         if parts:
             classes: dict[float, list[int]] = {}
             for rank, digest in zip(self._ranks, digests.tolist(), strict=True):
@@ -231,11 +244,14 @@ def _raise_failure(outcome: Outcome, nonfinite: str) -> None:
             "ReduceLROnPlateau, needs the loss averaged over ranks first)"
         )
     if outcome.failed_rank is not None:
+        differs = (
+            "" if outcome.disagreement is None else f"; the ranks disagree: {outcome.disagreement}"
+        )
         raise RuntimeError(
             f"muon_dist.Muon step {step} failed on rank {outcome.failed_rank}, which "
             "refused its inputs (gradients or options) or whose closure raised, and "
             "raised that error there; parameters and state were left as they were on "
-            "every rank; fix that rank's inputs"
+            f"every rank; fix that rank's inputs{differs}"
         )
 
 

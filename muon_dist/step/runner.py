@@ -28,6 +28,7 @@ from muon_dist.state.checks import check_grad
 from muon_dist.state.tensors import local, storage
 from muon_dist.step.agreement import Agreement
 from muon_dist.step.backward import BackwardStart
+from muon_dist.step.changes import BuiltFrom
 from muon_dist.step.cuda_graph import StepGraph
 from muon_dist.step.muon_phase import MuonEntry, MuonPhase
 from muon_dist.step.scalars import StepInputs
@@ -37,11 +38,6 @@ logger = logging.getLogger(__name__)
 # Group entries that a captured step does not read from the group: the lr is staged into
 # device memory every step, the rest is bookkeeping. Any other change is captured anew.
 _NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
-
-
-def fractions(groups: Sequence[dict[str, Any]]) -> list[float | None]:
-    """Each group's ``dion2_fraction`` (None for AdamW groups): the stacks' shapes follow it."""
-    return [g.get("dion2_fraction") for g in groups]
 
 
 def _travelling_share(group: dict[str, Any], settings: ExecutionSettings, peers: int) -> float:
@@ -97,7 +93,10 @@ class StepRunner:
         comm: CommGroups,
     ) -> None:
         self.settings = settings
-        self.fractions = fractions(groups)  # what the plan was built for
+        self.built = BuiltFrom(groups)
+        # The step this one replaces, until a step shows every rank rebuilt alike: a rank
+        # whose rebuilt plan the others do not share runs the previous one's collectives.
+        self.previous: StepRunner | None = None
         self.rank = comm.rank
         named = list(named_params(groups))
         self.names = [name for name, _, _ in named]
@@ -138,14 +137,20 @@ class StepRunner:
         self.bind_state(state)
 
     def stale(self, groups: Sequence[dict[str, Any]]) -> str | None:
-        """Why this step no longer fits ``groups``, or None: a group's ``dion2_fraction``
-        changed (its stacks have other shapes), or a parameter got new storage since the
-        step was built (:mod:`muon_dist.state.rebind`)."""
-        if self.fractions != fractions(groups):
-            return "dion2_fraction changed"
+        """Why this step no longer fits ``groups``, or None: an option read when the step is
+        built changed (:mod:`muon_dist.step.changes`), or a parameter got new storage since
+        the step was built (:mod:`muon_dist.state.rebind`)."""
+        replanned = self.built.replanned(groups)
+        if replanned is not None:
+            return replanned
         if storage(self.params) != self.storage:
             return "parameter storage changed"
         return None
+
+    def replacing(self, previous: StepRunner) -> None:
+        """This step replaces ``previous`` (or what ``previous`` still replaces), until the
+        ranks agree on it."""
+        self.previous = previous.previous or previous
 
     def _muon_phase(
         self,
@@ -204,10 +209,7 @@ class StepRunner:
     def _local_grads(self) -> list[torch.Tensor | None]:
         """Local gradient shards; a gradient kept between steps is checked and unwrapped
         only once."""
-        grads = [self._local_grad(index) for index in range(len(self.params))]
-        if self.early is not None:
-            self.early.check([grads[i] for i in self.muon_positions])
-        return grads
+        return [self._local_grad(index) for index in range(len(self.params))]
 
     def _local_grad(self, index: int) -> torch.Tensor | None:
         p = self.params[index]
@@ -220,8 +222,12 @@ class StepRunner:
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """A Muon parameter's gradient is final (its post-accumulate-grad hook, under
-        ``overlap="backward"``): start the buckets that now can. A gradient this rank
-        refuses starts nothing here; ``step()`` raises it, agreed with the other ranks."""
+        ``overlap="backward"``): start the buckets that now can, of the step the ranks
+        agreed on. A gradient this rank refuses starts nothing here; ``step()`` raises it,
+        agreed with the other ranks."""
+        if self.previous is not None:
+            self.previous.grad_ready(p)
+            return
         if self.early is None:
             return
         j = self._muon_index[id(p)]
@@ -259,8 +265,8 @@ class StepRunner:
             None if failure is None else self.rank,
             [] if failure is not None else self.agreement.stage(groups, self.rank),
         )
-        if self.graph is None or failure is not None:
-            self._body(groups, grads)
+        if self.graph is None or failure is not None or self.previous is not None:
+            self._body(groups, grads, refused=failure is not None)
             return failure or self.crash()
 
         def body() -> None:
@@ -270,22 +276,56 @@ class StepRunner:
         self.graph.run(body, key, grads)
         return self.crash()
 
-    def crash(self) -> Exception | None:
-        """The exception this rank's own Muon work raised in the step just queued."""
-        return None if self.muon is None else self.muon.error
-
-    def _body(self, groups: Sequence[dict[str, Any]], grads: Sequence[torch.Tensor | None]) -> None:
-        """The device work of one step: everything a captured step replays."""
-        self.agreement.decide(grads, self.inputs, keep_results=self.early is not None)
-        transactional = self.settings.nonfinite == "skip_step"
-        muon_grads = [grads[i] for i in self.muon_positions]
+    def mirror(self, muon_grads: Sequence[torch.Tensor | None], *, transactional: bool) -> None:
+        """Run this step's Muon collectives, keeping nothing: a rank whose rebuilt plan the
+        other ranks do not share joins theirs, and the step fails on every rank."""
+        self.agreement.refuse_all(keep_results=self.early is not None)
         if self.early is not None:
             self.early.finish(muon_grads, self.inputs, transactional=transactional)
         elif self.muon is not None:
             self.muon.run(muon_grads, self.inputs, transactional=transactional)
-        for index, group in enumerate(groups):
-            if group["algorithm"] == "adamw":
-                self._adamw(group, index, grads)
+
+    def abandon(self) -> None:
+        """Drop the buckets this step started from hooks: a rebuilt step replaces it."""
+        if self.early is not None:
+            self.early.abandon()
+
+    def crash(self) -> Exception | None:
+        """The exception this rank's own Muon work raised in the step just queued."""
+        return None if self.muon is None else self.muon.error
+
+    def _body(
+        self,
+        groups: Sequence[dict[str, Any]],
+        grads: Sequence[torch.Tensor | None],
+        refused: bool = False,
+    ) -> None:
+        """The device work of one step: everything a captured step replays. A rank that
+        refused the step runs the collectives only (its groups may be what it refused)."""
+        muon_grads = [grads[i] for i in self.muon_positions]
+        early = self.early
+        self.agreement.decide(
+            grads,
+            self.inputs,
+            keep_results=early is not None,
+            redo=None if early is None else early.changed(muon_grads),
+        )
+        transactional = self.settings.nonfinite == "skip_step"
+        if self.previous is not None:
+            if self.agreement.ranks_differ():
+                self.previous.mirror(muon_grads, transactional=transactional)
+                self.agreement.publish()
+                return
+            self.previous.abandon()
+            self.previous = None
+        if early is not None:
+            redo = self.agreement.redo_asked()
+            early.finish(muon_grads, self.inputs, transactional=transactional, redo=redo)
+        elif self.muon is not None:
+            self.muon.run(muon_grads, self.inputs, transactional=transactional)
+        if not refused:
+            for index in self._adamw_members:
+                self._adamw(groups[index], index, grads)
         self.agreement.publish()
 
     def _adamw(

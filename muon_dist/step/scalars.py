@@ -117,7 +117,7 @@ class StepInputs:
             values += [limits[g] for g in group_of]
             values += [0.0, *compared]
         else:
-            values = [0.0] * (2 * len(groups) + len(group_of))
+            values = [0.0] * (self.lr.numel() + self.weight_decay.numel() + len(group_of))
             values += [math.inf] * len(group_of) + [float(failed_rank + 1)]
             values += [0.0] * self.compared.numel()
         pinned = self.buffer.device.type == "cuda"

@@ -1,0 +1,118 @@
+"""What changed in the groups since a step was built, and what that change calls for.
+
+A step binds its plan, views and state to the groups as they were when it was built
+(:class:`muon_dist.step.runner.StepRunner`). Between steps the user or a scheduler may edit
+``opt.param_groups``; each kind of edit gets one answer:
+
+- a ``per_step`` option (lr, momentum, ...): read by every step, nothing to do here;
+- any other option read when the step is built (``ns_steps``, ``coefficients``,
+  ``adjust_lr``, ``dion2_fraction``, ...): the step is rebuilt at the next ``step()``, as
+  torch's optimizers, which bind nothing, simply follow;
+- an option that decides the matrix views or the state's layout (``rule``, ``muon_mode``,
+  ``magma``, ...), a group's ``algorithm``, its parameter list or names, or the number of
+  groups: refused, naming the change and the way to make it (the state would not fit).
+
+Ranks must agree on a rebuilt plan before its collectives run; the caller checks that
+(:meth:`muon_dist.step.runner.StepRunner.run`, ``previous``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from muon_dist.options.schema import layout_keys, plan_keys
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One group as a step was built from it: the ``repr`` of its options (a list edited in
+    place must still count as changed) and its parameters by identity."""
+
+    algorithm: str
+    params: tuple[int, ...]
+    names: tuple[str, ...] | None
+    layout: dict[str, str]
+    plan: dict[str, str]
+
+    @classmethod
+    def of(cls, group: dict[str, Any]) -> _Group:
+        algorithm = group["algorithm"]
+        names = group.get("param_names")
+        return cls(
+            algorithm,
+            tuple(id(p) for p in group["params"]),
+            None if names is None else tuple(names),
+            {k: repr(group[k]) for k in layout_keys(algorithm)},
+            {k: repr(group[k]) for k in plan_keys(algorithm)},
+        )
+
+
+class BuiltFrom:
+    """The groups a step was built from, compared with the groups of a later step."""
+
+    def __init__(self, groups: Sequence[dict[str, Any]]) -> None:
+        self._groups = [_Group.of(g) for g in groups]
+
+    def refused(self, groups: Sequence[dict[str, Any]]) -> str | None:
+        """Why ``groups`` cannot be stepped with this state, or None."""
+        if len(groups) != len(self._groups):
+            return (
+                f"opt.param_groups has {len(groups)} groups, and the optimizer was built with "
+                f"{len(self._groups)}: add groups with opt.add_param_group(...), which checks "
+                "them and creates their state"
+            )
+        for index, (built, group) in enumerate(zip(self._groups, groups, strict=True)):
+            problem = _refused_change(index, built, group)
+            if problem is not None:
+                return problem
+        return None
+
+    def replanned(self, groups: Sequence[dict[str, Any]]) -> str | None:
+        """The first option read when the step is built whose value changed, as text, or
+        None (call after :meth:`refused` found nothing)."""
+        for index, (built, group) in enumerate(zip(self._groups, groups, strict=True)):
+            for key, before in built.plan.items():
+                now = repr(group[key])
+                if now != before:
+                    return f"param group {index} {key} changed from {before} to {now}"
+        return None
+
+
+def _refused_change(index: int, built: _Group, group: dict[str, Any]) -> str | None:
+    where = f"param group {index}"
+    rebuild = (
+        "build a new muon_dist.Muon with it and load this one's state into it "
+        "(new.load_state_dict(opt.state_dict())), or set it back"
+    )
+    if group.get("algorithm") != built.algorithm:
+        return (
+            f"{where} algorithm changed from {built.algorithm!r} to {group.get('algorithm')!r} "
+            f"since the optimizer was built; the state is the algorithm's: {rebuild}"
+        )
+    params = group["params"]
+    if tuple(id(p) for p in params) != built.params:
+        ids, held = {id(p) for p in params}, set(built.params)
+        added = len(ids - held)
+        removed = len(held - ids)
+        return (
+            f"{where} 'params' changed since the optimizer was built ({added} added, "
+            f"{removed} removed, or reordered); the step and the state are bound to them: "
+            "add parameters with opt.add_param_group(...), or build a new muon_dist.Muon "
+            "over the parameters you want, or set the list back"
+        )
+    names = group.get("param_names")
+    if (None if names is None else tuple(names)) != built.names:
+        return (
+            f"{where} 'param_names' changed since the optimizer was built; the state is saved "
+            "and loaded by these names: set them back"
+        )
+    for key, before in built.layout.items():
+        value = repr(group[key])
+        if value != before:
+            return (
+                f"{where} {key} changed from {before} to {value} since the optimizer was built; "
+                f"{key} decides the matrix views or the state's layout: {rebuild}"
+            )
+    return None
