@@ -32,7 +32,7 @@ from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import prefer_gram, prefer_triton
 from muon_dist.kernels.gram import DEFAULT_RESTARTS
-from muon_dist.kernels.graphs import graph_eligible
+from muon_dist.kernels.graphs import GraphCache, graph_eligible
 
 SHAPES: list[tuple[int, ...]] = [
     (1024, 4096),
@@ -87,9 +87,17 @@ def bench_shape(
 ) -> dict:
     X = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
+    graphs = GraphCache()  # "auto" replays from graphs as the optimizer's step does
+
     def variant(backend: str, method: str) -> Callable[[], torch.Tensor]:
         return lambda: newton_schulz(
-            X, steps, coefficients, backend=backend, method=method, gram_restarts=restarts
+            X,
+            steps,
+            coefficients,
+            backend=backend,
+            method=method,
+            gram_restarts=restarts,
+            graphs=graphs,
         )
 
     runs = {name: variant(*spec) for name, spec in VARIANTS.items()}

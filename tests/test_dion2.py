@@ -174,3 +174,21 @@ def test_a_string_fraction_raises() -> None:
     model = nn.Linear(8, 6, bias=False)
     with pytest.raises(TypeError, match="dion2_fraction"):
         muon_dist.Muon(model.parameters(), rule="dion2", dion2_fraction="x")
+
+
+def test_the_step_and_its_graph_cache_are_freed_with_the_optimizer() -> None:
+    """Nothing outside the optimizer keeps its step: the graphs its Newton–Schulz replays
+    on CUDA (and their memory) go with it."""
+    import gc
+    import weakref
+
+    layer = nn.Linear(12, 8, bias=False)
+    opt = muon_dist.Muon(layer.parameters(), rule="dion2", **FP32)
+    layer.weight.grad = torch.randn(8, 12)
+    opt.step()
+    muon = opt.runner.muon
+    assert muon is not None
+    graphs = weakref.ref(muon.orthogonalizer.graphs)
+    del opt, muon
+    gc.collect()
+    assert graphs() is None

@@ -164,35 +164,39 @@ def test_gram_bf16_singular_values_in_the_standard_band(
 
 
 def test_small_stacks_replay_from_a_graph() -> None:
-    """``backend="auto"`` replays small stacks from a cached CUDA graph: the same result as
-    the eager call, a fresh tensor each time, and new input values are read."""
-    from muon_dist.kernels.graphs import graph_eligible
+    """``backend="auto"`` with a cache replays small stacks from a CUDA graph: the same
+    result as the eager call, a fresh tensor each time, and new input values are read."""
+    from muon_dist.kernels.graphs import GraphCache, graph_eligible
 
+    cache = GraphCache()
     X = torch.randn(2, 1024, 4096, device="cuda", dtype=torch.bfloat16)
     assert graph_eligible(X)
-    first = newton_schulz(X)
-    again = newton_schulz(X)
+    first = newton_schulz(X, graphs=cache)
+    again = newton_schulz(X, graphs=cache)
+    assert len(cache) == 1
     assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
     assert torch.equal(first, newton_schulz(X, backend="torch", method="gram"))
     Y = torch.randn_like(X)
-    assert torch.equal(newton_schulz(Y), newton_schulz(Y, backend="torch", method="gram"))
+    assert torch.equal(
+        newton_schulz(Y, graphs=cache), newton_schulz(Y, backend="torch", method="gram")
+    )
 
 
-def test_graphed_stacks_of_any_size_replay_from_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graphed_stacks_of_any_size_replay_from_a_graph() -> None:
     """``graphed=True`` (Dion2's selected slices) replays a stack above the small-stack
     size from a graph: the eager result, a fresh tensor each time, new values read."""
-    from muon_dist.kernels import graphs
+    from muon_dist.kernels.graphs import GraphCache, graph_eligible
 
-    monkeypatch.setattr(graphs, "_graphs", {})
+    cache = GraphCache()
     X = torch.randn(3, 1024, 4096, device="cuda", dtype=torch.bfloat16)
-    assert not graphs.graph_eligible(X) and graphs.graph_eligible(X, graphed=True)
-    first = newton_schulz(X, graphed=True)
-    assert len(graphs._graphs) == 1
-    again = newton_schulz(X, graphed=True)
+    assert not graph_eligible(X) and graph_eligible(X, graphed=True)
+    first = newton_schulz(X, graphs=cache, graphed=True)
+    assert len(cache) == 1
+    again = newton_schulz(X, graphs=cache, graphed=True)
     assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
     assert torch.equal(first, newton_schulz(X))
     Y = torch.randn_like(X)
-    assert torch.equal(newton_schulz(Y, graphed=True), newton_schulz(Y))
+    assert torch.equal(newton_schulz(Y, graphs=cache, graphed=True), newton_schulz(Y))
 
 
 def test_full_graph_cache_runs_new_shapes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,14 +211,47 @@ def test_full_graph_cache_runs_new_shapes_eagerly(monkeypatch: pytest.MonkeyPatc
         captures.append(X.shape[-1])
         return capture(X, fn)
 
-    monkeypatch.setattr(graphs, "_graphs", {})
-    monkeypatch.setattr(graphs, "_MAX_GRAPHS", 2)
     monkeypatch.setattr(graphs, "_capture", counted)
+    cache = graphs.GraphCache(capacity=2)
     stacks = [torch.randn(1, 256, n, device="cuda", dtype=torch.bfloat16) for n in (512, 640, 768)]
     for _ in range(3):
         for X in stacks:
-            assert torch.equal(newton_schulz(X), newton_schulz(X, backend="torch", method="gram"))
+            eager = newton_schulz(X, backend="torch", method="gram")
+            assert torch.equal(newton_schulz(X, graphs=cache), eager)
     assert captures == [512, 640]
+
+
+def test_graphs_are_freed_with_the_optimizer() -> None:
+    """A Dion2 step's graphs (its selected slices replay whatever their size, ~5 times a
+    256 MiB stack here) belong to the optimizer: deleting it returns their memory. The
+    process keeps only what any CUDA work sets up (cuBLAS workspaces, under 64 MiB)."""
+    import gc
+
+    from torch import nn
+
+    import muon_dist
+
+    layers = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(8)]).cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+
+    def cycle() -> int:
+        opt = muon_dist.Muon(layers.parameters(), rule="dion2")
+        for _ in range(2):
+            for p in layers.parameters():
+                p.grad = torch.randn_like(p)
+            opt.step()
+        muon = opt.runner.muon
+        assert muon is not None and len(muon.orthogonalizer.graphs) > 0
+        for p in layers.parameters():
+            p.grad = None
+        del opt, muon
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before
+
+    kept = [cycle() for _ in range(3)]
+    assert max(kept) < 64 * 2**20 and len(set(kept)) == 1, kept
 
 
 def _keep() -> torch.Tensor:

@@ -14,7 +14,7 @@ from muon_dist.kernels.gram import (
     validate_method,
     validate_restarts,
 )
-from muon_dist.kernels.graphs import graph_eligible, run_graphed
+from muon_dist.kernels.graphs import GraphCache, graph_eligible
 from muon_dist.kernels.torch_ns import DEFAULT_EPS, newton_schulz_torch
 from muon_dist.kernels.triton_ns import (
     TRITON_DTYPES,
@@ -96,6 +96,7 @@ def newton_schulz(
     backend: str = "auto",
     method: str = "auto",
     gram_restarts: Sequence[int] = DEFAULT_RESTARTS,
+    graphs: GraphCache | None = None,
     graphed: bool = False,
 ) -> torch.Tensor:
     """Orthogonalize a matrix or a batch of matrices (any leading dims); returns ``dtype``.
@@ -106,9 +107,10 @@ def newton_schulz(
     the matrix, "gram" on its short side's Gram matrix (:mod:`muon_dist.kernels.gram`),
     restarting before the steps in ``gram_restarts``; "auto" takes Gram for CUDA tensors
     where ``prefer_gram`` says it is faster (rectangular ones), standard otherwise. Under
-    ``backend="auto"``, CUDA stacks of at most ``graphs.GRAPH_MAX_BYTES``, and of any size
-    when ``graphed`` (a caller whose step is bound by the host), replay from a CUDA graph
-    captured on their first call (:mod:`muon_dist.kernels.graphs`): their time is launches.
+    ``backend="auto"`` with a ``graphs`` cache, CUDA stacks of at most
+    ``GRAPH_MAX_BYTES``, and of any size when ``graphed`` (a caller whose step is bound by
+    the host), replay from a CUDA graph captured on their first call into that cache
+    (:mod:`muon_dist.kernels.graphs`): their time is launches.
     """
     validate_backend(backend)
     validate_method(method)
@@ -123,8 +125,8 @@ def newton_schulz(
         run_standard = newton_schulz_triton if triton else newton_schulz_torch
         return run_standard(Z, steps, coefficients, eps, dtype)
 
-    if backend == "auto" and graph_eligible(X, graphed):
+    if backend == "auto" and graphs is not None and graph_eligible(X, graphed):
         schedule = resolve_coefficients(coefficients, steps)
         key = (tuple(X.shape), X.dtype, X.device, schedule, eps, dtype, gram, triton, restarts)
-        return run_graphed(key, X, run)
+        return graphs.run(key, X, run)
     return run(X)

@@ -8,6 +8,9 @@ knows its step is bound by the host (``graphed=True``: Dion2's selected slices, 
 of each stack, where the step's other host work already exceeds the GPU's). A call made
 while a graph is being captured (a user capturing the whole optimizer step) runs eagerly,
 since that capture already removes the launches.
+
+The graphs and their memory belong to a :class:`GraphCache`, which the caller owns (an
+optimizer's step owns one): they are freed with it, never kept by the process.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import torch
 # Stacks up to this size replay from a graph: one 1024×4096 bf16 matrix is 8 MiB. Each
 # cached graph keeps its intermediates (a few stack-sized buffers) in a private pool.
 GRAPH_MAX_BYTES = 16 * 2**20
-# Graphs kept per process, the first shapes seen. Each holds its input, output and
+# Graphs kept per cache, the first shapes seen. Each holds its input, output and
 # intermediates, about five times its input's bytes: for small stacks at most
-# _MAX_GRAPHS · 5 · GRAPH_MAX_BYTES; a graphed larger stack adds five times its own size.
-_MAX_GRAPHS = 16
+# MAX_GRAPHS · 5 · GRAPH_MAX_BYTES; a graphed larger stack adds five times its own size.
+MAX_GRAPHS = 16
 
 
 @dataclass
@@ -31,9 +34,6 @@ class _Graphed:
     static_input: torch.Tensor
     static_output: torch.Tensor
     graph: torch.cuda.CUDAGraph
-
-
-_graphs: dict[Hashable, _Graphed] = {}
 
 
 def graph_eligible(X: torch.Tensor, graphed: bool = False) -> bool:
@@ -46,26 +46,37 @@ def graph_eligible(X: torch.Tensor, graphed: bool = False) -> bool:
     )
 
 
-def run_graphed(
-    key: Hashable, X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """``fn(X)`` replayed from a graph cached under ``key`` (which must name everything
-    besides X's values that ``fn`` depends on: shape, dtype, device, options).
+class GraphCache:
+    """Captured graphs by key, at most ``capacity``; dropping the cache frees them."""
 
-    The first call per key warms ``fn`` up on a side stream (cuBLAS and Triton set
-    themselves up, Triton autotunes) and captures it, while the cache has room; a key that
-    finds it full runs ``fn`` eagerly. The result is always a fresh tensor, never the
-    graph's static output.
-    """
-    entry = _graphs.get(key)
-    if entry is None:
-        if len(_graphs) >= _MAX_GRAPHS:
-            return fn(X)
-        entry = _capture(X, fn)
-        _graphs[key] = entry
-    entry.static_input.copy_(X)
-    entry.graph.replay()
-    return entry.static_output.clone()
+    def __init__(self, capacity: int = MAX_GRAPHS) -> None:
+        self.capacity = capacity
+        self._graphs: dict[Hashable, _Graphed] = {}
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(
+        self, key: Hashable, X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``fn(X)`` replayed from the graph cached under ``key`` (which must name everything
+        besides X's values that ``fn`` depends on: shape, dtype, device, options).
+
+        The first call per key warms ``fn`` up on a side stream (cuBLAS and Triton set
+        themselves up, Triton autotunes) and captures it, while the cache has room; a key
+        that finds it full runs ``fn`` eagerly (a capture synchronises: a cycling cache
+        would do it every step). The result is always a fresh tensor, never the graph's
+        static output.
+        """
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._graphs) >= self.capacity:
+                return fn(X)
+            entry = _capture(X, fn)
+            self._graphs[key] = entry
+        entry.static_input.copy_(X)
+        entry.graph.replay()
+        return entry.static_output.clone()
 
 
 def _capture(X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Graphed:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from muon_dist.kernels.dispatch import newton_schulz
+from muon_dist.kernels.graphs import GraphCache
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import StackSpec
 from muon_dist.plan.indices import TensorIndex
@@ -44,6 +45,7 @@ class Orthogonalizer:
         self._sums = torch.zeros(len(stack_tensor), device=dropped.device)
         self._sums_of_stack = self._sums.split_with_sizes(list(stack_sizes))
         self._dropped_of_stack = dropped.split_with_sizes(list(stack_sizes))
+        self.graphs = GraphCache()  # freed with this step (the optimizer)
 
     def finite(self) -> torch.Tensor:
         """Per matrix of every stack: whether its last result was finite (a new tensor)."""
@@ -72,6 +74,7 @@ class Orthogonalizer:
                 dtype=settings.ns_dtype,
                 backend=settings.backend,
                 method=recipe.method,
+                graphs=self.graphs,
                 graphed=selected is not None,
             )
 
