@@ -12,7 +12,8 @@ GPT2Attention (and copies)         ``c_attn`` Conv1D                ``split(spli
 GPTBigCodeAttention                ``c_attn``                       q, k, v; per head if not
                                                                     multi-query
 Phi3Attention, DbrxAttention       ``qkv_proj``, ``Wqkv``           q, k, v blocks
-ModernBertAttention                ``Wqkv``                         q, k, v thirds
+ModernBertAttention, SAM vision     ``Wqkv``, ``qkv``                q, k, v thirds
+attention
 GPTNeoX, Bloom, Persimmon,         ``query_key_value``,             ``[heads, 3, d]``
 MiniMaxLightningAttention          ``qkv_proj``
 CodeGenAttention                   ``qkv_proj``                     4 partitions of q, v, k
@@ -265,6 +266,7 @@ RULES: Mapping[str, Mapping[str, ModuleRule]] = {
     "DbrxAttention": {r"Wqkv\.weight": _dbrx_qkv},
     "DbrxExpertGLU": {r"[wv]1": _dbrx_experts(False), r"w2": _dbrx_experts(True)},
     "ModernBertAttention": {r"Wqkv\.weight": _thirds},
+    **{cls: {r"qkv\.weight": _thirds} for cls in ("SamVisionAttention", "SamHQVisionAttention")},
     "ModernBertMLP": {r"Wi\.weight": _halves("Wi(x).chunk(2): input, gate")},
     **{
         cls: {_QKV_WEIGHT: _per_head_qkv}
@@ -347,19 +349,24 @@ def _credited(layout: Layout | None, cls: str) -> Layout | None:
 def module_layout(
     modules: Mapping[str, nn.Module], name: str, shape: tuple[int, ...]
 ) -> Layout | None:
-    """The layout the nearest module class with a rule for ``name`` gives it, or one its
+    """The layout the nearest module class (or a base class: ``SamVisionSdpaAttention``
+    is a ``SamVisionAttention``) with a rule for ``name`` gives it, or one its
     owner declares (experts, latent attention, ``use_rel_pos`` tables); None without
     evidence."""
     path = name.split(".")
     for depth in range(1, min(_DEPTH, len(path)) + 1):
         module = modules.get(".".join(path[:-depth]))
         relative = ".".join(path[-depth:])
-        for pattern, rule in RULES.get(type(module).__name__, {}).items():
+        cls = next((c.__name__ for c in type(module).__mro__ if c.__name__ in RULES), None)
+        for pattern, rule in RULES.get(cls or "", {}).items():
             if module is not None and re.fullmatch(pattern, relative):
                 return _credited(rule(module, shape), type(module).__name__)
     owner = modules.get(".".join(path[:-1]))
+    attention = modules.get(".".join(path[:-2])) if len(path) > 1 else None
+    if attention is not None and (found := latent_attention(attention, path[-2:])):
+        return found
     if owner is None:
         return None
     if re.fullmatch(r"rel_pos_[hw]", path[-1]):  # SAM's vision attention and its copies
         return _rel_pos(owner, shape)
-    return declared_experts(owner, path[-1], shape) or latent_attention(owner, path[-2:])
+    return declared_experts(owner, path[-1], shape)

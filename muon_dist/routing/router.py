@@ -247,6 +247,8 @@ class Router:
         if layout is not None:
             options.update(layout.options)
             reasons.append(layout.reason)
+            if p.ndim == 2 and options.get("transposed"):  # the module class, not the type
+                reasons[0] = reasons[0].replace("[out, in]", "[in, out]")
         if declared is not None:  # the caller's layout replaces parts and expert counts
             kept = {k: v for k, v in options.items() if k in ("experts", "transposed")}
             route = Route("muon", "fused= declared", _frozen({**kept, **declared}))
