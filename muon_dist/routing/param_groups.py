@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from muon_dist.plan.views import ALGORITHMS, format_routing_table, normalize_fqn, routing_entries
-from muon_dist.routing.router import Route, Router, embedding_and_head_ids
+from muon_dist.routing.heads import HEAD_NAMES, embedding_and_head_ids
+from muon_dist.routing.router import Route, Router
 from muon_dist.routing.structure import STATE_SPACE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -26,9 +27,9 @@ logger = logging.getLogger(__name__)
 Override = Callable[[str, torch.Tensor], str | None] | Mapping[str, str]
 """Routing overrides: ``(name, param) -> "muon" | "adamw" | None``, or name regex -> algorithm."""
 
-FUSED_KEYS = ("split_sizes", "num_heads", "split_groups", "transposed")
+FUSED_KEYS = ("split_sizes", "num_heads", "split_groups", "transposed", "num_experts")
 EXPERT_KEYS = ("experts", "routed_experts")
-HEAD_PATTERNS = (r"(^|\.)(lm_head|output|head|classifier)$",)
+HEAD_PATTERNS = HEAD_NAMES
 EMBEDDING_PATTERNS = (r"(^|\.)(embed\w*|wte|wpe|tok_embeddings)$",)
 MIN_MATRIX_SIDE = 4
 
@@ -106,7 +107,7 @@ def param_groups(
     adamw_eps: float | None = None,
     expert_keys: Sequence[str] = EXPERT_KEYS,
     num_experts: int | None = None,
-    head_patterns: Sequence[str] = HEAD_PATTERNS,
+    head_patterns: Sequence[str] | None = None,
     embedding_patterns: Sequence[str] = EMBEDDING_PATTERNS,
     overrides: Override | None = None,
     fused: Mapping[str, Mapping[str, Any]] | None = None,
@@ -118,16 +119,18 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Split a model's parameters into Muon and AdamW groups for :class:`muon_dist.Muon`.
 
-    Hidden matrices go to Muon, each seen as its module applies it (``nn.Linear`` ``[out,
-    in]``, ``Conv1D`` ``[in, out]``, expert stacks, fused experts, fused projections split by
-    config or by :mod:`muon_dist.routing.families`); embeddings, output heads, biases,
-    vectors, state-space parameters, convolutions (``conv="muon"`` flattens them), small
-    matrices and other >2-D tensors go to AdamW. Groups hold only the options passed here.
-    ``fused`` (layouts by name regex) and ``overrides`` (algorithm by name regex or callable)
-    win over structure and the family table; a pattern that matches nothing raises. Guesses
-    are warned with the option that settles each; the audit (every parameter, its view, lr
-    scale and reason) is logged at INFO and printed by rank 0 with ``report=True``. The
-    README's ``param_groups`` reference has every argument.
+    Hidden matrices go to Muon, each seen as its module applies it: parts, orientation,
+    expert stacks and tables only on evidence (the owning module's class, the family
+    table of :mod:`muon_dist.routing.known_modules`, layouts a module declares); embeddings
+    and heads by the model's API and structure; biases, vectors, state-space parameters,
+    tables, convolutions (``conv="muon"`` flattens them), small matrices and other >2-D
+    tensors go to AdamW. A config sum or a name never splits: it only proposes, in the
+    audit and (for fusion-like names) as a warning, the ``fused=`` that would. ``fused``
+    (layouts by name regex, replacing the routing's parts and expert count) and
+    ``overrides`` (algorithm by name regex or callable) win; a pattern that matches nothing
+    raises. Groups hold only the options passed here. The audit (every parameter, its
+    view, lr scale and reason) is logged at INFO and printed by rank 0 with
+    ``report=True``. The README's ``param_groups`` reference has every argument.
     """
     routes = route_model(
         model,
@@ -177,7 +180,7 @@ def route_model(
     *,
     expert_keys: Sequence[str] = EXPERT_KEYS,
     num_experts: int | None = None,
-    head_patterns: Sequence[str] = HEAD_PATTERNS,
+    head_patterns: Sequence[str] | None = None,
     embedding_patterns: Sequence[str] = EMBEDDING_PATTERNS,
     overrides: Override | None = None,
     fused: Mapping[str, Mapping[str, Any]] | None = None,

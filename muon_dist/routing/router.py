@@ -2,11 +2,14 @@
 
 :func:`muon_dist.param_groups` builds a :class:`Router` over a model and asks it about
 every parameter; the decisions are pure (types, shapes, names and the config, never values).
-Order: the caller's ``overrides`` and ``fused``; then structure (:mod:`muon_dist.routing.structure`:
-embeddings, heads, vectors, state-space parameters, convolutions, expert containers and
-orientation); for fused parts, the family table (:mod:`muon_dist.routing.families`: interleavings
-and splits the config cannot tell) before the config's contiguous sums; names last, and
-only as warnings.
+Order: the caller's ``overrides`` and ``fused``; then what is not a hidden matrix (biases,
+vectors, state-space parameters, embeddings and heads by the model's API
+(:mod:`muon_dist.routing.heads`), tables, convolutions); then the matrix view. Parts,
+orientation, expert stacks and tables come only from evidence: the owning module's class
+(``nn.Linear``, ``Conv1D``, ``nn.MultiheadAttention``, the family table of
+:mod:`muon_dist.routing.known_modules`, layouts a module declares) or the caller. Config
+sums and names never split: they only propose, in the audit and as warnings, the keyword
+that would.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from muon_dist.plan.views import normalize_fqn
-from muon_dist.routing.families import family_rule, suggests_fusion, titan_rule
+from muon_dist.routing.families import Layout, titan_layout
+from muon_dist.routing.known_modules import module_layout
 from muon_dist.routing.structure import (
     STATE_SPACE_NAMES,
     ConfigDims,
@@ -30,8 +33,11 @@ from muon_dist.routing.structure import (
     common_input_width,
     hf_config,
     is_conv,
+    is_transposed_linear,
     linear_shape,
     matrix_sides,
+    named_parts,
+    suggests_fusion,
 )
 
 CONV_CHOICES = ("adamw", "muon")
@@ -57,10 +63,6 @@ class Route:
 
 def _frozen(options: ViewOptions) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
-
-
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(re.search(p, name) for p in patterns)
 
 
 def _shape_text(shape: Sequence[int]) -> str:
@@ -107,7 +109,7 @@ class Router:
             self.dims = ConfigDims(hidden=frozenset(widths))
         self.modules = modules
         self.expert_keys = tuple(expert_keys)
-        self.num_experts = num_experts if num_experts is not None else self.dims.experts
+        self.num_experts = num_experts
         self.conv = conv
         self.min_side = min_matrix_side
         self.known_layouts = known_layouts
@@ -127,7 +129,7 @@ class Router:
     ) -> Route:
         """The route of parameter ``name`` (normalised); ``forced`` is the caller's override
         and ``declared`` its ``fused=`` options, both already matched to this name."""
-        module_name, _, leaf = name.rpartition(".")
+        module_name, leaf = _owner_path(name)
         owner = self.modules.get(module_name)
         shape = tuple(int(s) for s in p.shape)
         if forced == "adamw":
@@ -166,19 +168,26 @@ class Router:
             return Route("adamw", "embedding")
         if id(p) in self.head_ids:
             return Route("adamw", "output head")
+        if owner is not None and is_conv(owner):
+            return self._conv(owner, shape)
+        if sum(s > 1 for s in shape) < 2 and self._raw(owner):  # [1, 1, H]: a gain
+            return Route("adamw", f"vector stored {_shape_text(shape)}", decay=False)
+        layout = self._layout(name, owner, shape)
+        if layout is not None and layout.table:
+            return Route("adamw", layout.reason)
         if self._expert(name) and p.ndim == 2 and owner is not None:
             stacks = [s for s in owner.parameters(recurse=False) if s.ndim == 3]
             if any(s.shape[0] == shape[0] for s in stacks):
                 return Route("adamw", "per-expert vector beside an expert stack", decay=False)
-        if owner is not None and is_conv(owner):
-            return self._conv(owner, shape)
-        if p.ndim > 2 and not self._stacked(name, shape):
+        if p.ndim > 2 and not self._stacked(name, shape, layout):
+            if shape[0] == 1:  # a leading broadcast dimension: added to activations
+                return Route("adamw", f"broadcast tensor {_shape_text(shape)}, not a linear map")
             if self.muon_mode != "2d":
                 return None
             guess = (
                 f"{_regex(name)} ({_shape_text(shape)}) is neither a convolution nor an expert "
-                f"stack: it goes to AdamW; to orthogonalize it pass overrides={{{_regex(name)!r}"
-                ": 'muon'} with muon_mode='flat' or 'slice'"
+                f"stack: it goes to AdamW; if it is a stack of matrices, pass overrides="
+                f"{{{_regex(name)!r}: 'muon'}} with muon_mode='flat' or 'slice'"
             )
             return Route("adamw", f"unknown {p.ndim}-D tensor", guess=guess)
         return None
@@ -209,108 +218,135 @@ class Router:
         shape: tuple[int, ...],
         declared: ViewOptions | None,
     ) -> Route:
-        """The Muon route of a matrix, stack or (with conv='muon') convolution."""
+        """The Muon route of a matrix, stack or (with conv='muon') convolution: parts,
+        orientation and experts from evidence only; a guess proposes the rest."""
         options: ViewOptions = {}
         reasons: list[str] = []
         guess = None
-        out_dim, in_dim = shape[0], shape[-1]
+        layout = self._layout(name, owner, shape)
         if p.ndim == 2:
-            out_dim, in_dim, transposed = linear_shape(owner, shape)
+            _, _, transposed = linear_shape(owner, shape)
             kind = type(owner).__name__ if owner is not None else "parameter"
             reasons.append(f"{kind} {'[in, out]' if transposed else '[out, in]'}")
             if transposed:
                 options["transposed"] = True
-            if self._expert(name) and not self._one_expert(name):
+            if layout is None and self._raw(owner) and self._expert(name):
                 fused = self._fused_experts(name, shape)
                 if isinstance(fused, str):
                     guess = fused
                 else:
                     options.update(fused[0])
                     reasons.append(fused[1])
-                    out_dim //= fused[0]["num_experts"]
-        elif p.ndim == 3 and self._stacked(name, shape):
-            out_dim, in_dim, guess = self._stack_view(name, owner, shape, options, reasons)
+        elif p.ndim == 3 and self._stacked(name, shape, layout):
+            options["experts"] = True
+            if layout is None:
+                reasons.append("expert stack (module named experts), read [E, out, in]")
+                guess = self._stack_guess(name, owner, shape)
         elif p.ndim > 2:
             reasons.append(f"{p.ndim}-D tensor, muon_mode={self.muon_mode!r}")
-        if declared is not None:
-            options.update(declared)
-            return self._checked(name, shape, Route("muon", "fused= declared", _frozen(options)))
-        split = self._split(name, owner, out_dim, in_dim)
-        if split is not None:
-            options.update(split[0])
-            reasons = [r for r in reasons if not r.startswith("gate and up")] + [split[1]]
-        elif guess is None and "split_sizes" not in options and suggests_fusion(name):
-            guess = (
-                f"{_regex(name)} ({_shape_text(shape)}) is named like fused matrices but "
-                "neither the config nor the family table splits it: orthogonalized whole; pass "
-                "fused="
-                f"{{{_regex(name)!r}: {{'split_sizes': [...]}}}} (plus 'split_groups' for "
-                "interleaved parts), or {'split_sizes': [rows]} to keep it whole and silence this"
-            )
-        return self._checked(
-            name, shape, Route("muon", "; ".join(reasons), _frozen(options), guess=guess)
-        )
+        if layout is not None:
+            options.update(layout.options)
+            reasons.append(layout.reason)
+            if p.ndim == 2 and options.get("transposed"):  # the module class, not the type
+                reasons[0] = reasons[0].replace("[out, in]", "[in, out]")
+        if declared is not None:  # the caller's layout replaces parts and expert counts
+            kept = {k: v for k, v in options.items() if k in ("experts", "transposed")}
+            route = Route("muon", "fused= declared", _frozen({**kept, **declared}))
+            return self._checked(name, shape, route)
+        if layout is None and p.ndim == 2 and "num_experts" not in options:
+            proposal = self._proposal(name, shape, options.get("transposed", False))
+            if proposal is not None:
+                reasons.append(proposal[0])
+                guess = guess or proposal[1]
+        route = Route("muon", "; ".join(reasons), _frozen(options), guess=guess)
+        return self._checked(name, shape, route)
 
-    def _stack_view(
-        self,
-        name: str,
-        owner: nn.Module | None,
-        shape: tuple[int, ...],
-        options: ViewOptions,
-        reasons: list[str],
-    ) -> tuple[int, int, str | None]:
-        """An expert stack's orientation and fused halves (into ``options`` and ``reasons``):
-        its ``(out, in)`` and the guess to warn of, if any."""
-        options["experts"] = True
-        stacks = self._stacks_of(name.rpartition(".")[0], owner)
-        reasons.append(self._stack_reason(name))
-        if stacks.in_out:
-            options["transposed"] = True
-            out_dim, in_dim = shape[2], shape[1]
+    def _layout(self, name: str, owner: nn.Module | None, shape: tuple[int, ...]) -> Layout | None:
+        """What the module classes on the parameter's path say about it (the family
+        table, declared expert layouts, torchtitan's modules), where ``known_layouts``."""
+        if isinstance(owner, nn.MultiheadAttention) and name.endswith("in_proj_weight"):
+            if shape[0] == 3 * shape[1]:
+                return Layout(
+                    {"split_sizes": [shape[1]] * 3}, "nn.MultiheadAttention: q, k, v blocks"
+                )
+        if not self.known_layouts:
+            return None
+        found = module_layout(self.modules, name, shape)
+        if found is None and self.config is None:
+            parts = name.split(".")
+            grandparent = self.modules.get(".".join(parts[:-2])) if len(parts) > 2 else None
+            rows = shape[1] if len(shape) == 3 else shape[0]
+            found = titan_layout(owner, grandparent, name, rows)
+        return found
+
+    def _proposal(
+        self, name: str, shape: tuple[int, ...], transposed: bool
+    ) -> tuple[str, str | None] | None:
+        """Without evidence a matrix stays whole. Where the config's sizes add up to its
+        outputs, or its name says how many parts it has, the audit proposes the ``fused=``
+        that would split it; where its name suggests fusion, so does a warning."""
+        rows, cols = (shape[1], shape[0]) if transposed else shape
+        found = self.dims.fused_split(name, rows, cols)
+        named = named_parts(name, rows)
+        if found is not None:
+            sizes, source = found
+        elif named is not None:
+            sizes, source = named, "its name"
         else:
-            out_dim, in_dim = shape[1], shape[2]
-        guess = None
-        if stacks.in_out is None and len(stacks.fused) == 0 and self._siblings(owner) > 1:
-            guess = (
-                f"{_regex(name)} ({_shape_text(shape)}): its container's shapes do not tell "
-                f"[E, out, in] from [E, in, out]; read as [E, out, in]; pass fused="
-                f"{{{_regex(name)!r}: {{'transposed': True}}}} if it is applied as x @ W[e]"
+            return None
+        regex = _regex(name)
+        audit = f"whole: no module class says it is fused ({source} would cut it {sizes})"
+        if not suggests_fusion(name):
+            return audit, None
+        guess = (
+            f"{regex} ({_shape_text(shape)}) is named like fused matrices and {source} would "
+            f"cut it {sizes}, but no module class says how its forward cuts it: orthogonalized "
+            f"whole. If it is fused, pass fused={{{regex!r}: {{'split_sizes': {sizes}}}}} (add "
+            f"'split_groups' for parts interleaved per head); to keep it whole and silence "
+            f"this, pass fused={{{regex!r}: {{'split_sizes': [{rows}]}}}}"
+        )
+        return audit, guess
+
+    def _stack_guess(
+        self, name: str, owner: nn.Module | None, shape: tuple[int, ...]
+    ) -> str | None:
+        """A stack without evidence is read ``[E, out, in]``, whole per expert; where its
+        container's shapes suggest otherwise (the hidden size first, a gate+up twice the
+        down projection's width) or cannot tell, the warning proposes the ``fused=``."""
+        stacks = self._stacks_of(name.rpartition(".")[0], owner)
+        leaf = name.rpartition(".")[2]
+        regex = _regex(name)
+        proposed: ViewOptions = {}
+        if stacks.in_out:
+            proposed["transposed"] = True
+        if leaf in stacks.fused:
+            rows = shape[2] if stacks.in_out else shape[1]
+            proposed["split_sizes"] = [rows // 2, rows // 2]
+        if proposed:
+            return (
+                f"{regex} ({_shape_text(shape)}): its container's shapes suggest "
+                f"{'[E, in, out]' if stacks.in_out else '[E, out, in]'}"
+                f"{' with gate and up halves' if 'split_sizes' in proposed else ''}, but no "
+                f"module class says so: read [E, out, in], whole per expert. If its forward "
+                f"reads it so, pass fused={{{regex!r}: {proposed}}}"
             )
-        if name.rpartition(".")[2] in stacks.fused:
-            options["split_sizes"] = [out_dim // 2, out_dim // 2]
-            reasons.append("gate and up halves (twice the down projection's width)")
-        return out_dim, in_dim, guess
+        if stacks.in_out is None and shape[1] != shape[2] and self._siblings(owner) > 1:
+            return (
+                f"{regex} ({_shape_text(shape)}): its container's shapes do not tell "
+                f"[E, out, in] from [E, in, out]; read as [E, out, in]; pass fused="
+                f"{{{regex!r}: {{'transposed': True}}}} if it is applied as x @ W[e]"
+            )
+        return None
 
     def _checked(self, name: str, shape: tuple[int, ...], route: Route) -> Route:
         """AdamW instead for a matrix (per expert for stacks) with a side below
         ``min_matrix_side``; other >2-D tensors are on Muon by the caller's ``muon_mode``."""
-        if len(shape) > 2 and not self._stacked(name, shape):
+        if len(shape) > 2 and not dict(route.options).get("experts"):
             return route
         matrix = (shape[-2], shape[-1])
         if min(matrix) < self.min_side:
             return Route("adamw", self._small(matrix))
         return route
-
-    def _split(
-        self, name: str, owner: nn.Module | None, out_dim: int, in_dim: int
-    ) -> tuple[ViewOptions, str] | None:
-        """Fused parts from torch's attention module, the family table, or the config."""
-        if isinstance(owner, nn.MultiheadAttention) and name.rpartition(".")[2] == "in_proj_weight":
-            if out_dim == 3 * in_dim:
-                return {"split_sizes": [in_dim] * 3}, "nn.MultiheadAttention: q, k, v blocks"
-        if self.known_layouts:
-            if self.config is not None:
-                rule = family_rule(self.config, name, out_dim, in_dim)
-            else:
-                parts = name.split(".")
-                grandparent = self.modules.get(".".join(parts[:-2])) if len(parts) > 2 else None
-                rule = titan_rule(owner, grandparent, name, out_dim)
-            if rule is not None:
-                return rule
-        found = self.dims.fused_split(name, out_dim, in_dim)
-        if found is None:
-            return None
-        return {"split_sizes": found[0]}, found[1]
 
     # -- experts --------------------------------------------------------------------------
 
@@ -319,37 +355,43 @@ class Router:
         name part: ``shared_experts`` is not ``experts``)."""
         return any(part in self.expert_keys for part in name.split(".")[:-1])
 
+    @staticmethod
+    def _raw(owner: nn.Module | None) -> bool:
+        """A parameter of its own, not the weight of a linear layer (which is one matrix,
+        whatever module holds it: Switch's ``experts.expert_0.wi``, JetMoE's router)."""
+        return not isinstance(owner, nn.Linear) and not is_transposed_linear(owner)
+
     def _one_expert(self, name: str) -> bool:
         """Whether the parameter belongs to one numbered expert module (``experts.3.w1``)."""
         parts = name.split(".")[:-1]
         return any(a in self.expert_keys and b.isdigit() for a, b in itertools.pairwise(parts))
 
-    def _stacked(self, name: str, shape: tuple[int, ...]) -> bool:
-        """A 3-D stack of experts: under an expert module, or as many along dim 0 as the
-        config has experts."""
+    def _stacked(self, name: str, shape: tuple[int, ...], layout: Layout | None) -> bool:
+        """A 3-D stack of experts: by its module's class, or under a module named one of
+        ``expert_keys``."""
         if len(shape) != 3:
             return False
-        return self._expert(name) or (
-            self.dims.experts is not None and shape[0] == self.dims.experts
-        )
-
-    def _stack_reason(self, name: str) -> str:
-        if self._expert(name):
-            return "expert stack (module named experts)"
-        return f"expert stack (config: {self.dims.experts} experts along dim 0)"
+        return self._expert(name) or (layout is not None and bool(layout.options.get("experts")))
 
     def _fused_experts(self, name: str, shape: tuple[int, ...]) -> tuple[ViewOptions, str] | str:
-        """2-D expert weights ``[E*m, n]``: E from ``num_experts`` or the config; a guess
-        (the text to show) where E is not known."""
+        """A raw 2-D weight ``[E*m, n]`` under an expert module: E experts where the caller
+        says ``num_experts=E``; else one matrix, and a guess proposing E."""
+        if self._one_expert(name):
+            return {}, "one numbered expert"
         experts = self.num_experts
-        if experts is None or shape[0] % experts:
-            return (
-                f"{_regex(name)} ({_shape_text(shape)}) is a 2-D weight under an expert module, "
-                "orthogonalized as one matrix; pass num_experts=E if it stacks E experts "
-                "[E*m, n]"
-            )
-        source = "num_experts" if self.num_experts != self.dims.experts else "config"
-        return {"num_experts": experts}, f"{experts} fused experts [E*m, n] ({source})"
+        if experts is not None and shape[0] % experts == 0:
+            return {"num_experts": experts}, f"{experts} fused experts [E*m, n] (num_experts)"
+        count = self.dims.experts
+        hint = (
+            f"; the config has {count} experts: num_experts={count}"
+            if count is not None and shape[0] % count == 0
+            else ""
+        )
+        return (
+            f"{_regex(name)} ({_shape_text(shape)}) is a 2-D weight under an expert module, "
+            f"orthogonalized as one matrix; pass num_experts=E if it stacks E experts [E*m, n]"
+            f"{hint}"
+        )
 
     def _stacks_of(self, module_name: str, owner: nn.Module | None) -> Stacks:
         if module_name not in self._stacks:
@@ -365,22 +407,16 @@ class Router:
         return sum(1 for p in owner.parameters(recurse=False) if p.ndim == 3)
 
 
+def _owner_path(name: str) -> tuple[str, str]:
+    """``(module, leaf)`` of a parameter; a parametrized one (weight norm's
+    ``conv.parametrizations.weight.original0``) belongs to the module it parametrizes."""
+    base, found, rest = name.partition(".parametrizations.")
+    if found:
+        return base, rest.split(".")[0]
+    module, _, leaf = name.rpartition(".")
+    return module, leaf
+
+
 def _regex(name: str) -> str:
     """A regex matching ``name`` at the end of a parameter name, layer numbers generalised."""
     return re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name)) + "$"
-
-
-def embedding_and_head_ids(
-    model: nn.Module, head_patterns: Sequence[str], embedding_patterns: Sequence[str]
-) -> tuple[set[int], set[int]]:
-    """Ids of parameters owned by embedding tables, and by output heads."""
-    embeddings: set[int] = set()
-    heads: set[int] = set()
-    for mod_name, module in model.named_modules():
-        name = normalize_fqn(mod_name)
-        own = {id(p) for p in module.parameters(recurse=False)}
-        if isinstance(module, nn.Embedding) or _matches(name, embedding_patterns):
-            embeddings |= own
-        elif isinstance(module, nn.Linear) and _matches(name, head_patterns):
-            heads |= own
-    return embeddings, heads

@@ -1,12 +1,12 @@
-"""What a model's structure says about a parameter: its role, orientation and fused parts.
+"""What a model's structure says about a parameter, and what it only suggests.
 
-:func:`muon_dist.param_groups` asks :class:`Structure` about every parameter. The answers
-come from the owning module's type (``nn.Linear`` is ``[out, in]``, transformers' ``Conv1D``
-``[in, out]``, convolutions and embeddings are not hidden matrices), the shapes of the
-parameters beside it (an expert container's stacks share their hidden size; its fused input
-projection is twice as wide as its output projection's input) and the model's config (a
-projection whose outputs are a sum of config dimensions is fused). Names only break ties.
-Everything here reads shapes, types and configs, never values, so every rank agrees.
+Evidence: the owning module's type (``nn.Linear`` is ``[out, in]``, transformers' ``Conv1D``
+``[in, out]``, convolutions are not hidden matrices). Suggestions, which the router turns
+into proposals and warnings but never into a split or an orientation: the shapes beside a
+parameter (an expert container's stacks share their hidden size; a fused input projection
+is twice as wide as the output projection's input), config sums (a projection whose
+outputs add up to config dimensions could be fused) and names. Everything here reads
+shapes, types and configs, never values, so every rank agrees.
 """
 
 from __future__ import annotations
@@ -107,11 +107,13 @@ class ConfigDims:
         )
 
     def fused_split(self, name: str, out_dim: int, in_dim: int) -> tuple[list[int], str] | None:
-        """How a projection ``in_dim -> out_dim`` of a hidden state is fused, by the config.
+        """How a projection ``in_dim -> out_dim`` of a hidden state could be fused, by the
+        config: a proposal for the audit, never a split (an MLA ``q_proj`` or two shared
+        experts add up by coincidence).
 
-        Its outputs are fused when they add up to q, k and v heads or to twice an MLP width
-        (gate and up), and are neither the hidden size nor a width of their own. When both
-        sums match, the module path (attention or MLP) decides; when it cannot, None.
+        Its outputs could be fused when they add up to q, k and v heads or to twice an MLP
+        width (gate and up), and are neither the hidden size nor a width of their own. When
+        both sums match, the module path (attention or MLP) decides; when it cannot, None.
         """
         if in_dim not in self.hidden or out_dim in self.hidden or out_dim in self.widths:
             return None
@@ -132,13 +134,44 @@ class ConfigDims:
         if not found:
             return None
         sizes, text = next(iter(found.values()))
-        return sizes, f"config: {out_dim} outputs = {text}"
+        return sizes, f"the config ({out_dim} = {text})"
+
+
+# Name parts that suggest several matrices fused into one parameter, and those that also
+# say how many (q, k, v; gate, up).
+_FUSED_HINT = re.compile(
+    r"gate_up|up_gate|qkv|w13|w1w3|w12|mlp1_weight|query_key_value|c_attn|in_proj|x_proj",
+    re.IGNORECASE,
+)
+_NAMED_PARTS = (
+    (re.compile(r"qkv|query_key_value", re.I), 3),
+    (re.compile(r"gate_up|up_gate|w13|w1w3", re.I), 2),
+)
+
+
+def _leaf_module(name: str) -> str:
+    parts = name.split(".")
+    return parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+
+
+def suggests_fusion(name: str) -> bool:
+    """Whether a parameter's own name (not its module path) hints at fused matrices."""
+    return _FUSED_HINT.search(_leaf_module(name)) is not None
+
+
+def named_parts(name: str, rows: int) -> list[int] | None:
+    """Equal parts a name counts (``qkv``: three, ``gate_up``: two), where they divide."""
+    for pattern, count in _NAMED_PARTS:
+        if pattern.search(_leaf_module(name)) and rows % count == 0:
+            return [rows // count] * count
+    return None
 
 
 @dataclass(frozen=True)
 class Stacks:
-    """The 3-D stacks of one expert container, read together: their storage orientation
-    (``[E, in, out]`` or ``[E, out, in]``) and which of them fuses gate and up."""
+    """The 3-D stacks of one expert container, read together: the storage orientation
+    (``[E, in, out]`` or ``[E, out, in]``) and the fused gate and up their shapes suggest,
+    for the warning about a container no class describes."""
 
     in_out: bool | None  # None: the shapes do not tell
     fused: frozenset[str] = field(default_factory=frozenset)  # leaf names

@@ -1,0 +1,568 @@
+"""Families whose shapes invite a wrong route (issue 36), at tiny and at their real sizes.
+
+Each case builds a transformers model from a config (the real one from the family's
+published config, on the meta device) and says, from its modeling code (transformers
+5.23), how its forward reads the parameters a guess would get wrong: ``expected`` maps a
+parameter name regex to its Muon view options (``{}``: one whole matrix in ``nn.Linear``
+orientation) or to ``"adamw"``. Sizes in the expectations come from the same config
+values the model is built from, so a case states layouts, not numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+Expected = dict[str, dict[str, Any] | str]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family: ``build(config kwargs)`` and ``expected(config kwargs)``, with tiny and
+    real config kwargs."""
+
+    build: Callable[[dict[str, Any]], nn.Module]
+    expected: Callable[[dict[str, Any]], Expected]
+    tiny: dict[str, Any]
+    real: dict[str, Any]
+
+
+def _hf() -> Any:
+    import transformers
+
+    return transformers
+
+
+def _causal(config: str, model: str) -> Callable[[dict[str, Any]], nn.Module]:
+    def build(kwargs: dict[str, Any]) -> nn.Module:
+        hf = _hf()
+        return getattr(hf, model)(getattr(hf, config)(**kwargs))
+
+    return build
+
+
+_TWO = {"num_hidden_layers": 2}
+
+
+def _mla(c: dict[str, Any]) -> Expected:
+    """Latent attention: q_proj is per head [nope + rope] of one query (q_lora_rank None),
+    kv_a and kv_b one map each; shared experts are plain Linears of n_shared * width."""
+    whole: dict[str, Any] = {}
+    return {
+        r"self_attn\.q_proj\.weight$": whole,
+        r"self_attn\.kv_a_proj_with_mqa\.weight$": whole,
+        r"self_attn\.kv_b_proj\.weight$": whole,
+        r"shared_experts\.(gate|up)_proj\.weight$": whole,
+        r"mlp\.experts\.gate_up_proj$": {
+            "experts": True,
+            "split_sizes": (c["moe_intermediate_size"],) * 2,
+        },
+    }
+
+
+_MLA_TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,  # nope = 2 rope: q_proj width = 3 heads of q, k, v of rope size
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "moe_intermediate_size": 12,
+    "n_routed_experts": 4,
+    "n_shared_experts": 2,  # shared width = 2 expert widths: a "gate + up" by arithmetic
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    **_TWO,
+}
+_DEEPSEEK_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite
+    **_MLA_TINY,
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+}
+_MOONLIGHT = {  # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 architecture)
+    **_DEEPSEEK_V2_LITE,
+    "vocab_size": 163840,
+    "intermediate_size": 11264,
+}
+
+
+def _per_head(c: dict[str, Any], suffix: str, d: int) -> Expected:
+    heads = c["num_attention_heads"]
+    return {suffix: {"split_sizes": (d, d, d), "split_groups": heads}}
+
+
+def _minimax(c: dict[str, Any]) -> Expected:
+    # qkv.reshape(b, s, heads, 3 * d) then split(d): q, k, v per head
+    return {
+        **_per_head(c, r"self_attn\.qkv_proj\.weight$", c["head_dim"]),
+        r"mlp\.experts\.gate_up_proj$": {
+            "experts": True,
+            "split_sizes": (c["intermediate_size"],) * 2,
+        },
+    }
+
+
+def _persimmon(c: dict[str, Any]) -> Expected:
+    # view(b, s, heads, 3, d)
+    d = c["hidden_size"] // c["num_attention_heads"]
+    return _per_head(c, r"self_attn\.query_key_value\.weight$", d)
+
+
+def _codegen(c: dict[str, Any]) -> Expected:
+    # reshape(..., mp_num=4, -1) then split(local_dim): q, v, k in each of 4 partitions
+    local = c["n_embd"] // 4
+    return {r"attn\.qkv_proj\.weight$": {"split_sizes": (local,) * 3, "split_groups": 4}}
+
+
+def _jetmoe(c: dict[str, Any]) -> Expected:
+    kv = c["kv_channels"] * c["num_key_value_heads"]
+    return {
+        r"self_attention\.kv_proj\.weight$": {"split_sizes": (kv, kv)},  # chunk(2): k, v
+        r"self_attention\.experts\.router\.layer\.weight$": {},
+        r"self_attention\.experts\.input_linear\.weight$": {"experts": True},
+        r"mlp\.input_linear\.weight$": {
+            "experts": True,
+            "split_sizes": (c["intermediate_size"],) * 2,
+        },
+        r"mlp\.router\.layer\.weight$": {},
+    }
+
+
+def _expert_modules(prefix: str) -> Callable[[dict[str, Any]], Expected]:
+    """Experts as a ModuleDict of expert_{i} MLPs of nn.Linear: each weight one matrix."""
+
+    def expected(c: dict[str, Any]) -> Expected:
+        return {prefix + r"\.expert_\d+\.\w+\.weight$": {}, r"router\.classifier\.weight$": {}}
+
+    return expected
+
+
+def _gpt_oss(c: dict[str, Any]) -> Expected:
+    # x @ W[e] ([E, H, 2I]) then gate_up[..., ::2], [..., 1::2]; x @ down[e] ([E, I, H])
+    return {
+        r"experts\.gate_up_proj$": {
+            "experts": True,
+            "transposed": True,
+            "split_sizes": (1, 1),
+            "split_groups": c["intermediate_size"],
+        },
+        r"experts\.down_proj$": {"experts": True, "transposed": True},
+    }
+
+
+def _llama4(c: dict[str, Any]) -> Expected:
+    # bmm(x, gate_up [E, H, 2I]).chunk(2); bmm(h, down [E, I, H])
+    return {
+        r"experts\.gate_up_proj$": {
+            "experts": True,
+            "transposed": True,
+            "split_sizes": (c["intermediate_size"],) * 2,
+        },
+        r"experts\.down_proj$": {"experts": True, "transposed": True},
+    }
+
+
+def _mistral4(c: dict[str, Any]) -> Expected:
+    return {
+        r"experts\.gate_up_proj$": {
+            "experts": True,
+            "split_sizes": (c["moe_intermediate_size"],) * 2,
+        },
+        r"experts\.down_proj$": {"experts": True},
+        r"self_attn\.q_b_proj\.weight$": {},
+    }
+
+
+def _gemma3_vlm(c: dict[str, Any]) -> Expected:
+    # torch.matmul(vision, mm_input_projection_weight [vision_hidden, text_hidden]); the
+    # vision pooling head's nn.MultiheadAttention: q, k, v blocks
+    vision = c["vision_config"]["hidden_size"]
+    return {
+        r"mm_input_projection_weight$": {"transposed": True},
+        r"head\.attention\.in_proj_weight$": {"split_sizes": (vision,) * 3},
+    }
+
+
+def _qwen3_5(c: dict[str, Any]) -> Expected:
+    d = c["head_dim"]
+    key = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    return {
+        # view(..., -1, 2 d).chunk(2): q and gate per head
+        r"self_attn\.q_proj\.weight$": {
+            "split_sizes": (d, d),
+            "split_groups": c["num_attention_heads"],
+        },
+        r"linear_attn\.in_proj_qkv\.weight$": {"split_sizes": (key, key, value)},
+        r"linear_attn\.in_proj_[zba]\.weight$": {},
+    }
+
+
+def _shared_experts(c: dict[str, Any]) -> Expected:
+    return {r"shared_experts\.(gate|up)_proj\.weight$": {}}
+
+
+def _rwkv(c: dict[str, Any]) -> Expected:
+    return {
+        r"attention\.output\.weight$": {},  # a hidden layer named output
+        r"^head\.weight$": "adamw",  # the head, by get_output_embeddings()
+        r"time_mix_\w+$": "adamw",
+    }
+
+
+def _score(c: dict[str, Any]) -> Expected:
+    return {r"^score\.weight$": "adamw"}
+
+
+def _bert_mlm(c: dict[str, Any]) -> Expected:
+    return {r"predictions\.decoder\.weight$": "adamw", r"transform\.dense\.weight$": {}}
+
+
+def _sam(c: dict[str, Any]) -> Expected:
+    # qkv.reshape(b, hw, 3, heads, -1): q, k, v thirds
+    hidden = c["vision_config"]["hidden_size"]
+    return {
+        r"attn\.rel_pos_[hw]$": "adamw",
+        r"vision_encoder\.pos_embed$": "adamw",
+        r"vision_encoder\.layers\.\d+\.attn\.qkv\.weight$": {"split_sizes": (hidden,) * 3},
+    }
+
+
+def _wav2vec2(c: dict[str, Any]) -> Expected:
+    return {r"pos_conv_embed\.conv\.parametrizations\.weight\.original\d$": "adamw"}
+
+
+_SWITCH_TINY = {
+    "vocab_size": 64,
+    "d_model": 32,
+    "d_ff": 48,
+    "d_kv": 8,
+    "num_heads": 4,
+    "num_experts": 4,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_sparse_encoder_layers": 1,
+    "num_sparse_decoder_layers": 1,
+}
+_NLLB_TINY = {
+    "vocab_size": 64,
+    "d_model": 32,
+    "encoder_ffn_dim": 48,
+    "decoder_ffn_dim": 48,
+    "num_experts": 4,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_sparse_step": 2,
+    "decoder_sparse_step": 2,
+    "max_position_embeddings": 64,
+}
+_GEMMA3_VLM_TINY = {
+    "text_config": {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+    },
+    "vision_config": {
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 32,
+        "patch_size": 8,
+    },
+    "mm_tokens_per_image": 4,
+}
+_SAM_TINY = {
+    "vision_config": {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "image_size": 64,
+        "patch_size": 16,
+        "output_channels": 16,
+        "window_size": 2,
+        "global_attn_indexes": [0],
+        "mlp_dim": 48,
+    },
+    "prompt_encoder_config": {"hidden_size": 16, "image_size": 64, "patch_size": 16},
+    "mask_decoder_config": {
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "mlp_dim": 24,
+        "iou_head_hidden_dim": 16,
+    },
+}
+_QWEN3_5_TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    **_TWO,
+}
+
+CASES: dict[str, Case] = {
+    "deepseek_v2_lite": Case(
+        _causal("DeepseekV2Config", "DeepseekV2ForCausalLM"), _mla, _MLA_TINY, _DEEPSEEK_V2_LITE
+    ),
+    "moonlight": Case(
+        _causal("DeepseekV3Config", "DeepseekV3ForCausalLM"), _mla, _MLA_TINY, _MOONLIGHT
+    ),
+    "ernie4_5_moe": Case(  # baidu/ERNIE-4.5-21B-A3B: two shared experts
+        _causal("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
+        _shared_experts,
+        {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "moe_intermediate_size": 12,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "moe_num_experts": 4,
+            "moe_num_shared_experts": 2,
+            "moe_layer_start_index": 1,
+            "moe_k": 2,
+            **_TWO,
+        },
+        {
+            "vocab_size": 103424,
+            "hidden_size": 2560,
+            "intermediate_size": 12288,
+            "moe_intermediate_size": 1536,
+            "num_attention_heads": 20,
+            "num_key_value_heads": 4,
+            "moe_num_experts": 64,
+            "moe_num_shared_experts": 2,
+            "moe_layer_start_index": 1,
+            "moe_k": 6,
+            **_TWO,
+        },
+    ),
+    "minimax": Case(  # MiniMaxAI/MiniMax-Text-01
+        _causal("MiniMaxConfig", "MiniMaxForCausalLM"),
+        _minimax,
+        {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "layer_types": ["linear_attention", "full_attention"],
+            **_TWO,
+        },
+        {
+            "vocab_size": 200064,
+            "hidden_size": 6144,
+            "intermediate_size": 9216,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "num_local_experts": 32,
+            "layer_types": ["linear_attention", "full_attention"],
+            **_TWO,
+        },
+    ),
+    "persimmon": Case(  # adept/persimmon-8b-base
+        _causal("PersimmonConfig", "PersimmonForCausalLM"),
+        _persimmon,
+        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4}
+        | _TWO,
+        {"vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384}
+        | {"num_attention_heads": 64}
+        | _TWO,
+    ),
+    "codegen": Case(  # Salesforce/codegen-2B-mono
+        _causal("CodeGenConfig", "CodeGenForCausalLM"),
+        _codegen,
+        {"vocab_size": 64, "n_embd": 32, "n_head": 4, "rotary_dim": 4, "n_layer": 2},
+        {"vocab_size": 51200, "n_embd": 2560, "n_head": 32, "rotary_dim": 64, "n_layer": 2},
+    ),
+    "jetmoe": Case(  # jetmoe/jetmoe-8b
+        _causal("JetMoeConfig", "JetMoeForCausalLM"),
+        _jetmoe,
+        {"vocab_size": 64, "hidden_size": 32, "kv_channels": 8, "num_key_value_heads": 2}
+        | {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}
+        | _TWO,
+        {"vocab_size": 32000, "hidden_size": 2048, "kv_channels": 128}
+        | {"num_key_value_heads": 16, "num_local_experts": 8, "num_experts_per_tok": 2}
+        | {"intermediate_size": 5632}
+        | _TWO,
+    ),
+    "switch": Case(  # google/switch-base-8
+        _causal("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration"),
+        _expert_modules(r"mlp\.experts"),
+        _SWITCH_TINY,
+        _SWITCH_TINY
+        | {"vocab_size": 32128, "d_model": 768, "d_ff": 3072, "d_kv": 64, "num_heads": 12}
+        | {"num_experts": 8},
+    ),
+    "nllb_moe": Case(  # facebook/nllb-moe-54b
+        _causal("NllbMoeConfig", "NllbMoeForConditionalGeneration"),
+        _expert_modules(r"ffn\.experts"),
+        _NLLB_TINY,
+        _NLLB_TINY
+        | {"vocab_size": 256206, "d_model": 2048, "encoder_ffn_dim": 8192}
+        | {"decoder_ffn_dim": 8192, "num_experts": 128, "encoder_attention_heads": 16}
+        | {"decoder_attention_heads": 16, "max_position_embeddings": 1024},
+    ),
+    "gpt_oss_20b": Case(  # openai/gpt-oss-20b: hidden = intermediate = 2880
+        _causal("GptOssConfig", "GptOssForCausalLM"),
+        _gpt_oss,
+        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "head_dim": 8}
+        | {"num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}
+        | {"layer_types": ["sliding_attention", "full_attention"]}
+        | _TWO,
+        {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64}
+        | {"num_attention_heads": 64, "num_key_value_heads": 8, "num_local_experts": 32}
+        | {"layer_types": ["sliding_attention", "full_attention"]}
+        | _TWO,
+    ),
+    "llama4_square": Case(  # 2 * intermediate = hidden: the shapes cannot tell
+        _causal("Llama4TextConfig", "Llama4ForCausalLM"),
+        _llama4,
+        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 16, "head_dim": 8}
+        | {"intermediate_size_mlp": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+        | {"num_local_experts": 4, "moe_layers": [1], "no_rope_layers": [1, 1]}
+        | _TWO,
+        {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 2560, "head_dim": 128}
+        | {"intermediate_size_mlp": 16384, "num_attention_heads": 40, "num_key_value_heads": 8}
+        | {"num_local_experts": 16, "moe_layers": [1], "no_rope_layers": [1, 1]}
+        | _TWO,
+    ),
+    "llama4_scout": Case(  # meta-llama/Llama-4-Scout-17B-16E
+        _causal("Llama4TextConfig", "Llama4ForCausalLM"),
+        _llama4,
+        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "head_dim": 8}
+        | {"intermediate_size_mlp": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+        | {"num_local_experts": 4, "moe_layers": [1], "no_rope_layers": [1, 1]}
+        | _TWO,
+        {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192, "head_dim": 128}
+        | {"intermediate_size_mlp": 16384, "num_attention_heads": 40, "num_key_value_heads": 8}
+        | {"num_local_experts": 16, "moe_layers": [1], "no_rope_layers": [1, 1]}
+        | _TWO,
+    ),
+    "mistral_small_4": Case(  # 2 * moe_intermediate = hidden
+        _causal("Mistral4Config", "Mistral4ForCausalLM"),
+        _mistral4,
+        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48}
+        | {"moe_intermediate_size": 16, "num_attention_heads": 4, "num_key_value_heads": 4}
+        | {"n_routed_experts": 4, "n_shared_experts": 1, "q_lora_rank": 16, "kv_lora_rank": 8}
+        | {"qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "head_dim": 4}
+        | {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}
+        | {"num_experts_per_tok": 2, "num_hidden_layers": 1},
+        {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 12288}
+        | {"moe_intermediate_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 32}
+        | {"n_routed_experts": 128, "n_shared_experts": 1, "q_lora_rank": 1024}
+        | {"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64}
+        | {"v_head_dim": 128, "head_dim": 64, "first_k_dense_replace": 0, "n_group": 1}
+        | {"topk_group": 1, "num_experts_per_tok": 4, "num_hidden_layers": 1},
+    ),
+    "gemma3_vlm": Case(  # google/gemma-3-4b-it
+        _causal("Gemma3Config", "Gemma3ForConditionalGeneration"),
+        _gemma3_vlm,
+        _GEMMA3_VLM_TINY,
+        {
+            "text_config": _GEMMA3_VLM_TINY["text_config"]
+            | {"vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240}
+            | {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+            "vision_config": _GEMMA3_VLM_TINY["vision_config"]
+            | {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16}
+            | {"image_size": 896, "patch_size": 14},
+            "mm_tokens_per_image": 256,
+        },
+    ),
+    "qwen3_5": Case(  # Qwen3.5's hybrid attention at Qwen3-Next-80B-A3B's sizes
+        _causal("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+        _qwen3_5,
+        _QWEN3_5_TINY,
+        _QWEN3_5_TINY
+        | {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120}
+        | {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256}
+        | {"linear_num_key_heads": 16, "linear_num_value_heads": 32}
+        | {"linear_key_head_dim": 128, "linear_value_head_dim": 128},
+    ),
+    "rwkv": Case(  # RWKV/rwkv-4-169m-pile
+        _causal("RwkvConfig", "RwkvForCausalLM"),
+        _rwkv,
+        {"vocab_size": 64, "hidden_size": 32, "attention_hidden_size": 32}
+        | {"intermediate_size": 48, "num_hidden_layers": 2},
+        {"vocab_size": 50277, "hidden_size": 768, "attention_hidden_size": 768}
+        | {"intermediate_size": 3072, "num_hidden_layers": 2},
+    ),
+    "llama_score": Case(  # sequence classification with 5 labels
+        _causal("LlamaConfig", "LlamaForSequenceClassification"),
+        _score,
+        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_labels": 5}
+        | {"num_attention_heads": 4, "pad_token_id": 0}
+        | _TWO,
+        {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_labels": 5}
+        | {"num_attention_heads": 32, "pad_token_id": 0}
+        | _TWO,
+    ),
+    "bert_mlm_untied": Case(
+        _causal("BertConfig", "BertForMaskedLM"),
+        _bert_mlm,
+        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48}
+        | {"num_attention_heads": 4, "tie_word_embeddings": False}
+        | _TWO,
+        {"vocab_size": 30522, "hidden_size": 768, "intermediate_size": 3072}
+        | {"num_attention_heads": 12, "tie_word_embeddings": False}
+        | _TWO,
+    ),
+    "sam": Case(  # facebook/sam-vit-base
+        _causal("SamConfig", "SamModel"),
+        _sam,
+        _SAM_TINY,
+        {
+            **_SAM_TINY,
+            "vision_config": _SAM_TINY["vision_config"]
+            | {"hidden_size": 768, "num_attention_heads": 12, "image_size": 1024}
+            | {"output_channels": 256, "window_size": 14, "mlp_dim": 3072},
+        },
+    ),
+    "wav2vec2": Case(  # facebook/wav2vec2-base: a weight-norm positional convolution
+        _causal("Wav2Vec2Config", "Wav2Vec2ForCTC"),
+        _wav2vec2,
+        {"vocab_size": 16, "hidden_size": 32, "num_hidden_layers": 1}
+        | {"num_attention_heads": 4, "intermediate_size": 48, "conv_dim": [8, 8]}
+        | {"conv_stride": [2, 2], "conv_kernel": [3, 3], "num_conv_pos_embeddings": 8}
+        | {"num_conv_pos_embedding_groups": 4},
+        {"vocab_size": 32, "hidden_size": 768, "num_hidden_layers": 1}
+        | {"num_attention_heads": 12, "intermediate_size": 3072}
+        | {"num_conv_pos_embeddings": 128, "num_conv_pos_embedding_groups": 16},
+    ),
+}
