@@ -102,10 +102,17 @@ class Block(nn.Module):
         self.ffn = nn.ModuleDict({"experts" if "experts" in block else "mlp": ffn})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(x)
+        # Pre-norm residual branches, as the real blocks are: without the norms the
+        # activations grow by the branches' gain per block and overflow bf16 within a few.
+        x = x + self.attn(_norm(x))
         for ffn in self.ffn.values():
-            x = x + ffn(x)
+            x = x + ffn(_norm(x))
         return x
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm without a weight: the timed parameters stay the preset's matrices."""
+    return F.rms_norm(x, (x.shape[-1],))
 
 
 class Model(nn.Module):
@@ -116,7 +123,7 @@ class Model(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
-        return x
+        return _norm(x)
 
 
 @torch.no_grad()

@@ -173,6 +173,13 @@ class Muon(torch.optim.Optimizer):
                 f"cuda_graph=True captures CUDA work, and these parameters are on "
                 f"{runner.device}; leave cuda_graph=False there (that path runs eagerly)"
             )
+        if self.settings.overlap == "backward" and self._comm.rank == 0:
+            logger.warning(
+                "muon_dist.Muon: overlap='backward' was slower than overlap='none' in every "
+                "configuration measured (0.80x to 1.0x its tokens/s on 1-4 H200s; "
+                "benchmarks/README.md, 'Overlap with backward'): keep it only where a "
+                "measurement on your configuration says it pays"
+            )
         clipper = qk_clipper(
             qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
         )

@@ -46,7 +46,7 @@ def _run(overlap: str, edits: list[dict[str, Any]]) -> tuple[str, str]:
             opt.step()
     except Exception as exc:  # every outcome is reported, none raised
         return "error", type(exc).__name__
-    digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in _snapshot(model, opt)))
+    digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in _snapshot(model, opt)))
     return "ok", digest.hexdigest()
 
 

@@ -55,8 +55,11 @@ def _edit(draw: st.DrawFn) -> dict[str, Any]:
         "value": draw(VALUES[key]),
         "group": group,
         "step": draw(st.integers(0, 2)),
-        "when": draw(st.sampled_from(["before backward", "after backward"])),
-        "rank0_only": draw(st.booleans()),
+        "when": "after backward"
+        if key in GRAD_EDITS
+        else draw(st.sampled_from(["before backward", "after backward"])),
+        # clip_grad_norm_ is itself a collective over the ranks: on every rank or none.
+        "rank0_only": key != "clip_grad_norm_" and draw(st.booleans()),
     }
 
 

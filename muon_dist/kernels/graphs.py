@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from muon_dist.kernels.streams import side_stream
+
 # Stacks up to this size replay from a graph: one 1024×4096 bf16 matrix is 8 MiB. Each
 # cached graph keeps its intermediates (a few stack-sized buffers) in a private pool.
 GRAPH_MAX_BYTES = 16 * 2**20
@@ -82,7 +84,7 @@ class GraphCache:
 def _capture(X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Graphed:
     with torch.cuda.device(X.device):
         static_input = X.clone(memory_format=torch.contiguous_format)
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch
+        side = side_stream(X.device, "graph capture")
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn(static_input)

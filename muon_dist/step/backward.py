@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from muon_dist.kernels.streams import side_stream
 from muon_dist.options.schema import MUON_OPTIONS
 from muon_dist.runtime import Pipeline
 from muon_dist.step.muon_phase import MuonPhase
@@ -97,7 +98,7 @@ class BackwardStart:
         self._started = 0
         device = phase.device
         cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
+        self.stream = side_stream(device, "backward overlap") if cuda else None
 
     @property
     def started(self) -> int:

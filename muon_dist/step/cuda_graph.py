@@ -22,6 +22,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from muon_dist.kernels.streams import side_stream
+
 
 class StepGraph:
     """Warm up ``warmup`` eager steps, capture the next one, then replay it."""
@@ -59,7 +61,7 @@ class StepGraph:
             )
         if self._graph is None and self._eager < self.warmup:
             if self._stream is None:
-                self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+                self._stream = side_stream(torch.device("cuda"), "step warm-up")
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
                 body()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from muon_dist.dist.exchange import pack, start_exchange
 from muon_dist.dist.groups import dedicated
+from muon_dist.kernels.streams import side_stream
 from muon_dist.kernels.tables import PinnedStaging
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import BucketMap, region_views
@@ -111,7 +112,7 @@ class Dion2Buckets:
         self.norm_peers = dedicated(peers, "dion2 norms") if self.selected else peers
         self.stream: torch.cuda.Stream | None = None
         if self.selected and exchanges.device.type == "cuda":
-            self.stream = torch.cuda.Stream(exchanges.device)  # type: ignore[no-untyped-call]
+            self.stream = side_stream(exchanges.device, "dion2 choice")
 
     def layout(self, index: int) -> DeviceSelection:
         """Bucket ``index``'s selection layout, laid out on its first step."""
