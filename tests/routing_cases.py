@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 Expected = dict[str, dict[str, Any] | str]
@@ -45,6 +46,29 @@ def _causal(config: str, model: str) -> Callable[[dict[str, Any]], nn.Module]:
 
 
 _TWO = {"num_hidden_layers": 2}
+
+
+def without_transformers_init(make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` with transformers' weight init skipped, then every parameter drawn from
+    N(0, 0.02) (nothing to draw on the meta device). For xLSTM with fused weights, whose
+    ``_init_weights`` raises in transformers 5.23: it subtracts the whole ``[2 heads]``
+    ``ifgate_preact.bias`` from its ``[heads]`` input-gate half."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = make()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model
+
+
+def _uninitialized(config: str, model: str) -> Callable[[dict[str, Any]], nn.Module]:
+    def build(kwargs: dict[str, Any]) -> nn.Module:
+        hf = _hf()
+        return without_transformers_init(lambda: getattr(hf, model)(getattr(hf, config)(**kwargs)))
+
+    return build
 
 
 def _mla(c: dict[str, Any]) -> Expected:
@@ -251,6 +275,55 @@ def _wav2vec2(c: dict[str, Any]) -> Expected:
     return {r"pos_conv_embed\.conv\.parametrizations\.weight\.original\d$": "adamw"}
 
 
+def _zamba2(c: dict[str, Any]) -> Expected:
+    # Zamba2MLP: (gate_up_proj(x) + gate_up_proj_adapter_list[i](x)).chunk(2): the
+    # adapter's second Linear writes the same gate and up halves; q, k, v adapters and the
+    # adapters' first Linear (to adapter_rank) are one map each
+    halves = {"split_sizes": (c["intermediate_size"],) * 2}
+    return {
+        r"feed_forward\.gate_up_proj\.weight$": halves,
+        r"feed_forward\.gate_up_proj_adapter_list\.\d+\.1\.weight$": halves,
+        r"adapter_list\.\d+\.0\.weight$": {},
+        r"self_attn\.linear_[qkv]_adapter_list\.\d+\.1\.weight$": {},
+    }
+
+
+def _xlstm_dims(c: dict[str, Any]) -> tuple[int, int, int]:
+    """xLSTMLayer's qk_dim, v_dim and xLSTMFeedForward's up_proj_dim."""
+    h, multiple = c["hidden_size"], c["ffn_round_up_to_multiple_of"]
+    up = -(-h * c["ffn_proj_factor"] // multiple) * multiple  # round_up_to_next_multiple_of
+    return int(h * c["qk_dim_factor"]), int(h * c["v_dim_factor"]), int(up)
+
+
+def _xlstm_fused(c: dict[str, Any]) -> Expected:
+    # tensor_split(qkv_opreact(x), (qk, 2 qk, 2 qk + v)): q, k, v, o; tensor_split(
+    # ifgate_preact(x), (heads,)): i, f; tensor_split(proj_up_gate_z(x), (up,)): gate, z
+    qk, v, up = _xlstm_dims(c)
+    return {
+        r"mlstm_layer\.qkv_opreact\.weight$": {"split_sizes": (qk, qk, v, v)},
+        r"mlstm_layer\.ifgate_preact\.weight$": {"split_sizes": (c["num_heads"],) * 2},
+        r"ffn\.proj_up_gate_z\.weight$": {"split_sizes": (up, up)},
+        r"mlstm_layer\.out_proj\.weight$": {},
+    }
+
+
+def _xlstm_single(c: dict[str, Any]) -> Expected:
+    # act(proj_up_gate(x)) * proj_up(x): one map each, whatever their names suggest
+    return {r"ffn\.proj_up(_gate)?\.weight$": {}, r"mlstm_layer\.[qkv]\.weight$": {}}
+
+
+def _deformable_detr(c: dict[str, Any]) -> Expected:
+    # level_embed[level] is added to each level's position embedding (a table); per
+    # decoder layer, class_embed[i] and bbox_embed[i] (3-layer MLP, its last Linear the
+    # box head) read the hidden states (with box refinement, inside the decoder)
+    return {
+        r"model\.level_embed$": "adamw",
+        r"class_embed\.\d+\.weight$": "adamw",
+        r"bbox_embed\.\d+\.layers\.2\.weight$": "adamw",
+        r"bbox_embed\.\d+\.layers\.[01]\.weight$": {},
+    }
+
+
 _SWITCH_TINY = {
     "vocab_size": 64,
     "d_model": 32,
@@ -332,6 +405,91 @@ _QWEN3_5_TINY = {
     "linear_value_head_dim": 8,
     **_TWO,
 }
+
+_DEEPSEEK_ONLY = ("n_routed_experts", "first_k_dense_replace")
+_KIMI_LINEAR_TINY = {  # MLA layer (q_lora_rank None, nope = 2 rope) after a KDA layer
+    **{k: v for k, v in _MLA_TINY.items() if k not in _DEEPSEEK_ONLY},
+    "num_local_experts": 4,
+    "linear_num_heads": 4,
+    "linear_head_dim": 8,
+    "layer_types": ["linear_attention", "full_attention"],
+    "mlp_layer_types": ["dense", "sparse"],
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_KIMI_LINEAR_48B = {  # moonshotai/Kimi-Linear-48B-A3B-Instruct, 2 layers
+    **_KIMI_LINEAR_TINY,
+    "vocab_size": 163840,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "moe_intermediate_size": 1024,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_local_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "linear_num_heads": 32,
+    "linear_head_dim": 128,
+}
+_ZAMBA2_TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "n_mamba_heads": 4,
+    "mamba_d_state": 8,
+    "layers_block_type": ["mamba", "hybrid", "hybrid"],
+    "num_hidden_layers": 3,  # must equal len(layers_block_type)
+    "num_mem_blocks": 2,  # two shared blocks: each hybrid layer's adapter or an Identity
+    "use_shared_attention_adapter": True,
+    "adapter_rank": 4,
+    "use_mamba_kernels": False,
+}
+_XLSTM_TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_heads": 4,
+    "qk_dim_factor": 0.5,
+    "v_dim_factor": 1.0,
+    "ffn_proj_factor": 2.667,
+    "ffn_round_up_to_multiple_of": 64,
+    **_TWO,
+}
+_XLSTM_7B = _XLSTM_TINY | {"vocab_size": 50304, "hidden_size": 4096, "num_heads": 8}
+_DETR_BACKBONE_TINY = {
+    "model_type": "resnet",
+    "embedding_size": 8,
+    "hidden_sizes": [8, 8, 8, 8],
+    "depths": [1, 1, 1, 1],
+    "layer_type": "basic",
+    "out_features": ["stage2", "stage3", "stage4"],
+}
+_DEFORMABLE_DETR_TINY = {
+    "backbone_config": _DETR_BACKBONE_TINY,
+    "num_feature_levels": 4,  # 3 backbone levels, one more by a strided conv (4 >= the
+    # smallest Muon side: level_embed is AdamW by the family table, not by its size)
+    "d_model": 32,
+    "encoder_layers": 1,
+    "decoder_layers": 2,  # one decoder layer fails: no class_embed.1 to tie to class_embed.0
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 48,
+    "decoder_ffn_dim": 48,
+    "encoder_n_points": 2,
+    "decoder_n_points": 2,
+    "num_queries": 10,
+    "num_labels": 5,
+}
+_DEFORMABLE_DETR = {  # SenseTime/deformable-detr: ResNet-50 (built here as ResNetConfig)
+    "backbone_config": {"model_type": "resnet", "out_features": ["stage2", "stage3", "stage4"]},
+    "num_labels": 91,
+}
+_TWO_STAGE = {"with_box_refine": True, "two_stage": True}
 
 CASES: dict[str, Case] = {
     "deepseek_v2_lite": Case(
@@ -564,5 +722,41 @@ CASES: dict[str, Case] = {
         {"vocab_size": 32, "hidden_size": 768, "num_hidden_layers": 1}
         | {"num_attention_heads": 12, "intermediate_size": 3072}
         | {"num_conv_pos_embeddings": 128, "num_conv_pos_embedding_groups": 16},
+    ),
+    "kimi_linear": Case(
+        _causal("KimiLinearConfig", "KimiLinearForCausalLM"),
+        _mla,
+        _KIMI_LINEAR_TINY,
+        _KIMI_LINEAR_48B,
+    ),
+    "zamba2": Case(  # Zyphra/Zamba2-2.7B's widths, 3 layers, attention adapters on
+        _causal("Zamba2Config", "Zamba2ForCausalLM"),
+        _zamba2,
+        _ZAMBA2_TINY,
+        _ZAMBA2_TINY
+        | {"vocab_size": 32000, "hidden_size": 2560, "intermediate_size": 10240}
+        | {"num_attention_heads": 32, "n_mamba_heads": 80, "mamba_d_state": 64}
+        | {"adapter_rank": 128},
+    ),
+    "xlstm_fused": Case(  # NX-AI/xLSTM-7b's sizes, weight_mode="fused"
+        _uninitialized("xLSTMConfig", "xLSTMForCausalLM"),
+        _xlstm_fused,
+        _XLSTM_TINY | {"weight_mode": "fused"},
+        _XLSTM_7B | {"weight_mode": "fused"},
+    ),
+    "xlstm_single": Case(
+        _causal("xLSTMConfig", "xLSTMForCausalLM"), _xlstm_single, _XLSTM_TINY, _XLSTM_7B
+    ),
+    "deformable_detr": Case(
+        _causal("DeformableDetrConfig", "DeformableDetrForObjectDetection"),
+        _deformable_detr,
+        _DEFORMABLE_DETR_TINY,
+        _DEFORMABLE_DETR,
+    ),
+    "deformable_detr_two_stage": Case(  # SenseTime/deformable-detr-with-box-refine-two-stage
+        _causal("DeformableDetrConfig", "DeformableDetrForObjectDetection"),
+        _deformable_detr,
+        _DEFORMABLE_DETR_TINY | _TWO_STAGE,
+        _DEFORMABLE_DETR | _TWO_STAGE,
     ),
 }

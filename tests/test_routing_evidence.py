@@ -70,6 +70,7 @@ def _layout(expected: dict[str, Any]) -> Any:
 
 FORWARD = ("minimax", "persimmon", "codegen", "jetmoe", "gpt_oss_20b", "llama4_square")
 FORWARD += ("mistral_small_4", "gemma3_vlm", "qwen3_5", "deepseek_v2_lite", "switch")
+FORWARD += ("kimi_linear", "zamba2", "xlstm_fused")
 
 
 @pytest.mark.parametrize("family", FORWARD)

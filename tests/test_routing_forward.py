@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from forward_provenance import Provenance, part_codes
+from routing_cases import without_transformers_init
 from torch import nn
 
 from muon_dist.routing.param_groups import route_model
@@ -97,6 +98,58 @@ def _qwen3_next(rng: random.Random) -> dict[str, Any]:
     return {**base, "head_dim": 8, "layer_types": ["full_attention"], "moe_intermediate_size": 12}
 
 
+def _kimi_linear(rng: random.Random) -> dict[str, Any]:
+    base = _experts("num_local_experts")(rng)
+    rope = rng.choice([2, 4])
+    return {
+        **base,
+        "num_key_value_heads": base["num_attention_heads"],  # MLA: k, v per query head
+        "q_lora_rank": None,
+        "kv_lora_rank": 8,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": 2 * rope,  # q_proj's width adds up to q, k, v of rope size
+        "v_head_dim": 8,
+        "moe_intermediate_size": 12,
+        "n_shared_experts": rng.choice([1, 2]),
+        "num_hidden_layers": 1,
+        "layer_types": ["full_attention"],  # the MLA layer (routing_cases has KDA too)
+        "mlp_layer_types": ["sparse"],
+    }
+
+
+def _zamba2(rng: random.Random) -> dict[str, Any]:
+    heads, d = rng.choice([2, 4]), rng.choice([4, 8])
+    return {
+        "vocab_size": 64,
+        "hidden_size": heads * d,
+        "num_attention_heads": heads,
+        "intermediate_size": rng.choice([24, 40]),
+        "n_mamba_heads": rng.choice([2, 4]),
+        "mamba_d_state": 8,
+        "chunk_size": 8,
+        "use_mamba_kernels": False,
+        "num_hidden_layers": 2,
+        "layers_block_type": ["hybrid", "hybrid"],
+        "num_mem_blocks": rng.choice([1, 2]),
+        "use_shared_attention_adapter": rng.choice([True, False]),
+        "adapter_rank": 4,
+    }
+
+
+def _xlstm(rng: random.Random) -> dict[str, Any]:
+    # hidden 128: the recurrent state is sized from config.qk_dim (rounded up to 64), the
+    # layer from int(hidden * qk_dim_factor); the forward runs only where they agree
+    return {
+        "vocab_size": 64,
+        "hidden_size": 128,
+        "num_heads": rng.choice([2, 4, 8]),
+        "num_hidden_layers": 1,
+        "weight_mode": "fused",
+        "ffn_proj_factor": rng.choice([1.5, 2.0]),
+        "ffn_round_up_to_multiple_of": 8,
+    }
+
+
 FAMILIES: dict[str, tuple[str, str, Callable[[random.Random], dict[str, Any]]]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", _gpt2),
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", _gpt2),
@@ -111,7 +164,11 @@ FAMILIES: dict[str, tuple[str, str, Callable[[random.Random], dict[str, Any]]]] 
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", _gpt_oss),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", _llama4),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _qwen3_next),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", _kimi_linear),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", _zamba2),
+    "xlstm": ("xLSTMConfig", "xLSTMForCausalLM", _xlstm),
 }
+_BROKEN_INIT = ("xlstm",)  # fused xLSTM's _init_weights raises (transformers 5.23)
 
 
 def _build(family: str, seed: int) -> nn.Module:
@@ -123,7 +180,10 @@ def _build(family: str, seed: int) -> nn.Module:
         cfg.multi_query = bool(seed % 2)
     cfg._experts_implementation = "eager"
     torch.manual_seed(seed)
-    return getattr(hf, model_name)(cfg).eval()
+    model_class = getattr(hf, model_name)
+    if family in _BROKEN_INIT:
+        return without_transformers_init(lambda: model_class(cfg)).eval()
+    return model_class(cfg).eval()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
