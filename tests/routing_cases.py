@@ -491,6 +491,25 @@ _DEFORMABLE_DETR = {  # SenseTime/deformable-detr: ResNet-50 (built here as ResN
 }
 _TWO_STAGE = {"with_box_refine": True, "two_stage": True}
 
+
+def _llama4_case(tiny_intermediate: int, real_intermediate: int) -> Case:
+    """Llama 4 text models at tiny and Scout's published sizes, but for the experts' width."""
+    rest = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4}
+    layers = {"moe_layers": [1], "no_rope_layers": [1, 1]} | _TWO
+    return Case(
+        _causal("Llama4TextConfig", "Llama4ForCausalLM"),
+        _llama4,
+        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": tiny_intermediate}
+        | {"head_dim": 8, "intermediate_size_mlp": 64}
+        | rest
+        | layers,
+        {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": real_intermediate}
+        | {"head_dim": 128, "intermediate_size_mlp": 16384, "num_attention_heads": 40}
+        | {"num_key_value_heads": 8, "num_local_experts": 16}
+        | layers,
+    )
+
+
 CASES: dict[str, Case] = {
     "deepseek_v2_lite": Case(
         _causal("DeepseekV2Config", "DeepseekV2ForCausalLM"), _mla, _MLA_TINY, _DEEPSEEK_V2_LITE
@@ -609,30 +628,10 @@ CASES: dict[str, Case] = {
         | {"layer_types": ["sliding_attention", "full_attention"]}
         | _TWO,
     ),
-    "llama4_square": Case(  # 2 * intermediate = hidden: the shapes cannot tell
-        _causal("Llama4TextConfig", "Llama4ForCausalLM"),
-        _llama4,
-        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 16, "head_dim": 8}
-        | {"intermediate_size_mlp": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
-        | {"num_local_experts": 4, "moe_layers": [1], "no_rope_layers": [1, 1]}
-        | _TWO,
-        {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 2560, "head_dim": 128}
-        | {"intermediate_size_mlp": 16384, "num_attention_heads": 40, "num_key_value_heads": 8}
-        | {"num_local_experts": 16, "moe_layers": [1], "no_rope_layers": [1, 1]}
-        | _TWO,
-    ),
-    "llama4_scout": Case(  # meta-llama/Llama-4-Scout-17B-16E
-        _causal("Llama4TextConfig", "Llama4ForCausalLM"),
-        _llama4,
-        {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "head_dim": 8}
-        | {"intermediate_size_mlp": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
-        | {"num_local_experts": 4, "moe_layers": [1], "no_rope_layers": [1, 1]}
-        | _TWO,
-        {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192, "head_dim": 128}
-        | {"intermediate_size_mlp": 16384, "num_attention_heads": 40, "num_key_value_heads": 8}
-        | {"num_local_experts": 16, "moe_layers": [1], "no_rope_layers": [1, 1]}
-        | _TWO,
-    ),
+    # 2 * intermediate = hidden: the shapes cannot tell
+    "llama4_square": _llama4_case(tiny_intermediate=16, real_intermediate=2560),
+    # meta-llama/Llama-4-Scout-17B-16E
+    "llama4_scout": _llama4_case(tiny_intermediate=48, real_intermediate=8192),
     "mistral_small_4": Case(  # 2 * moe_intermediate = hidden
         _causal("Mistral4Config", "Mistral4ForCausalLM"),
         _mistral4,
