@@ -353,7 +353,12 @@ class Muon(torch.optim.Optimizer):
         logger.info("muon_dist.Muon: %s; rebuilding the step", reason)
         follow_params(self.param_groups, self.state)
         self._runner = None
-        self.runner.replacing(previous)
+        try:
+            rebuilt = self.runner
+        except (TypeError, ValueError):
+            self._runner = previous  # this step is refused through the step it replaces
+            raise
+        rebuilt.replacing(previous)
 
     def check_finite(self) -> None:
         """Read the last step's outcome (on CUDA, waiting for that step only) and apply the
