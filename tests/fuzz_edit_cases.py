@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from overlap_cases import _batch, _model, _optimizer, _snapshot
+from overlap_cases import _batch, _model, _optimizer, _scale_grads, _snapshot
 
 import muon_dist
 
@@ -24,8 +24,7 @@ def _apply(edit: dict[str, Any], model: torch.nn.Module, opt: muon_dist.Muon) ->
     if key == "clip_grad_norm_":
         torch.nn.utils.clip_grad_norm_(model.parameters(), value)
     elif key == "grad.mul_":
-        for p in model.parameters():
-            p.grad.mul_(value)
+        _scale_grads(model, value)
     else:
         opt.param_groups[edit["group"]][key] = value
 

@@ -87,18 +87,6 @@ def compared_values(
     return values, shown
 
 
-def options_digest(groups: Sequence[dict[str, Any]]) -> float:
-    """A digest of every option of every group (not the parameters), >= 1."""
-    return _digest(
-        repr(
-            [
-                sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "param_names"))
-                for g in groups
-            ]
-        )
-    )
-
-
 class Agreement:
     """Device flags of one step: presence and finiteness per parameter, ``keep`` per Muon
     parameter, ``found_inf``, the non-finite Newton–Schulz results per Muon parameter, and
@@ -177,7 +165,8 @@ class Agreement:
             return []
         values, self.report.shown = compared_values(groups, self.entries)
         digests = [0.0] * self.holders.size
-        digests[self.holders.index(rank)] = options_digest(groups)
+        # Every entry's text: a digest of all the group options and step counts.
+        digests[self.holders.index(rank)] = _digest("\n".join(self.report.shown))
         return values + [-v for v in values] + digests
 
     def _index(self, positions: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
