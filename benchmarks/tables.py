@@ -106,6 +106,20 @@ TABLES: dict[str, Table] = {
         ),
         key=("model", "GPUs", "batch", "optimizer"),
     ),
+    "sweep": Table(
+        (
+            "model",
+            "tokens",
+            "optimizer",
+            "best settings",
+            "final eval loss",
+            "tokens to AdamW's best",
+            "vs AdamW",
+            "runs",
+            "best at an edge",
+        ),
+        key=("model", "tokens", "optimizer"),
+    ),
     "parity": Table(
         ("GPUs", "comm / Newton–Schulz dtype", "criterion", "layouts passed", "worst (layout)"),
         key=("GPUs", "comm / Newton–Schulz dtype"),

@@ -60,7 +60,9 @@ OPTIMIZERS = ("muon", "normuon", "dion2", "adamw")
 # 8e-3 / 1.2e-2: 2.0096 / 2.0063 / 2.0055 / 2.0109. Muon lr 0.02 / 0.03 / 0.05 / 0.08 (AdamW
 # part 5e-3): 1.9975 / 1.9983 / 1.9961 / 2.0030; 0.05 with 8e-3: 1.9967. Muon leads by more
 # mid-run (the curves meet near the floor), and by 0.03-0.04 on the short MoE test config.
-DEFAULT_MUON_LR = 0.05
+DEFAULT_MUON_LR = {"spectral_norm": 0.05, "rms_norm": 3e-3}
+DEFAULT_ADJUST_LR = "spectral_norm"
+DEFAULT_MUON_ADAMW_LR = 8e-3
 DEFAULT_ADAMW_LR = 8e-3
 # The lrs above were swept at this width. Wider models (--dim) keep Muon's lr: its update is
 # orthogonalized and scaled by the matrix shape (adjust_lr="spectral_norm"), so its spectral
@@ -87,14 +89,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, in sequences")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="ignored with --compare")
     p.add_argument(
-        "--lr", type=float, default=DEFAULT_MUON_LR, help="Muon lr (hidden matrices), any width"
+        "--lr",
+        type=float,
+        default=None,
+        help="Muon lr (hidden matrices), any width (default: "
+        + ", ".join(f"{lr:g} with {adjust}" for adjust, lr in DEFAULT_MUON_LR.items())
+        + ")",
+    )
+    p.add_argument(
+        "--adjust-lr",
+        choices=tuple(DEFAULT_MUON_LR),
+        default=DEFAULT_ADJUST_LR,
+        help="Muon's adjust_lr: how each matrix's lr scales with its shape (spectral_norm:"
+        " sqrt(max(1, out/in)); rms_norm: 0.2 sqrt(max(out, in)), AdamW's update RMS)",
+    )
+    p.add_argument(
+        "--muon-adamw-lr",
+        type=float,
+        default=DEFAULT_MUON_ADAMW_LR,
+        help="lr of Muon's AdamW part (embeddings, head, norms), not scaled with --dim",
     )
     p.add_argument(
         "--adamw-lr",
         type=float,
         default=None,
-        help="AdamW lr: embeddings, head and norms under Muon; every parameter with --optimizer"
-        f" adamw (default: {DEFAULT_ADAMW_LR:g} x min(1, {SWEPT_DIM} / --dim))",
+        help=f"lr of --optimizer adamw (default: {DEFAULT_ADAMW_LR:g} x min(1, {SWEPT_DIM} /"
+        " --dim))",
     )
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=10, help="linear lr warmup steps")
@@ -210,6 +230,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.lr is None:
+        args.lr = DEFAULT_MUON_LR[args.adjust_lr]
+    if args.adamw_lr is None:
+        args.adamw_lr = adamw_lr_for(args.dim)
     if args.compare is not None:
         # In the order given, each once; a bare --compare runs them all.
         args.compare = list(dict.fromkeys(args.compare)) or list(OPTIMIZERS)
@@ -387,7 +411,7 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
         groups = muon_dist.param_groups(
             model,
             lr=args.lr,
-            adamw_lr=args.adamw_lr,
+            adamw_lr=args.muon_adamw_lr,
             weight_decay=args.weight_decay,
             adamw_betas=betas,
         )
@@ -395,7 +419,8 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
         return muon_dist.Muon(
             groups,
             lr=args.lr,
-            adamw_lr=args.adamw_lr,
+            adamw_lr=args.muon_adamw_lr,
+            adjust_lr=args.adjust_lr,
             comm_dtype=dtypes[args.comm_dtype],
             ns_dtype=dtypes[args.ns_dtype],
             cuda_graph=args.cuda_graph,
@@ -934,8 +959,6 @@ def open_data(args: argparse.Namespace) -> tuple[MarkovChain | Corpus, ChainStat
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.adamw_lr is None:
-        args.adamw_lr = adamw_lr_for(args.dim)
     env = init_distributed()
     try:
         mesh = build_mesh(env, args.replicate)
@@ -945,7 +968,11 @@ def main(argv: list[str] | None = None) -> None:
             f"world {env.world_size} on {env.device.type} ({dist.get_backend()}), mesh "
             f"{dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))}; {described}",
         )
-        log(env, f"lr: Muon {args.lr:g}, AdamW {args.adamw_lr:g} (at --dim {args.dim})")
+        log(
+            env,
+            f"lr: Muon {args.lr:g} ({args.adjust_lr}), its AdamW part {args.muon_adamw_lr:g};"
+            f" AdamW {args.adamw_lr:g} (at --dim {args.dim})",
+        )
         if env.is_main:
             args.out.mkdir(parents=True, exist_ok=True)
             if not args.resume:
