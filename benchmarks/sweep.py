@@ -75,7 +75,7 @@ class Config:
         return out
 
     def label(self) -> str:
-        return " ".join(self.flags()[1:]).replace("--", "") or "defaults"
+        return " ".join(self.flags()[2:]).replace("--", "") or "defaults"
 
     def with_value(self, axis: str, value: float) -> Config:
         return replace(self, **{axis: value})
