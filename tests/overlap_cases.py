@@ -298,6 +298,23 @@ def resume(world_size: int) -> dict[str, Any]:
     return {"equal": _equal(*snapshots), "started": started}
 
 
+def repeated_step(world_size: int) -> dict[str, Any]:
+    """A backward and step, step() again on the same gradients (no backward between, so no
+    hook ran), then another backward and step: both modes end bitwise equal."""
+    snapshots = []
+    for overlap in ("none", "backward"):
+        model, groups = _model(world_size, "fsdp")
+        opt = _optimizer(groups, overlap, "raise")
+        for step in range(2):
+            opt.zero_grad()
+            model(_batch(step, 0)).square().mean().backward()
+            opt.step()
+            if step == 0:
+                opt.step()
+        snapshots.append(_snapshot(model, opt))
+    return {"equal": _equal(*snapshots)}
+
+
 def _scale_grads(model: nn.Module, factor: float) -> None:
     for p in model.parameters():
         p.grad.mul_(factor)
@@ -521,6 +538,7 @@ def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[st
         "edited": edited,
         "changed_on_one_rank": changed_on_one_rank,
         "resume": resume,
+        "repeated_step": repeated_step,
         "auto_choice": auto_choice,
         "auto_parity": auto_parity,
     }

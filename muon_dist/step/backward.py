@@ -184,8 +184,9 @@ class BackwardStart:
 
     def changed(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
         """Whether what the started buckets read changed since the hooks (see the module's
-        docstring), as a device flag for the step's agreement; None where none started."""
-        if not self._started:
+        docstring), as a device flag for the step's agreement; None where none started
+        (also where no hook ran since the last step: a step() again without backward)."""
+        if not self.started:
             return None
         reported = list(self._reported)
         now = [self._reported[j] for j in reported]
