@@ -1,7 +1,7 @@
 """Compare optimizers on examples/train.py: interleaved, repeated runs, medians with spreads.
 
     python3 benchmarks/train_table.py --nproc 4 --model "~1B dense (dim 2048, 20 layers)" \\
-        --variants adamw muon "muon --overlap" --repeats 3 --skip 10 --logs runs/b64 -- \\
+        --variants adamw muon "muon --overlap backward" --repeats 3 --skip 10 --logs runs/b64 -- \\
         --dim 2048 --layers 20 --heads 16 --vocab 8192 --seq-len 1024 --batch-size 64 --steps 25
 
 Each variant is an optimizer of the example followed by any flags of its own; the flags
@@ -61,7 +61,7 @@ def training_args(flags: Sequence[str]) -> argparse.Namespace:
 
 
 def variant_flags(variant: str) -> list[str]:
-    """``"muon --overlap"`` -> ``--optimizer muon --overlap``."""
+    """``"muon --overlap backward"`` -> ``--optimizer muon --overlap backward``."""
     optimizer, *extra = shlex.split(variant)
     return ["--optimizer", optimizer, *extra]
 
@@ -241,7 +241,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=[BASELINE, "muon"],
-        help='an optimizer and its own flags each, e.g. adamw muon "muon --overlap"',
+        help='an optimizer and its own flags each, e.g. adamw muon "muon --overlap backward"',
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant")
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of medians")

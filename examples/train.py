@@ -225,8 +225,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--overlap",
-        action="store_true",
-        help="start Muon's Newton-Schulz during backward (Muon(overlap='backward'))",
+        choices=("none", "backward", "auto"),
+        default="none",
+        help="Muon(overlap=...): 'backward' starts Newton-Schulz during backward, 'auto' times "
+        "both modes over its first steps and keeps the faster",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -425,7 +427,7 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
             ns_dtype=dtypes[args.ns_dtype],
             cuda_graph=args.cuda_graph,
             rule=name,
-            overlap="backward" if args.overlap else "none",
+            overlap=args.overlap,
             **qk_clip_options(model, args.qk_clip),
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -793,6 +795,8 @@ def train(
     keep_grads = args.cuda_graph and optimizer_name != "adamw"
     if optimizer_name != "adamw":
         log(env, "muon_dist routing table:\n" + opt.routing_table())  # type: ignore[attr-defined]
+    # overlap="auto": the choice is shown once, when made.
+    choosing = isinstance(opt, muon_dist.Muon) and opt.overlap_mode == "measuring"
 
     ckpt_root = checkpoint_dir(args, optimizer_name)
     metrics_path = args.out / "metrics.jsonl"
@@ -882,8 +886,14 @@ def train(
                     f"{times.step * 1e3:.1f} ms (forward+backward {times.fwd_bwd * 1e3:.1f}, "
                     f"optimizer {times.opt * 1e3:.1f}), {global_tokens / times.step:,.0f} tok/s",
                 )
+            messages = []
             if "eval_loss" in record:
-                message = f"[{optimizer_name}] step {step} eval loss {record['eval_loss']:.4f}"
+                eval_loss = record["eval_loss"]
+                messages.append(f"[{optimizer_name}] step {step} eval loss {eval_loss:.4f}")
+            if choosing and isinstance(opt, muon_dist.Muon) and opt.overlap_mode != "measuring":
+                choosing = False
+                messages.append(auto_choice_line(opt, optimizer_name, step))
+            for message in messages:
                 if bar is not None:
                     bar.write(message)
                 else:
@@ -910,6 +920,16 @@ def train(
             target.parent.mkdir(parents=True, exist_ok=True)
             torch.save(full, target)
     return records
+
+
+def auto_choice_line(opt: muon_dist.Muon, name: str, step: int) -> str:
+    """What ``overlap="auto"`` chose at ``step``, and the medians it chose by."""
+    medians = opt.overlap_choice.medians or {}
+    times = ", ".join(f"{mode} {seconds * 1e3:.1f} ms" for mode, seconds in medians.items())
+    return (
+        f"[{name}] step {step}: overlap='auto' chose {opt.overlap_mode!r} (median step of "
+        f"each mode, the slowest rank's: {times})"
+    )
 
 
 def summarize(name: str, records: list[dict[str, Any]], stats: ChainStats | None, env: Env) -> None:

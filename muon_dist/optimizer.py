@@ -43,6 +43,7 @@ from muon_dist.state.group_state import (
 )
 from muon_dist.state.rebind import follow_params
 from muon_dist.step.backward import register_grad_hooks
+from muon_dist.step.overlap_choice import OverlapChoice
 from muon_dist.step.report import apply_policy
 from muon_dist.step.runner import StepRunner
 
@@ -168,6 +169,7 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """Build the step (unsupported layouts fail here, not mid-training) and its hooks."""
         runner = self.runner
+        self._overlap = OverlapChoice(self.settings.overlap, runner.device)
         if cuda_graph and runner.device.type != "cuda":
             raise ValueError(
                 f"cuda_graph=True captures CUDA work, and these parameters are on "
@@ -223,7 +225,7 @@ class Muon(torch.optim.Optimizer):
         finally:
             self.defaults = defaults
         self._runner = None
-        if algorithm == "muon" and self.settings.overlap == "backward":
+        if algorithm == "muon" and self.settings.starts_in_backward:
             register_grad_hooks(group["params"], self._grad_ready)
         init_state(group, len(self.param_groups) - 1, self.state)
 
@@ -283,10 +285,25 @@ class Muon(torch.optim.Optimizer):
         return {name: p for name, _, p in named_params(self.param_groups)}
 
     def _grad_ready(self, p: torch.Tensor) -> None:
-        """A Muon parameter's post-accumulate-grad hook (``overlap="backward"``); a step
-        not built yet (groups just changed) starts at ``step()`` instead."""
-        if self._runner is not None:
+        """A Muon parameter's post-accumulate-grad hook (``overlap="backward"`` or
+        ``"auto"``): it starts buckets only in a step that overlaps backward; a step not
+        built yet (groups just changed) starts at ``step()`` instead."""
+        if self._runner is not None and self._overlap.overlapping:
             self._runner.grad_ready(p)
+
+    @property
+    def overlap_mode(self) -> str:
+        """The mode steps run in: ``"none"`` or ``"backward"``, the ``overlap`` setting's or
+        the one ``overlap="auto"`` chose, or ``"measuring"`` while ``"auto"`` times its
+        trial steps (:mod:`muon_dist.step.auto_overlap`)."""
+        return self._overlap.mode
+
+    @property
+    def overlap_choice(self) -> OverlapChoice:
+        """Each step's overlap mode and, under ``overlap="auto"``, its timing: the agreed
+        ``medians`` once chosen, and the ``clock`` (replaceable before the trials, for
+        tests and tools). Kept when the step is rebuilt."""
+        return self._overlap
 
     @property
     def runner(self) -> StepRunner:
@@ -306,7 +323,15 @@ class Muon(torch.optim.Optimizer):
         device, in one all-reduce, on gradients, options and refusals; a refusing rank
         raises its error, the others ``RuntimeError`` naming it, a bad gradient
         ``FloatingPointError`` (or is skipped) where the host reads the outcome. A refused
-        step is not counted in ``steps``. README, "Reliability", says what is agreed."""
+        step is not counted in ``steps``. README, "Reliability", says what is agreed.
+        Under ``overlap="auto"`` every call, raised or not, is one step of its schedule."""
+        try:
+            return self._step(closure)
+        finally:
+            self._overlap.step_ended(self._comm)
+
+    def _step(self, closure: Any) -> Any:
+        """The body of :meth:`step`."""
         loss = None
         refusal: Exception | None = None
         if closure is not None:
@@ -322,7 +347,7 @@ class Muon(torch.optim.Optimizer):
             refusal = refusal or exc
         runner = self.runner
         with _autocast_off():
-            failure = runner.run(self.param_groups, refusal)
+            failure = runner.run(self.param_groups, refusal, overlap=self._overlap.overlapping)
         runner.agreement.report.queued(self.param_groups[0]["steps"] + 1)
         if failure is None or (failure is runner.crash() and self.settings.nonfinite == "raise"):
             for group in self.param_groups:  # a refused step changed nothing: not counted

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Issue 38 on a GPU machine: AdamW, Muon and Muon --overlap on the ~1B example, interleaved
-# (A B C, A B C, ...) and repeated, through benchmarks/train_table.py. One GPU count per call:
+# Issue 38 on a GPU machine: AdamW, Muon, Muon --overlap backward and Muon --overlap auto on
+# the ~1B example, interleaved (A B C D, A B C D, ...) and repeated, through
+# benchmarks/train_table.py. One GPU count per call:
 #
 #   bash scripts/overlap_table.sh 4                # batches 16 and 64 on 4 GPUs
 #   BATCHES=64 bash scripts/overlap_table.sh 4     # one batch size (one call per 10 minutes)
 #
-# Each batch size is 3 variants x REPEATS (3) runs of STEPS (25) steps, medians over the steps
-# after SKIP (10). A run costs its start (importing torch, the vocab-8192 Markov chain and the
-# 1B model's init on the CPU, NCCL, the first steps' compilation: about 25 s, estimated, not
+# Each batch size is 4 variants x REPEATS (3) runs of STEPS (25) steps, medians over the steps
+# after SKIP (10), which also leaves out the 10 steps overlap="auto" measures before it
+# chooses. A run costs its start (importing torch, the vocab-8192 Markov chain and the 1B
+# model's init on the CPU, NCCL, the first steps' compilation: about 25 s, estimated, not
 # measured on these machines) plus 25 steps (about 0.35 s each at batch 64 on 4 GPUs, 0.2 s
-# at batch 16): about 5 minutes per batch size, 10 for both, so give each batch size its own
-# call where a call may last 10 minutes. Batches with more than MAX_ROWS_PER_GPU (32)
+# at batch 16): about 6-7 minutes per batch size, so give each batch size its own call where
+# a call may last 10 minutes. Batches with more than MAX_ROWS_PER_GPU (32)
 # sequences per GPU are left out: activations take about 1.7 MB per token (20 layers, bf16),
 # 55 GB at 32 sequences of 1024 tokens, so batch 64 runs on 2 and 4 GPUs of 80 GB, not on 1.
 #
@@ -44,7 +46,8 @@ for batch in $BATCHES; do
     name="g${GPUS}_b${batch}"
     begin=$SECONDS
     if "$PYTHON" benchmarks/train_table.py --nproc "$GPUS" \
-        --model "~1B dense (dim 2048, 20 layers)" --variants adamw muon "muon --overlap" \
+        --model "~1B dense (dim 2048, 20 layers)" --variants adamw muon "muon --overlap backward" \
+        "muon --overlap auto" \
         --repeats "$REPEATS" --skip "$SKIP" --logs "$scratch/$name" -- \
         --dim 2048 --layers 20 --heads 16 --vocab 8192 --seq-len 1024 \
         --batch-size "$batch" --steps "$STEPS"; then

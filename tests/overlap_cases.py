@@ -1,4 +1,5 @@
-"""overlap="backward" against the plain step, on FSDP2 models trained on every rank.
+"""overlap="backward" and "auto" against the plain step, on FSDP2 models trained on every
+rank.
 
 Each case trains the same model twice from the same start, once with each mode, and returns
 whether parameters and optimizer state came out bitwise equal (fp32 exchanges and
@@ -8,6 +9,7 @@ Newton–Schulz), plus what the case checks about the early start itself.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +24,7 @@ import muon_dist
 import muon_dist.step.bucket_task as bucket_task_module
 import muon_dist.step.selected_bucket as selected_bucket_module
 from muon_dist.dist import exchange
+from muon_dist.step import auto_overlap
 
 IN = 7
 # Uneven widths: no dimension divides 2 or 3 ranks, so some shards are uneven or empty.
@@ -295,6 +298,23 @@ def resume(world_size: int) -> dict[str, Any]:
     return {"equal": _equal(*snapshots), "started": started}
 
 
+def repeated_step(world_size: int) -> dict[str, Any]:
+    """A backward and step, step() again on the same gradients (no backward between, so no
+    hook ran), then another backward and step: both modes end bitwise equal."""
+    snapshots = []
+    for overlap in ("none", "backward"):
+        model, groups = _model(world_size, "fsdp")
+        opt = _optimizer(groups, overlap, "raise")
+        for step in range(2):
+            opt.zero_grad()
+            model(_batch(step, 0)).square().mean().backward()
+            opt.step()
+            if step == 0:
+                opt.step()
+        snapshots.append(_snapshot(model, opt))
+    return {"equal": _equal(*snapshots)}
+
+
 def _scale_grads(model: nn.Module, factor: float) -> None:
     for p in model.parameters():
         p.grad.mul_(factor)
@@ -397,6 +417,118 @@ def early_gather(world_size: int) -> dict[str, Any]:
     }
 
 
+class ScriptedClock:
+    """A step clock whose trial steps take ``seconds[mode]`` each: overlap="auto" with this
+    rank's timings chosen by the test, not measured."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds_of = seconds
+        self._marks: list[float] = []
+
+    def mark(self) -> None:
+        # Mark k ends step WARMUP_STEPS - 1 + k (the schedule's marked steps, in order).
+        mode = auto_overlap.trial_mode(auto_overlap.WARMUP_STEPS - 1 + len(self._marks))
+        assert mode is not None, "marked after the decision"
+        self._marks.append((self._marks[-1] if self._marks else 0.0) + self.seconds_of[mode])
+
+    def seconds(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self._marks)]
+
+
+# Per scenario, per rank: the seconds a trial step of each mode takes (binary fractions, so
+# the clock's sums and differences are exact).
+AUTO_TIMES: dict[str, list[dict[str, float]]] = {
+    "overlap_faster": [{"none": 1.0, "backward": 0.5}, {"none": 1.25, "backward": 0.75}],
+    "plain_faster": [{"none": 0.5, "backward": 1.0}, {"none": 0.75, "backward": 0.875}],
+    # Rank 0 alone would overlap; rank 1's overlapped steps are the slowest of all.
+    "ranks_differ": [{"none": 1.0, "backward": 0.875}, {"none": 0.75, "backward": 1.25}],
+    "tie": [{"none": 1.0, "backward": 1.0}, {"none": 1.0, "backward": 1.0}],
+}
+
+
+def auto_choice(world_size: int, scenario: str) -> dict[str, Any]:
+    """overlap="auto" with this rank's ``AUTO_TIMES``, two steps past the decision: before
+    each backward whether the step overlaps, after it how many buckets started, the mode
+    shown during each step and the device values step() read on the host; then the choice
+    and the agreed medians."""
+    from test_host_sync import count_host_reads
+
+    model, groups = _model(world_size, "fsdp")
+    opt = _optimizer(groups, "auto", "raise")
+    early = opt.runner.early
+    assert early is not None
+    opt.overlap_choice.clock = ScriptedClock(AUTO_TIMES[scenario][torch.distributed.get_rank()])
+    overlapping, started, modes, reads = [], [], [], []
+    for step in range(auto_overlap.DECISION_STEP + 3):
+        opt.zero_grad()
+        overlapping.append(opt.overlap_choice.overlapping)
+        modes.append(opt.overlap_mode)
+        model(_batch(step, 0)).square().mean().backward()
+        started.append(early.started)
+        with count_host_reads() as calls:
+            opt.step()
+        reads.append(len(calls))
+    return {
+        "overlapping": overlapping,
+        "started": started,
+        "modes": modes,
+        "reads": reads,
+        "chosen": opt.overlap_mode,
+        "medians": opt.overlap_choice.medians,
+    }
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def auto_parity(world_size: int) -> dict[str, Any]:
+    """overlap="auto" (a clock that makes the overlap faster, so the steps after the decision
+    overlap too) against "none" over warm-up, trials, decision and beyond, with the same
+    events in both runs: ``ns_steps`` set between backward and step() of an overlapped
+    trial step (the step is rebuilt); an overlapped trial step whose step() raises before
+    its Muon phase (a closure's KeyboardInterrupt, as CUDA's deferred FloatingPointError
+    does at the start of step()), followed by a plain one; a state_dict round trip after
+    the decision (rebuilt again). The auto run keeps its count and choice throughout."""
+    edit_step, raised_step, load_step = 4, 8, auto_overlap.DECISION_STEP + 2
+    assert auto_overlap.trial_mode(edit_step) == auto_overlap.trial_mode(raised_step) == "backward"
+    assert auto_overlap.trial_mode(raised_step + 1) == "none"
+    snapshots = []
+    started: list[int] = []
+    runners = 0
+    for overlap in ("none", "auto"):
+        model, groups = _model(world_size, "fsdp")
+        opt = _optimizer(groups, overlap, "raise")
+        if overlap == "auto":
+            opt.overlap_choice.clock = ScriptedClock({"none": 1.0, "backward": 0.5})
+        seen: list[Any] = []  # each step runner in turn (kept, so no id is reused)
+        for step in range(auto_overlap.DECISION_STEP + 4):
+            if step == load_step:
+                opt.load_state_dict(opt.state_dict())
+            opt.zero_grad()
+            model(_batch(step, 0)).square().mean().backward()
+            if overlap == "auto":
+                started.append(opt.runner.early.started)
+            if step == edit_step:
+                opt.param_groups[0]["ns_steps"] = 3
+            try:
+                opt.step(_interrupt if step == raised_step else None)
+            except KeyboardInterrupt:
+                pass
+            if not seen or seen[-1] is not opt.runner:
+                seen.append(opt.runner)
+        snapshots.append(_snapshot(model, opt))
+        runners = len(seen)
+    return {
+        "equal": _equal(*snapshots),
+        "started": started,
+        "mode": opt.overlap_mode,
+        "runners": runners,
+        "steps": opt.overlap_choice.steps,
+        "raised_step": raised_step,
+    }
+
+
 def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[str, Any]:
     cases: dict[str, Callable[..., dict[str, Any]]] = {
         "parity": parity,
@@ -406,5 +538,8 @@ def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[st
         "edited": edited,
         "changed_on_one_rank": changed_on_one_rank,
         "resume": resume,
+        "repeated_step": repeated_step,
+        "auto_choice": auto_choice,
+        "auto_parity": auto_parity,
     }
     return cases[case](world_size, *args)

@@ -96,6 +96,13 @@ def test_state_dict_round_trip_resumes_bitwise() -> None:
         assert out["equal"] and out["started"] > 0, out
 
 
+def test_step_again_without_backward() -> None:
+    """A second step() on the same gradients, with no hook run since the last: the plain
+    step's result (a stale count of started buckets once made it ask for their norms)."""
+    for out in run_distributed(2, overlap_worker, "repeated_step"):
+        assert out["equal"], out
+
+
 def test_plain_tensors_refused() -> None:
     model = nn.Linear(4, 4, bias=False)
     with pytest.raises(ValueError, match=r"overlap='backward': weight is a plain tensor"):

@@ -272,25 +272,30 @@ def test_compare_runs_the_named_optimizers_on_the_same_data(tmp_path: Path) -> N
     assert (out / "loss.png").stat().st_size > 0
 
 
-def test_overlap_matches_plain_run(resume_runs: dict[str, Path]) -> None:
-    """``--overlap`` (Newton-Schulz started during backward) on 2 ranks: the same losses
-    and bit-for-bit the same weights as the plain run (fp32 exchanges and Newton-Schulz)."""
+@pytest.mark.parametrize("overlap", ["backward", "auto"])
+def test_overlap_matches_plain_run(resume_runs: dict[str, Path], overlap: str) -> None:
+    """``--overlap backward`` (Newton-Schulz started during backward) and ``--overlap auto``
+    (which times both modes and chooses at the last of the 10 steps) on 2 ranks: the same
+    losses and bit-for-bit the same weights as the plain run (fp32 exchanges and
+    Newton-Schulz)."""
     tmp = resume_runs["tmp"]
-    launch(
+    stdout = launch(
         2,
         [
             *TINY,
             "--overlap",
+            overlap,
             "--out",
-            str(tmp / "overlap"),
+            str(tmp / overlap),
             "--save-final",
-            str(tmp / "overlap.pt"),
+            str(tmp / f"{overlap}.pt"),
         ],
     )
-    assert losses(tmp / "overlap") == losses(tmp / "full")
-    ref, got = torch.load(tmp / "full.pt"), torch.load(tmp / "overlap.pt")
+    assert losses(tmp / overlap) == losses(tmp / "full")
+    ref, got = torch.load(tmp / "full.pt"), torch.load(tmp / f"{overlap}.pt")
     assert ref.keys() == got.keys()
     assert max_rel_diff(got, ref, list(ref)) == 0.0
+    assert ("step 10: overlap='auto' chose" in stdout) == (overlap == "auto"), stdout
 
 
 def test_data_flag_trains_and_evaluates_alike_on_one_and_two_ranks(tmp_path: Path) -> None:

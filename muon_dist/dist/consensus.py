@@ -161,7 +161,7 @@ def agreed_comm(
     )
     entries = {} if refused or settings is None else describe(groups, settings, extra)
     agree(entries, refused, comm.rank, comm.holders, when)
-    if settings is not None and settings.overlap == "backward":
+    if settings is not None and settings.starts_in_backward:
         # Exchanges issued during backward run beside FSDP's, not behind them.
         comm = dataclasses.replace(comm, exchange=dedicated(comm.exchange))
     return comm

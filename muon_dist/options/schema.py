@@ -393,12 +393,14 @@ SETTINGS: tuple[Option, ...] = (
     _set(
         "overlap",
         "none",
-        one_of(("none", "backward")),
+        one_of(("none", "backward", "auto")),
         "str",
         "``\"backward\"`` starts each bucket's Newton–Schulz and exchanges from FSDP2's"
         " gradient hooks during backward, and ``step()`` finishes them and commits"
-        " (:mod:`muon_dist.step.backward`); Muon parameters must then be DTensors sharded by"
-        " ``fully_shard``, and ``cuda_graph`` False.",
+        ' (:mod:`muon_dist.step.backward`); ``"auto"`` times 4 steps of each mode after 2'
+        " warm-up steps and keeps the faster for the rest of the run, the same on every rank"
+        " (``opt.overlap_mode``; :mod:`muon_dist.step.auto_overlap`). Under both, Muon"
+        " parameters must be DTensors sharded by ``fully_shard``, and ``cuda_graph`` False.",
     ),
 )
 

@@ -10,6 +10,9 @@ from muon_dist.options.schema import SETTINGS
 
 _DEFAULT = {o.key: o.default for o in SETTINGS}
 
+# The overlap settings under which a step may start from gradient hooks during backward.
+STARTS_IN_BACKWARD = ("backward", "auto")
+
 
 @dataclass(frozen=True)
 class ExecutionSettings:
@@ -22,7 +25,8 @@ class ExecutionSettings:
     ``nonfinite`` what a non-finite gradient or result does; ``cuda_graph`` whether the
     step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps;
     ``overlap="backward"`` starts the buckets from gradient hooks during backward
-    (:mod:`muon_dist.step.backward`).
+    (:mod:`muon_dist.step.backward`), ``"auto"`` times both modes and keeps the faster
+    (:mod:`muon_dist.step.overlap_choice`).
     """
 
     backend: str = _DEFAULT["backend"]
@@ -40,9 +44,16 @@ class ExecutionSettings:
         for option in SETTINGS:
             if option.check is not None:
                 option.check("Muon", option.key, getattr(self, option.key))
-        if self.overlap == "backward" and self.cuda_graph:
+        if self.starts_in_backward and self.cuda_graph:
             raise ValueError(
-                "Muon: overlap='backward' starts Newton-Schulz from gradient hooks during "
-                "backward, outside any captured step; use cuda_graph=False with it, or "
-                "overlap='none' to capture the step"
+                f"Muon: overlap={self.overlap!r} starts Newton-Schulz from gradient hooks "
+                "during backward (under 'auto', in the steps it times or chooses that way), "
+                "outside any captured step; use cuda_graph=False with it, or overlap='none' "
+                "to capture the step"
             )
+
+    @property
+    def starts_in_backward(self) -> bool:
+        """Whether a step may start from gradient hooks: Muon parameters get hooks, and the
+        plan orders buckets as backward finishes their gradients."""
+        return self.overlap in STARTS_IN_BACKWARD

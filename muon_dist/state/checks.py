@@ -267,13 +267,14 @@ def _saved_value_problem(key: str, value: Any, p: torch.Tensor) -> str | None:
     return None
 
 
-def check_hookable(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
-    """Refuse plain tensors: their hook fires when autograd accumulates the local gradient,
-    before DDP (or any data-parallel wrapper) reduces it across ranks."""
+def check_hookable(params: Sequence[torch.Tensor], names: Sequence[str], overlap: str) -> None:
+    """Refuse plain tensors under an ``overlap`` that starts steps from gradient hooks: their
+    hook fires when autograd accumulates the local gradient, before DDP (or any
+    data-parallel wrapper) reduces it across ranks."""
     for p, name in zip(params, names, strict=True):
         if not isinstance(p, DTensor):
             raise ValueError(
-                f"overlap='backward': {name} is a plain tensor; its gradient hook fires "
+                f"overlap={overlap!r}: {name} is a plain tensor; its gradient hook fires "
                 "before a data-parallel wrapper reduces the gradient, so Newton-Schulz "
                 "would start from a partial gradient. Shard the model with fully_shard "
                 "(FSDP2 calls the hook after the reduction), or use overlap='none'"

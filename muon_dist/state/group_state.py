@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from muon_dist.options.schema import missing_filled
+from muon_dist.options.settings import STARTS_IN_BACKWARD
 from muon_dist.options.validation import check_group_keys, check_unique_names, validate_group
 from muon_dist.plan.views import ALGORITHMS, group_param_names, matrix_views, param_list
 from muon_dist.rules.registry import fp32_state, rule_of
@@ -52,8 +53,8 @@ def checked_group(
     group = {**defaults[algorithm], **param_group, "params": param_list(param_group["params"])}
     validate_group(group, len(groups))
     check_unique_names(groups, group)
-    if algorithm == "muon" and overlap == "backward":
-        check_hookable(group["params"], group_param_names(group, len(groups)))
+    if algorithm == "muon" and overlap in STARTS_IN_BACKWARD:
+        check_hookable(group["params"], group_param_names(group, len(groups)), overlap)
     group.setdefault("steps", 0)
     group.setdefault("skipped_steps", 0)
     return group

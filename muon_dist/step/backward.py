@@ -1,4 +1,5 @@
-"""The Muon phase started during backward (``Muon(..., overlap="backward")``).
+"""The Muon phase started during backward (``Muon(..., overlap="backward")``, and the
+steps ``overlap="auto"`` overlaps, :mod:`muon_dist.step.overlap_choice`).
 
 FSDP2 calls each sharded parameter's post-accumulate-grad hooks right after its gradient's
 reduce-scatter (and, under HSDP, all-reduce), in ``foreach_reduce``. From there a bucket
@@ -124,7 +125,7 @@ class BackwardStart:
                 self.restarts += 1
                 if self.restarts == 1:
                     logger.info(
-                        "muon_dist: overlap='backward': %s got a second gradient before "
+                        "muon_dist: a step overlapping backward: %s got a second gradient before "
                         "step(); the started buckets are dropped and begin again. Accumulate "
                         "with model.set_requires_gradient_sync(False) on all but the last "
                         "micro-batch so nothing starts early for nothing",
@@ -169,15 +170,23 @@ class BackwardStart:
         self._reported.clear()
 
     def abandon(self) -> None:
-        """Drop the open step: the step was rebuilt, and the new one starts every bucket."""
+        """Drop the open step: the step was rebuilt and the new one starts every bucket, or
+        this step runs plain (``overlap="auto"``) on the same buffers, after the drop."""
         if self._open:
             with self._side_stream():
                 self._drop()
+            self._join()
+
+    def _join(self) -> None:
+        """On CUDA, make the current stream wait for the side stream's work so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def changed(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
         """Whether what the started buckets read changed since the hooks (see the module's
-        docstring), as a device flag for the step's agreement; None where none started."""
-        if not self._started:
+        docstring), as a device flag for the step's agreement; None where none started
+        (also where no hook ran since the last step: a step() again without backward)."""
+        if not self.started:
             return None
         reported = list(self._reported)
         now = [self._reported[j] for j in reported]
@@ -216,5 +225,4 @@ class BackwardStart:
             finally:
                 self._open = False
                 self._reported.clear()
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self._join()

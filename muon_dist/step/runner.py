@@ -115,10 +115,11 @@ class StepRunner:
             [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
         )
         self.muon = self._muon_phase(entries, state, settings, len(groups), comm)
-        # overlap="backward": the Muon phase's buckets start from gradient hooks.
+        # overlap="backward" (or "auto", in its overlapped steps): the Muon phase's buckets
+        # start from gradient hooks.
         self.early = (
             BackwardStart(self.muon, [self.names[i] for i in self.muon_positions])
-            if self.muon is not None and settings.overlap == "backward"
+            if self.muon is not None and settings.starts_in_backward
             else None
         )
         self._muon_index = {id(self.params[i]): j for j, i in enumerate(self.muon_positions)}
@@ -175,7 +176,7 @@ class StepRunner:
             itemsize=settings.comm_dtype.itemsize,
             replica_mode=settings.replica_mode,
             steps=[e.group["ns_steps"] for e in entries],
-            backward_order=settings.overlap == "backward",
+            backward_order=settings.starts_in_backward,
             shares=[_travelling_share(e.group, settings, comm.exchange.size) for e in entries],
         )
         logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
@@ -221,8 +222,8 @@ class StepRunner:
         return unwrapped
 
     def grad_ready(self, p: torch.Tensor) -> None:
-        """A Muon parameter's gradient is final (its post-accumulate-grad hook, under
-        ``overlap="backward"``): start the buckets that now can, of the step the ranks
+        """A Muon parameter's gradient is final (its post-accumulate-grad hook, in a step
+        that overlaps backward): start the buckets that now can, of the step the ranks
         agreed on. A gradient this rank refuses starts nothing here; ``step()`` raises it,
         agreed with the other ranks."""
         if self.previous is not None:
@@ -239,13 +240,19 @@ class StepRunner:
             self.early.report(j, grad)
 
     def run(
-        self, groups: Sequence[dict[str, Any]], refusal: Exception | None = None
+        self,
+        groups: Sequence[dict[str, Any]],
+        refusal: Exception | None = None,
+        *,
+        overlap: bool,
     ) -> Exception | None:
         """Queue one step. A rank that refuses its inputs (``refusal``: options or a closure
         that raised; a gradient of the wrong layout, a sparse one, a missing one under
         capture) still takes part in the step's agreement, with every gradient absent and
         its failure flagged, so every rank leaves everything as it was and learns of the
-        failure; it returns its error for the caller to raise.
+        failure; it returns its error for the caller to raise. ``overlap``: this step's
+        buckets started from gradient hooks (:meth:`grad_ready`), else it is the plain step
+        (the same on every rank, :mod:`muon_dist.step.overlap_choice`).
         """
         failure = refusal
         grads: list[torch.Tensor | None] = [None] * len(self.params)
@@ -266,24 +273,24 @@ class StepRunner:
             [] if failure is not None else self.agreement.stage(groups, self.rank),
         )
         if self.graph is None or failure is not None or self.previous is not None:
-            self._body(groups, grads, refused=failure is not None)
+            self._body(groups, grads, overlap, refused=failure is not None)
             return failure or self.crash()
 
         def body() -> None:
-            self._body(groups, grads)
+            self._body(groups, grads, overlap)
 
         key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
         self.graph.run(body, key, grads)
         return self.crash()
 
-    def mirror(self, muon_grads: Sequence[torch.Tensor | None], *, transactional: bool) -> None:
+    def mirror(
+        self, muon_grads: Sequence[torch.Tensor | None], *, transactional: bool, overlap: bool
+    ) -> None:
         """Run this step's Muon collectives, keeping nothing: a rank whose rebuilt plan the
         other ranks do not share joins theirs, and the step fails on every rank."""
-        self.agreement.refuse_all(keep_results=self.early is not None)
-        if self.early is not None:
-            self.early.finish(muon_grads, self.inputs, transactional=transactional)
-        elif self.muon is not None:
-            self.muon.run(muon_grads, self.inputs, transactional=transactional)
+        early = self.early if overlap else None
+        self.agreement.refuse_all(keep_results=early is not None)
+        self._muon_phase_of_step(early, muon_grads, transactional, redo=False)
 
     def abandon(self) -> None:
         """Drop the buckets this step started from hooks: a rebuilt step replaces it."""
@@ -298,12 +305,13 @@ class StepRunner:
         self,
         groups: Sequence[dict[str, Any]],
         grads: Sequence[torch.Tensor | None],
+        overlap: bool,
         refused: bool = False,
     ) -> None:
         """The device work of one step: everything a captured step replays. A rank that
         refused the step runs the collectives only (its groups may be what it refused)."""
         muon_grads = [grads[i] for i in self.muon_positions]
-        early = self.early
+        early = self.early if overlap else None
         self.agreement.decide(
             grads,
             self.inputs,
@@ -313,20 +321,35 @@ class StepRunner:
         transactional = self.settings.nonfinite == "skip_step"
         if self.previous is not None:
             if self.agreement.ranks_differ():
-                self.previous.mirror(muon_grads, transactional=transactional)
+                self.previous.mirror(muon_grads, transactional=transactional, overlap=overlap)
                 self.agreement.publish()
                 return
             self.previous.abandon()
             self.previous = None
-        if early is not None:
-            redo = self.agreement.redo_asked()
-            early.finish(muon_grads, self.inputs, transactional=transactional, redo=redo)
-        elif self.muon is not None:
-            self.muon.run(muon_grads, self.inputs, transactional=transactional)
+        redo = early is not None and self.agreement.redo_asked()
+        self._muon_phase_of_step(early, muon_grads, transactional, redo=redo)
         if not refused:
             for index in self._adamw_members:
                 self._adamw(groups[index], index, grads)
         self.agreement.publish()
+
+    def _muon_phase_of_step(
+        self,
+        early: BackwardStart | None,
+        muon_grads: Sequence[torch.Tensor | None],
+        transactional: bool,
+        *,
+        redo: bool,
+    ) -> None:
+        """The Muon phase after the agreement: finished from what the hooks started where
+        ``early``, else run whole, after dropping what an overlapped step left open (its
+        hooks ran, its ``step()`` raised before this point: ``overlap="auto"`` switches
+        modes between steps)."""
+        if early is not None:
+            early.finish(muon_grads, self.inputs, transactional=transactional, redo=redo)
+        elif self.muon is not None:
+            self.abandon()
+            self.muon.run(muon_grads, self.inputs, transactional=transactional)
 
     def _adamw(
         self, group: dict[str, Any], index: int, grads: Sequence[torch.Tensor | None]
