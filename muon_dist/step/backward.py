@@ -118,7 +118,12 @@ class BackwardStart:
 
     def report(self, j: int, grad: torch.Tensor) -> None:
         """Muon tensor ``j``'s local gradient is final: start every bucket, in plan order,
-        whose tensors all are."""
+        whose tensors all are. Labelled ``muon_dist.grad_hook`` in profiles (the host time
+        a hook adds to backward)."""
+        with torch.profiler.record_function("muon_dist.grad_hook"):
+            self._report(j, grad)
+
+    def _report(self, j: int, grad: torch.Tensor) -> None:
         self._norms[j].copy_(torch.linalg.vector_norm(grad, dtype=torch.float64))
         with self._side_stream():
             if j in self._reported:
