@@ -21,6 +21,7 @@ The table goes to stdout and ``--out/profile.md``; ``analyze`` is pure and teste
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -153,7 +154,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     env = train.init_distributed()
     try:
-        results = {mode: profile_mode(mode, args, flags, env) for mode in MODES}
+        results = {}
+        for mode in MODES:
+            results[mode] = profile_mode(mode, args, flags, env)
+            gc.collect()  # the mode's model and optimizer, before the next mode builds its own
+            if env.device.type == "cuda":
+                torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
     if env.rank == 0:
