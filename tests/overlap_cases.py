@@ -214,6 +214,7 @@ def parity(world_size: int, layout: str) -> dict[str, Any]:
         "held": held,
         "shard_bytes": shards,
         "exchanges": exchanges,  # of the overlapped run
+        "redone": opt.runner.early.redone if opt.runner.early is not None else 0,
     }
 
 

@@ -37,6 +37,7 @@ def test_bitwise_equal_to_plain_step(world_size: int, layout: str) -> None:
                 assert calls[r][k][0][q] == calls[q][k][1][r], (k, r, q)
     for rank, out in enumerate(outs):
         assert out["equal"], f"rank {rank}: parameters or state differ"
+        assert out["redone"] == 0, f"rank {rank}: unedited steps ran their buckets again"
         # Some buckets started during every backward, and not all of them at its end.
         assert all(count > 0 for count in out["started"]), out
         assert out["buckets"] > 1, out

@@ -52,6 +52,13 @@ _READ_EARLY = tuple(
 )
 
 
+def _fp64_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp64 norms a hook records and ``step()`` compares, from one kernel for both: on
+    CUDA, ``vector_norm`` and ``_foreach_norm`` sum in different orders, so a norm taken
+    by each differs in its last bits and every overlapped step would be redone."""
+    return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float64))
+
+
 def register_grad_hooks(
     params: Sequence[torch.Tensor], ready: Callable[[torch.Tensor], None]
 ) -> None:
@@ -124,7 +131,7 @@ class BackwardStart:
             self._report(j, grad)
 
     def _report(self, j: int, grad: torch.Tensor) -> None:
-        self._norms[j].copy_(torch.linalg.vector_norm(grad, dtype=torch.float64))
+        self._norms[j].copy_(_fp64_norms([grad])[0])
         with self._side_stream():
             if j in self._reported:
                 self.restarts += 1
@@ -200,7 +207,7 @@ class BackwardStart:
             grads[j] is not g for j, g in zip(reported, now, strict=True)
         ):
             return torch.ones((), device=self._norms.device)
-        norms = torch.stack(torch._foreach_norm(now, 2, dtype=torch.float64))
+        norms = torch.stack(_fp64_norms(now))
         index = torch.tensor(reported, device=self._norms.device)
         return (norms != self._norms.index_select(0, index)).any().float()
 
