@@ -303,6 +303,25 @@ def grid_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def merged(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Sweeps of one model, flags and device (say, a search and the runs that extended it)
+    as one: their runs together, their commands in order."""
+    first = parts[0]
+    for part in parts[1:]:
+        for key in ("model", "flags", "tokens_per_run"):
+            if part[key] != first[key]:
+                raise SystemExit(f"--from-json: {key} differs ({part[key]!r}, {first[key]!r})")
+        if part["run"]["device"] != first["run"]["device"]:
+            raise SystemExit("--from-json: the sweeps ran on different devices")
+    commands = list(dict.fromkeys(part["run"]["command"] for part in parts))
+    return {
+        **first,
+        "run": {**first["run"], "command": " && ".join(commands)},
+        "runs": [run for part in parts for run in part["runs"]],
+        "unfinished": [],
+    }
+
+
 def report(results: dict[str, Any], logs: Path | None, write_table: bool) -> None:
     rows = summary_rows(results)
     with tempfile.TemporaryDirectory() as scratch:
@@ -527,11 +546,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--muon-adamw-lrs", type=float, nargs="+", default=[4e-3, 2e-3, 8e-3])
     p.add_argument("--grow", type=int, default=2, help="points a line may add past its edges")
     p.add_argument("--runs", nargs="+", default=None, help="train these variants, no search")
-    p.add_argument("--from-json", type=Path, default=None)
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="report finished sweeps again; several of the same model and flags as one",
+    )
+    p.add_argument("--plot", type=Path, default=None, help="with --from-json: write the plot")
     p.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     args = p.parse_args(own)
     if args.from_json is not None:
-        report(json.loads(args.from_json.read_text()), None, args.write_table)
+        results = merged([json.loads(path.read_text()) for path in args.from_json])
+        report(results, None, args.write_table)
+        if args.plot is not None:
+            plot(results, args.plot)
         return
     results = sweep(args, flags)
     report(results, args.logs, args.write_table)

@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from corpus import Corpus, open_corpus
 from data import ChainStats, MarkovChain, rank_slice
+from defaults import ADJUST_LR, DEFAULT_ADJUST_LR, MARKOV, TEXT, swept_for
 from model import Attention, ModelArgs, Transformer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -55,27 +56,6 @@ import muon_dist
 
 # "muon", "normuon" and "dion2" are muon_dist.Muon under that update rule (AdamW for the rest).
 OPTIMIZERS = ("muon", "normuon", "dion2", "adamw")
-# Swept on the default config, single process (same numbers as any world size), score = mean
-# loss of the last 10 of 300 steps; floor 1.927, unigram 5.410. AdamW alone, lr 3e-3 / 5e-3 /
-# 8e-3 / 1.2e-2: 2.0096 / 2.0063 / 2.0055 / 2.0109. Muon lr 0.02 / 0.03 / 0.05 / 0.08 (AdamW
-# part 5e-3): 1.9975 / 1.9983 / 1.9961 / 2.0030; 0.05 with 8e-3: 1.9967. Muon leads by more
-# mid-run (the curves meet near the floor), and by 0.03-0.04 on the short MoE test config.
-DEFAULT_MUON_LR = {"spectral_norm": 0.05, "rms_norm": 3e-3}
-DEFAULT_ADJUST_LR = "spectral_norm"
-DEFAULT_MUON_ADAMW_LR = 8e-3
-DEFAULT_ADAMW_LR = 8e-3
-# The lrs above were swept at this width. Wider models (--dim) keep Muon's lr: its update is
-# orthogonalized and scaled by the matrix shape (adjust_lr="spectral_norm"), so its spectral
-# norm per unit lr does not grow with width. AdamW's update does (every entry moves by about
-# lr), so its lr falls as 1/width, as muP prescribes for hidden matrices: 8e-3 at dim 96,
-# 3.75e-4 at dim 2048 (~1B). Both optimizers of --compare, and Muon's own AdamW part, use
-# the same AdamW lr, so the comparison stays fair at any size.
-SWEPT_DIM = 96
-
-
-def adamw_lr_for(dim: int) -> float:
-    """Default AdamW lr at model width ``dim``: the swept lr, scaled down as 1/width."""
-    return DEFAULT_ADAMW_LR * min(1.0, SWEPT_DIM / dim)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,13 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lr",
         type=float,
         default=None,
-        help="Muon lr (hidden matrices), any width (default: "
-        + ", ".join(f"{lr:g} with {adjust}" for adjust, lr in DEFAULT_MUON_LR.items())
+        help="Muon lr (hidden matrices), any width (default: swept, see defaults.py; on the"
+        " Markov chain "
+        + ", ".join(f"{lr:g} with {adjust}" for adjust, lr in MARKOV.muon.items())
+        + "; with --data "
+        + ", ".join(f"{lr:g} with {adjust}" for adjust, lr in TEXT.muon.items())
         + ")",
     )
     p.add_argument(
         "--adjust-lr",
-        choices=tuple(DEFAULT_MUON_LR),
+        choices=ADJUST_LR,
         default=DEFAULT_ADJUST_LR,
         help="Muon's adjust_lr: how each matrix's lr scales with its shape (spectral_norm:"
         " sqrt(max(1, out/in)); rms_norm: 0.2 sqrt(max(out, in)), AdamW's update RMS)",
@@ -106,15 +89,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--muon-adamw-lr",
         type=float,
-        default=DEFAULT_MUON_ADAMW_LR,
-        help="lr of Muon's AdamW part (embeddings, head, norms), not scaled with --dim",
+        default=None,
+        help="lr of Muon's AdamW part (embeddings, head, norms), not scaled with --dim"
+        f" (default: {MARKOV.muon_adamw:g} on the Markov chain, {TEXT.muon_adamw:g} with --data)",
     )
     p.add_argument(
         "--adamw-lr",
         type=float,
         default=None,
-        help=f"lr of --optimizer adamw (default: {DEFAULT_ADAMW_LR:g} x min(1, {SWEPT_DIM} /"
-        " --dim))",
+        help=f"lr of --optimizer adamw (default: {MARKOV.adamw:g} x min(1, {MARKOV.adamw_dim} /"
+        f" --dim) on the Markov chain, {TEXT.adamw:g} with --data)",
     )
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=10, help="linear lr warmup steps")
@@ -232,10 +216,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    swept = swept_for(args.data)
     if args.lr is None:
-        args.lr = DEFAULT_MUON_LR[args.adjust_lr]
+        args.lr = swept.muon[args.adjust_lr]
+    if args.muon_adamw_lr is None:
+        args.muon_adamw_lr = swept.muon_adamw
     if args.adamw_lr is None:
-        args.adamw_lr = adamw_lr_for(args.dim)
+        args.adamw_lr = swept.adamw_at(args.dim)
     if args.compare is not None:
         # In the order given, each once; a bare --compare runs them all.
         args.compare = list(dict.fromkeys(args.compare)) or list(OPTIMIZERS)

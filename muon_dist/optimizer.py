@@ -177,10 +177,10 @@ class Muon(torch.optim.Optimizer):
             )
         if self.settings.overlap == "backward" and self._comm.rank == 0:
             logger.warning(
-                "muon_dist.Muon: overlap='backward' was slower than overlap='none' in every "
-                "configuration measured (0.80x to 1.0x its tokens/s on 1-4 H200s; "
-                "benchmarks/README.md, 'Overlap with backward'): keep it only where a "
-                "measurement on your configuration says it pays"
+                "muon_dist.Muon: overlap='backward' has not been measured faster than "
+                "overlap='none' (benchmarks/README.md, 'Overlap with backward': its hooks' host "
+                "time delays backward); overlap='auto' times both modes on this job and keeps "
+                "the faster"
             )
         clipper = qk_clipper(
             qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
