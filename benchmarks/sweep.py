@@ -48,9 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import tables
+from train_table import ROOT, SCRIPT, training_args
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "train.py"
 BASELINE = "adamw"
 ALSO_AT_BEST = ("normuon", "dion2")  # run once each at Muon's best settings
 DIVERGED = math.inf  # the score of a run that failed or ended non-finite
@@ -102,21 +101,13 @@ class Line:
         return [self.base.with_value(self.axis, v) for v in self.points]
 
     def advance(self, scores: dict[Config, float]) -> list[Config]:
-        """The configs still to run: the points without a score, else, if the best lies at
-        an edge and the line may grow, the next point past that edge."""
+        """The configs still to run: the points without a score, else the next point past
+        an edge holding the best (see :meth:`_past_edge`)."""
         missing = [c for c in self.configs() if c not in scores]
         if missing:
             return missing
-        values = sorted(self.points)
-        best = self.best(scores)
-        at = getattr(best, self.axis)
-        if self.grown >= self.grow or len(values) < 2 or math.isinf(scores[best]):
-            return []
-        if at == values[0]:
-            new = grid_value(values[0] / self.ratio)
-        elif at == values[-1]:
-            new = grid_value(values[-1] * self.ratio)
-        else:
+        new = self._past_edge(scores)
+        if new is None:
             return []
         self.points.append(new)
         self.grown += 1
@@ -126,13 +117,21 @@ class Line:
         return min(self.configs(), key=lambda c: (scores[c], c.flags()))
 
     def done(self, scores: dict[Config, float]) -> bool:
-        return all(c in scores for c in self.configs()) and self._settled(scores)
+        return all(c in scores for c in self.configs()) and self._past_edge(scores) is None
 
-    def _settled(self, scores: dict[Config, float]) -> bool:
+    def _past_edge(self, scores: dict[Config, float]) -> float | None:
+        """With every point scored: the point past the edge holding the best, if the line
+        may still grow (and the best did not diverge), else None."""
         values = sorted(self.points)
-        at = getattr(self.best(scores), self.axis)
-        edge = at in (values[0], values[-1]) and len(values) > 1
-        return not edge or self.grown >= self.grow or math.isinf(scores[self.best(scores)])
+        best = self.best(scores)
+        if self.grown >= self.grow or len(values) < 2 or math.isinf(scores[best]):
+            return None
+        at = getattr(best, self.axis)
+        if at == values[0]:
+            return grid_value(values[0] / self.ratio)
+        if at == values[-1]:
+            return grid_value(values[-1] * self.ratio)
+        return None
 
 
 @dataclass
@@ -225,8 +224,8 @@ def final_score(curve: Sequence[tuple[int, float]], exit_code: int) -> float:
 
 
 def tokens_to_reach(curve: Sequence[tuple[int, float]], target: float) -> float | None:
-    """Tokens at which the eval loss first reaches ``target``, linear between evals (from
-    zero tokens at the first eval), or None if it never does."""
+    """Tokens at which the eval loss first reaches ``target``, linear between evals (the
+    first eval's tokens where it is already there), or None if it never does."""
     previous: tuple[int, float] | None = None
     for tokens, loss in curve:
         if loss <= target:
@@ -271,7 +270,7 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, str]]:
     """The sweep table's rows: each optimizer's best run and its tokens to AdamW's best."""
     best = best_runs(results["runs"])
     target = best[BASELINE]["score"] if BASELINE in best else None
-    adamw_tokens = tokens_to_reach(best[BASELINE]["curve"], target) if target else None
+    adamw_tokens = None if target is None else tokens_to_reach(best[BASELINE]["curve"], target)
     rows = []
     for name, run in best.items():
         reach = tokens_to_reach(run["curve"], target) if target is not None else None
@@ -379,15 +378,6 @@ class Slot:
     config: Config | None = None
     out: Path | None = None
     began: float = 0.0
-
-
-def training_args(flags: Sequence[str]) -> argparse.Namespace:
-    """The example's own parse of ``flags`` (so a typo fails before the first launch)."""
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    import train
-
-    return train.parse_args(list(flags))
 
 
 def start(slot: Slot, nproc: int, config: Config, flags: Sequence[str], out: Path) -> None:

@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from corpus import Corpus, open_corpus
 from data import ChainStats, MarkovChain, rank_slice
-from defaults import ADJUST_LR, DEFAULT_ADJUST_LR, MARKOV, TEXT, swept_for
+from defaults import DEFAULT_ADJUST_LR, MARKOV, TEXT, swept_for
 from model import Attention, ModelArgs, Transformer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--adjust-lr",
-        choices=ADJUST_LR,
+        choices=tuple(MARKOV.muon),  # the adjust_lr values with a swept lr
         default=DEFAULT_ADJUST_LR,
         help="Muon's adjust_lr: how each matrix's lr scales with its shape (spectral_norm:"
         " sqrt(max(1, out/in)); rms_norm: 0.2 sqrt(max(out, in)), AdamW's update RMS)",
