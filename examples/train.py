@@ -1002,6 +1002,9 @@ def main(argv: list[str] | None = None) -> None:
                 title = f"{args.data}: training loss, eval loss on held-out tokens"
             path = plot(args.out, stats, title)
             log(env, f"metrics: {args.out / 'metrics.jsonl'}; plot: {path}")
+        # Leave together: a rank that tore its gloo group down while rank 0 still plotted
+        # sometimes aborted at exit ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
