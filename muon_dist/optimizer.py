@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.consensus import agreed_comm
-from muon_dist.dist.groups import CommGroups
+from muon_dist.comm.consensus import agreed_comm
+from muon_dist.comm.groups import CommGroups
 from muon_dist.options.schema import OPTIONS, SETTINGS, args_section, group_defaults
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.options.validation import check_step_values, validate_group
@@ -143,7 +143,7 @@ class Muon(torch.optim.Optimizer):
         self, params: Iterable[Any], defaults: dict[str, Any], refused: Exception | None
     ) -> None:
         """Add the groups and agree with every rank that holds them on everything that
-        decides a step (:mod:`muon_dist.dist.consensus`). Anything refused on this rank only (a
+        decides a step (:mod:`muon_dist.comm.consensus`). Anything refused on this rank only (a
         setting or option that differs across ranks) is agreed through that check, so the
         other ranks raise too instead of waiting."""
         groups: list[dict[str, Any]] = []
@@ -160,7 +160,7 @@ class Muon(torch.optim.Optimizer):
         self, groups: Sequence[dict[str, Any]], refused: Exception | None, when: str
     ) -> CommGroups:
         """The collectives' groups for ``groups``, after every rank that holds them agreed on
-        them (see :mod:`muon_dist.dist.consensus`); raises on every rank otherwise."""
+        them (see :mod:`muon_dist.comm.consensus`); raises on every rank otherwise."""
         settings = getattr(self, "settings", None)  # None: refused at construction
         return agreed_comm(groups, refused, when, settings, self._process_group, self._qk_lines)
 

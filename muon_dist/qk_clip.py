@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from muon_dist.dist.groups import Peers
+from muon_dist.comm.groups import Peers
 from muon_dist.plan.build import local_rows, placement_of
 from muon_dist.plan.views import is_positive_int, matrix_view
 from muon_dist.state.tensors import local

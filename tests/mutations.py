@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from parity_cases import PRECISIONS, cases_for, run_case
 
-from muon_dist.dist import exchange
+from muon_dist.comm import exchange
 from muon_dist.plan import build as plan
 from muon_dist.plan import packing
 from muon_dist.plan import views as routing

@@ -1,8 +1,8 @@
 """The package's folders are its layers, and imports run one way: down the layers.
 
-kernels, runtime <- rules <- plan <- options <- routing, dist <- state <- step <- the top
+kernels, runtime <- rules <- plan <- options <- routing, comm <- state <- step <- the top
 (optimizer, qk_clip, integrations). A module imports from its own folder or a lower layer,
-never from a higher one or from a sibling layer (routing and dist do not know each other).
+never from a higher one or from a sibling layer (routing and comm do not know each other).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ LAYERS = {
     "plan": 2,
     "options": 3,
     "routing": 4,
-    "dist": 4,
+    "comm": 4,
     "state": 5,
     "step": 6,
     "": 7,  # optimizer.py, qk_clip.py, __init__.py

@@ -14,7 +14,7 @@ from overlap_cases import AUTO_TIMES, ScriptedClock, overlap_worker
 from torch import nn
 
 import muon_dist
-from muon_dist.dist.groups import CommGroups, Peers
+from muon_dist.comm.groups import CommGroups, Peers
 from muon_dist.options.schema import SETTINGS
 from muon_dist.step import auto_overlap
 from muon_dist.step.auto_overlap import (

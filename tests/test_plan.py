@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_dist.dist.groups import Peers
+from muon_dist.comm.groups import Peers
 from muon_dist.plan.bucket_map import bucket_map, region_views, stack_specs
 from muon_dist.plan.build import (
     BucketPlan,

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_dist.dist.groups import Peers
+from muon_dist.comm.groups import Peers
 from muon_dist.plan.bucket_map import bucket_map
 from muon_dist.plan.build import ViewPlacement, build_plan, local_boxes
 from muon_dist.plan.selection import BucketSelection, HostRect, PieceGrid, grid

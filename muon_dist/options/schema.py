@@ -6,7 +6,7 @@ validation runs their checks, ``load_state_dict`` fills the keys an older checkp
 with their defaults (the behaviour before the key existed), the step checks the
 ``per_step`` values at every step, and the tests hold the constructor's signature and the
 README's options table to them. Every option must be the same on every rank that holds the
-parameters (:mod:`muon_dist.dist.consensus` at construction, :mod:`muon_dist.step.agreement`
+parameters (:mod:`muon_dist.comm.consensus` at construction, :mod:`muon_dist.step.agreement`
 at each step).
 
 When a change takes effect: a ``per_step`` option is read by every step; a ``layout`` option

@@ -1,6 +1,6 @@
 """Checks that fail fast with a clear message instead of corrupting a run: a gradient lies
 like its parameter; a saved state matches the current routing and holds usable tensors.
-(Agreement across ranks is :mod:`muon_dist.dist.consensus`.)"""
+(Agreement across ranks is :mod:`muon_dist.comm.consensus`.)"""
 
 from __future__ import annotations
 

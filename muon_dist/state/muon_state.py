@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.groups import Peers
+from muon_dist.comm.groups import Peers
 from muon_dist.rules.ops import (
     advance_momenta,
     magma_damping,

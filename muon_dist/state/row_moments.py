@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.groups import Peers
+from muon_dist.comm.groups import Peers
 from muon_dist.plan.bucket_map import StackSpec
 from muon_dist.plan.build import BucketPlan
 from muon_dist.plan.views import MatrixView

@@ -3,7 +3,7 @@
 Every rank must take the same decision about each parameter (is there a gradient on any
 rank? is any gradient non-finite?), and the step must not wait for the device to learn
 it. So the decision stays a device tensor: one small all-reduce among the ranks holding
-the parameters (:mod:`muon_dist.dist.groups`) builds per-parameter
+the parameters (:mod:`muon_dist.comm.groups`) builds per-parameter
 flags, and the step turns them into a ``keep`` mask and a ``found_inf`` flag (as
 ``torch.amp.GradScaler`` does) that the update rule and fused AdamW read on the device.
 
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.groups import Peers
+from muon_dist.comm.groups import Peers
 from muon_dist.options.schema import OPTIONS
 from muon_dist.step.report import NONFINITE, TOO_LARGE, Compared, Report
 from muon_dist.step.scalars import Layout, StepInputs

@@ -12,7 +12,7 @@ non-finite gradient anywhere still leaves everything as it was on every rank.
 Every rank issues the same collectives in the same order: buckets start strictly in plan
 order (the plan orders them last view first, the order backward finishes gradients), one
 pipeline round per bucket, whatever the moment a hook fires; the exchanges run on a process
-group of their own (:func:`muon_dist.dist.groups.dedicated`), so they never interleave with
+group of their own (:func:`muon_dist.comm.groups.dedicated`), so they never interleave with
 FSDP's collectives on its communicator. On CUDA the work runs on a side stream that waits
 for the stream the hook runs on (where the gradient was reduced); ``step()`` waits for it.
 

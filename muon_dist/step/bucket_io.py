@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from muon_dist.dist.groups import Peers
+from muon_dist.comm.groups import Peers
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import LocalSlices
 from muon_dist.step.failures import Failures

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.exchange import pack, start_exchange
+from muon_dist.comm.exchange import pack, start_exchange
 from muon_dist.plan.bucket_map import BucketMap, region_views
 from muon_dist.plan.build import BucketPlan
 from muon_dist.plan.packing import Packing, flat_views

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from muon_dist.dist.groups import CommGroups, Peers
+from muon_dist.comm.groups import CommGroups, Peers
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import BucketMap, bucket_map
 from muon_dist.plan.build import (

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.groups import CommGroups
+from muon_dist.comm.groups import CommGroups
 from muon_dist.step.auto_overlap import (
     BACKWARD,
     DECISION_STEP,

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw as adamw_update
 
-from muon_dist.dist.groups import CommGroups
+from muon_dist.comm.groups import CommGroups
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.build import build_plan, placement_of
 from muon_dist.plan.indices import GroupIndex, TensorIndex

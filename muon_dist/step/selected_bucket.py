@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.exchange import pack, start_exchange
-from muon_dist.dist.groups import dedicated
+from muon_dist.comm.exchange import pack, start_exchange
+from muon_dist.comm.groups import dedicated
 from muon_dist.kernels.streams import side_stream
 from muon_dist.kernels.tables import PinnedStaging
 from muon_dist.options.settings import ExecutionSettings

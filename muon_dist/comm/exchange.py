@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from muon_dist.dist.groups import Peers
+from muon_dist.comm.groups import Peers
 from muon_dist.plan.packing import Packing, flat_views
 
 
@@ -42,5 +42,3 @@ def start_exchange(
     if work is None:
         raise RuntimeError("all_to_all_single(async_op=True) returned no work handle")
     return recv, work
-
-

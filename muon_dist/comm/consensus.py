@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from muon_dist.dist.groups import CommGroups, Peers, comm_groups, dedicated
-from muon_dist.plan.views import named_params, param_list
+from muon_dist.comm.groups import CommGroups, Peers, comm_groups, dedicated
 from muon_dist.options.settings import ExecutionSettings
+from muon_dist.plan.views import named_params, param_list
 
 # Differing keys named in an error, at most.
 _SHOWN = 3
@@ -149,7 +149,7 @@ def agreed_comm(
     process_group: dist.ProcessGroup | None,
     extra: Sequence[str],
 ) -> CommGroups:
-    """The collectives' groups for ``groups`` (:func:`muon_dist.dist.groups.comm_groups`),
+    """The collectives' groups for ``groups`` (:func:`muon_dist.comm.groups.comm_groups`),
     after every rank that holds them agreed on them and on ``extra``; raises on every rank
     otherwise (a rank's own ``refused`` reaches the others through the same check, and
     ``settings`` is None where they were refused)."""

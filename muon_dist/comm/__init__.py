@@ -1,0 +1,1 @@
+"""Process groups from the parameters' meshes, the packed exchange, rank agreement."""
