@@ -108,6 +108,12 @@ def _clip(spans: Sequence[Interval], lo: float, hi: float) -> list[Interval]:
     return [(max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi]
 
 
+def _counts_as_ns(kind: str, labelled: bool) -> bool:
+    """Whether a kernel of class ``kind`` launched from Newton–Schulz's caller is part of it:
+    under a label every kernel but communication, else only matrix products."""
+    return kind != "nccl" if labelled else kind == "gemm"
+
+
 class StepTrace:
     """One rank's trace, indexed for :meth:`window`: its GPU events, the host calls that
     launched them (by correlation id) and its annotation ranges by name."""
@@ -138,7 +144,7 @@ class StepTrace:
         self._ns_ids = {
             e["args"]["correlation"]
             for e in self.gpu
-            if (labelled or trace_summary.category(e["name"]) == "gemm")
+            if _counts_as_ns(trace_summary.category(e["name"]), bool(labelled))
             and (launch := self.launches.get(e.get("args", {}).get("correlation"))) is not None
             and float(launch["ts"]) in callers
         }
