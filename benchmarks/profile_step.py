@@ -74,6 +74,9 @@ PHASES = {"step": STEP_RANGE, "optimizer": OPTIMIZER_RANGE}
 # matrix products launched inside these ranges count as Newton–Schulz.
 NS_RANGE = "muon_dist.newton_schulz"
 NS_CALLERS = ("Optimizer.step#", "muon_dist.grad_hook")
+# Kernels only Newton–Schulz launches (kernels/triton_ns.py), counted wherever launched, also
+# where the trace lacks their launch call.
+NS_ONLY_KERNELS = ("_sym_product_kernel",)
 HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # Per-step keys that add up to the wall, and the others, in table order.
 PARTS = ("ns_busy", "other_compute", "exposed_comm", "idle")
@@ -141,16 +144,20 @@ class StepTrace:
                 for span in spans
             ]
         )
-        self._ns_ids = {
-            e["args"]["correlation"]
+        # By event, not by correlation id: a CUDA graph's kernels share their launch's id.
+        self._ns = {
+            id(e)
             for e in self.gpu
-            if _counts_as_ns(trace_summary.category(e["name"]), bool(labelled))
-            and (launch := self.launches.get(e.get("args", {}).get("correlation"))) is not None
-            and float(launch["ts"]) in callers
+            if e["name"].startswith(NS_ONLY_KERNELS)
+            or (
+                _counts_as_ns(trace_summary.category(e["name"]), bool(labelled))
+                and (launch := self.launches.get(e.get("args", {}).get("correlation"))) is not None
+                and float(launch["ts"]) in callers
+            )
         }
 
     def is_ns(self, e: dict[str, Any]) -> bool:
-        return e.get("args", {}).get("correlation") in self._ns_ids
+        return id(e) in self._ns
 
     def window(self, lo: float, hi: float) -> dict[str, Any]:
         """Milliseconds of one step whose host window is ``[lo, hi]`` (see the docstring)."""
@@ -462,6 +469,7 @@ def profile_rank(
         for _ in range(args.steps):
             sync(device)
             dist.barrier()
+            sync(device)  # the barrier's own kernel stays out of the step's window
             step()
     rank = dist.get_rank()
     path = trace_dir / f"trace_rank{rank}.json"
@@ -504,9 +512,9 @@ def main() -> int:
     args = parse_args()
     if args.from_json:
         reports = [json.loads(path.read_text()) for path in args.from_json]
-        print(format_table([row for r in reports for row in table_rows(r)]))
         for report in reports:
             print("\n".join(notes(report)))
+        print(format_table([row for r in reports for row in table_rows(r)]))
         return 0
     if args.train:
         step, opt, device, args.phases = train_step(args.flags)

@@ -106,6 +106,19 @@ def test_a_labelled_newton_schulz_range_decides_what_counts() -> None:
     assert sum(step[k] for k in profile_step.PARTS) == pytest.approx(step["wall"])
 
 
+def test_a_graphs_kernels_are_classed_one_by_one() -> None:
+    # One graph launch (correlation 99) in the optimizer replays a product and an
+    # elementwise kernel; a symmetric product whose launch call the trace lacks still counts.
+    graph = _launched("nvjet_tst_gemm_ns", 120, 720, 800, 99)
+    graph.append({**graph[1], "name": "elementwise_kernel", "ts": 800, "dur": 50})
+    orphan = _launched("_sym_product_kernel", 130, 860, 900, 98)[1:]
+    (step,) = profile_step.StepTrace(_trace(graph + orphan)).steps(profile_step.STEP_RANGE)
+    (plain,) = profile_step.StepTrace(_trace()).steps(profile_step.STEP_RANGE)
+    assert step["ns_sum"] == pytest.approx(plain["ns_sum"] + (80 + 40) / 1e3)
+    assert step["other_compute"] == pytest.approx(plain["other_compute"] + 50 / 1e3)
+    assert step["launches"] == plain["launches"] + 1
+
+
 def test_steps_are_cut_by_their_windows() -> None:
     # Two windows, 0-500 and 500-1000 µs: each kernel's time lands in the window it ran in.
     events = _trace()["traceEvents"][1:]
