@@ -128,7 +128,7 @@ class StepTrace:
         for e in events:
             if e.get("cat") == "user_annotation":
                 self.ranges[e["name"]].append(_span(e))
-        launched = {e.get("args", {}).get("correlation") for e in self.gpu}
+        launched = {e.get("args", {}).get("correlation") for e in self.gpu} - {None}
         self.launches = {
             e["args"]["correlation"]: e
             for e in events

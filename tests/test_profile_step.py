@@ -108,14 +108,18 @@ def test_a_labelled_newton_schulz_range_decides_what_counts() -> None:
 
 def test_a_graphs_kernels_are_classed_one_by_one() -> None:
     # One graph launch (correlation 99) in the optimizer replays a product and an
-    # elementwise kernel; a symmetric product whose launch call the trace lacks still counts.
+    # elementwise kernel: only the product counts; a symmetric product whose launch call
+    # the trace lacks still counts.
     graph = _launched("nvjet_tst_gemm_ns", 120, 720, 800, 99)
     graph.append({**graph[1], "name": "elementwise_kernel", "ts": 800, "dur": 50})
     orphan = _launched("_sym_product_kernel", 130, 860, 900, 98)[1:]
+    # Events without a correlation id: a memset (other compute) and a host call.
+    orphan.append({"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 905, "dur": 5})
+    orphan.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 990})
     (step,) = profile_step.StepTrace(_trace(graph + orphan)).steps(profile_step.STEP_RANGE)
     (plain,) = profile_step.StepTrace(_trace()).steps(profile_step.STEP_RANGE)
     assert step["ns_sum"] == pytest.approx(plain["ns_sum"] + (80 + 40) / 1e3)
-    assert step["other_compute"] == pytest.approx(plain["other_compute"] + 50 / 1e3)
+    assert step["other_compute"] == pytest.approx(plain["other_compute"] + (50 + 5) / 1e3)
     assert step["launches"] == plain["launches"] + 1
 
 
