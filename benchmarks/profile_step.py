@@ -205,21 +205,22 @@ def combine(per_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
     rank; then the median over steps of each. ``per_rank`` holds each rank's medians.
     """
     count = min(len(steps) for steps in per_rank)
-    slowest = []
+    ranks, slowest = [], []
     for s in range(count):
         rank = max(range(len(per_rank)), key=lambda r: per_rank[r][s]["wall"])
         sums = [steps[s]["ns_sum"] for steps in per_rank if steps[s]["ns_sum"] is not None]
-        slowest.append(
-            {**per_rank[rank][s], "rank": rank, "ns_sum_max": max(sums) if sums else None}
-        )
+        ranks.append(rank)
+        slowest.append({**per_rank[rank][s], "ns_sum_max": max(sums) if sums else None})
     return {
         "steps": count,
+        "slowest_ranks": ranks,
         "slowest": _medians(slowest),
         "per_rank": [_medians(steps[:count]) for steps in per_rank],
     }
 
 
 def _medians(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the median over ``rows``; a key holding a label or None takes the first row's."""
     out: dict[str, Any] = {}
     for key in rows[0]:
         values = [row[key] for row in rows]
@@ -270,6 +271,7 @@ def plan_flops(
     *,
     bucket_bytes: int,
     itemsize: int,
+    replica_mode: str = "split",
     backward_order: bool = False,
 ) -> dict[str, Any]:
     """Each rank's Newton–Schulz FLOPs under the plan the optimizer builds from ``groups``
@@ -295,6 +297,7 @@ def plan_flops(
             world,
             bucket_bytes=bucket_bytes,
             itemsize=itemsize,
+            replica_mode=replica_mode,
             steps=steps,
             backward_order=backward_order,
         )
@@ -313,6 +316,22 @@ def plan_flops(
         "standard_ranks": standard,
         "standard_imbalance": imbalance(standard),
     }
+
+
+def plan_of(opt: torch.optim.Optimizer, world: int, cuda: bool) -> dict[str, Any]:
+    """:func:`plan_flops` under ``opt``'s settings (no Newton–Schulz work without Muon)."""
+    if not isinstance(opt, muon_dist.Muon):
+        return plan_flops([], world, cuda, bucket_bytes=1, itemsize=1)
+    settings = opt.settings
+    return plan_flops(
+        opt.param_groups,
+        world,
+        cuda,
+        bucket_bytes=settings.bucket_bytes,
+        itemsize=settings.comm_dtype.itemsize,
+        replica_mode=settings.replica_mode,
+        backward_order=settings.starts_in_backward,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -377,7 +396,11 @@ def notes(report: dict[str, Any]) -> list[str]:
                 "only the wall time is measured"
             )
         else:
-            out.append(f"{report['name']} {phase}: Newton–Schulz kernels found by {source}")
+            sums = ", ".join(_cell(r["ns_sum"]) for r in result["per_rank"])
+            out.append(
+                f"{report['name']} {phase}: Newton–Schulz kernels found by {source}; "
+                f"NS sum per rank {sums} ms"
+            )
     return out
 
 
@@ -520,8 +543,7 @@ def main() -> int:
         step, opt, device, args.phases = train_step(args.flags)
     else:
         step, opt, device, args.phases = preset_step(args)
-    scratch = None if args.trace_dir else tempfile.mkdtemp(prefix="profile_step_")
-    trace_dir = args.trace_dir or Path(scratch or ".")
+    trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="profile_step_"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
     try:
@@ -530,25 +552,17 @@ def main() -> int:
         dist.all_gather_object(gathered, summary)
     finally:
         dist.destroy_process_group()
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        if args.trace_dir is None:
+            shutil.rmtree(trace_dir, ignore_errors=True)
     if rank != 0:
         return 0
-    settings = opt.settings  # type: ignore[attr-defined]  (a muon_dist.Muon)
     report = {
         "name": args.name,
         "world_size": len(gathered),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "command": " ".join(sys.argv),
-        "plan": plan_flops(
-            opt.param_groups,
-            len(gathered),
-            device.type == "cuda",
-            bucket_bytes=settings.bucket_bytes,
-            itemsize=settings.comm_dtype.itemsize,
-            backward_order=settings.starts_in_backward,
-        ),
+        "plan": plan_of(opt, len(gathered), device.type == "cuda"),
         "phases": {phase: combine([rank[phase] for rank in gathered]) for phase in args.phases},
     }
     args.out.mkdir(parents=True, exist_ok=True)

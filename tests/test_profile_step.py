@@ -164,6 +164,7 @@ def test_combine_takes_the_slowest_rank_and_the_largest_ns_sum_per_step() -> Non
     assert result["slowest"]["wall"] == 12.0  # median of 11, 12, 13
     assert result["slowest"]["idle"] == 5.0  # median of 5, 5, 6.5
     assert result["slowest"]["ns_sum_max"] == 8.0  # median of 8, 9, 7.5
+    assert result["slowest_ranks"] == [1, 0, 1]
     assert [r["wall"] for r in result["per_rank"]] == [11.0, 11.0]
     assert result["slowest"]["ns_source"] == "annotation"
 
