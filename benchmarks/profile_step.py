@@ -124,35 +124,39 @@ class StepTrace:
     def __init__(self, trace: dict[str, Any]) -> None:
         events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
         self.gpu = [e for e in events if e.get("cat") in trace_summary.GPU_CATEGORIES]
+        annotations = [e for e in events if e.get("cat") == "user_annotation"]
         self.ranges: dict[str, list[Interval]] = defaultdict(list)
-        for e in events:
-            if e.get("cat") == "user_annotation":
-                self.ranges[e["name"]].append(_span(e))
+        for e in annotations:
+            self.ranges[e["name"]].append(_span(e))
         launched = {e.get("args", {}).get("correlation") for e in self.gpu} - {None}
         self.launches = {
             e["args"]["correlation"]: e
             for e in events
             if e.get("cat") in HOST_CATEGORIES and e.get("args", {}).get("correlation") in launched
         }
-        labelled = Ranges(self.ranges.get(NS_RANGE, []))
+        # Newton–Schulz's callers, per host thread: a launch counts only inside a range of
+        # its own thread (backward's thread launches while the main thread waits in one).
+        labelled = any(e["name"] == NS_RANGE for e in annotations)
         self.ns_source = "annotation" if labelled else "matrix products in the optimizer"
-        callers = labelled or Ranges(
-            [
-                span
-                for name, spans in self.ranges.items()
-                if name.startswith(NS_CALLERS)
-                for span in spans
-            ]
-        )
+        by_thread: dict[Any, list[Interval]] = defaultdict(list)
+        for e in annotations:
+            if e["name"] == NS_RANGE if labelled else e["name"].startswith(NS_CALLERS):
+                by_thread[e.get("tid")].append(_span(e))
+        callers = {tid: Ranges(spans) for tid, spans in by_thread.items()}
+
+        def launched_by_caller(e: dict[str, Any]) -> bool:
+            launch = self.launches.get(e.get("args", {}).get("correlation"))
+            if launch is None or launch.get("tid") not in callers:
+                return False
+            return float(launch["ts"]) in callers[launch.get("tid")]
+
         # By event, not by correlation id: a CUDA graph's kernels share their launch's id.
         self._ns = {
             id(e)
             for e in self.gpu
             if e["name"].startswith(NS_ONLY_KERNELS)
             or (
-                _counts_as_ns(trace_summary.category(e["name"]), bool(labelled))
-                and (launch := self.launches.get(e.get("args", {}).get("correlation"))) is not None
-                and float(launch["ts"]) in callers
+                _counts_as_ns(trace_summary.category(e["name"]), labelled) and launched_by_caller(e)
             )
         }
 

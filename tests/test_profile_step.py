@@ -21,14 +21,24 @@ from muon_dist.plan.build import ns_cost
 OPTIMIZER = "Optimizer.step#Muon.step"
 
 
+MAIN = 1  # the host thread that steps; backward runs on another
+
+
 def _range(name: str, start: float, end: float) -> dict[str, Any]:
-    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": start, "dur": end - start}
+    return {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": name,
+        "ts": start,
+        "dur": end - start,
+        "tid": MAIN,
+    }
 
 
 def _launched(
-    name: str, launch: float, start: float, end: float, correlation: int
+    name: str, launch: float, start: float, end: float, correlation: int, tid: int = MAIN
 ) -> list[dict[str, Any]]:
-    """A kernel and the host call that launched it (5 µs at ``launch``)."""
+    """A kernel and the host call that launched it (5 µs at ``launch`` on thread ``tid``)."""
     return [
         {
             "ph": "X",
@@ -36,6 +46,7 @@ def _launched(
             "name": "cudaLaunchKernel",
             "ts": launch,
             "dur": 5.0,
+            "tid": tid,
             "args": {"correlation": correlation},
         },
         {
@@ -121,6 +132,16 @@ def test_a_graphs_kernels_are_classed_one_by_one() -> None:
     assert step["ns_sum"] == pytest.approx(plain["ns_sum"] + (80 + 40) / 1e3)
     assert step["other_compute"] == pytest.approx(plain["other_compute"] + (50 + 5) / 1e3)
     assert step["launches"] == plain["launches"] + 1
+
+
+def test_a_product_another_thread_launches_during_the_step_is_not_newton_schulz() -> None:
+    # Backward's thread launches a product while the main thread is inside Optimizer.step
+    # (as when the step's hooks run beside it): only the main thread's launches count.
+    other = _launched("nvjet_tst_gemm_backward", 300, 720, 800, 97, tid=MAIN + 1)
+    (step,) = profile_step.StepTrace(_trace(other)).steps(profile_step.STEP_RANGE)
+    (plain,) = profile_step.StepTrace(_trace()).steps(profile_step.STEP_RANGE)
+    assert step["ns_sum"] == pytest.approx(plain["ns_sum"])
+    assert step["other_compute"] == pytest.approx(plain["other_compute"] + 80 / 1e3)
 
 
 def test_steps_are_cut_by_their_windows() -> None:
