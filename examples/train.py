@@ -26,10 +26,12 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, cast
 
@@ -590,17 +592,27 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 # Timing and data
 
 
+PREFETCH = 4
+"""Batches built ahead of the step: a batch that once takes longer than a step to build is
+absorbed by the ones already waiting."""
+
+
 def prefetched(
-    make: Callable[[int], torch.Tensor], steps: range, device: torch.device
+    make: Callable[[int], torch.Tensor],
+    steps: range,
+    device: torch.device,
+    depth: int = PREFETCH,
 ) -> Iterator[tuple[int, torch.Tensor, float]]:
     """``(step, batch on device, seconds waited for it)`` for each of ``steps``, in order.
 
-    ``make(step)`` runs on a background thread one step ahead: the next batch is built while
-    the current step trains, so the step waits only when building a batch takes longer than
-    training on one (the wait says how long). Batches are a pure function of the step, so
-    the numbers are those of building each batch inline. On CUDA the thread pins the batch
-    and the copy to the device does not block the host.
+    ``make(step)`` runs on a background thread up to ``depth`` steps ahead: batches are built
+    while the steps train, so a step waits only when building has fallen ``depth`` batches
+    behind (the wait says how long). Batches are a pure function of the step, so the
+    numbers are those of building each batch inline. On CUDA the thread pins the batch and
+    the copy to the device does not block the host.
     """
+    if depth < 1:
+        raise ValueError(f"depth {depth} must be >= 1: the batch after the current one")
     cuda = device.type == "cuda"
 
     def build(step: int) -> torch.Tensor:
@@ -612,11 +624,11 @@ def prefetched(
     setup: dict[str, Any] = {"initializer": torch.cuda.set_device, "initargs": (device,)}
     pool = ThreadPoolExecutor(1, thread_name_prefix="batches", **(setup if cuda else {}))
     try:
-        futures = (pool.submit(build, step) for step in steps)  # submitted one ahead
-        following = next(futures, None)
+        futures = (pool.submit(build, step) for step in steps)
+        ahead = deque(islice(futures, depth))
         for step in steps:
-            current, following = following, next(futures, None)
-            assert current is not None
+            current = ahead.popleft()
+            ahead.extend(islice(futures, 1))
             begin = time.perf_counter()
             batch = current.result()
             waited = time.perf_counter() - begin
