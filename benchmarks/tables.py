@@ -112,15 +112,33 @@ TABLES: dict[str, Table] = {
         (
             "model",
             "tokens",
+            "tokens/param",
             "optimizer",
             "best settings",
+            "seeds",
             "final eval loss",
             "tokens to AdamW's best",
             "vs AdamW",
+            "wall s to AdamW's best",
+            "wall vs AdamW",
             "runs",
             "best at an edge",
         ),
         key=("model", "tokens", "optimizer"),
+    ),
+    "budget": Table(
+        (
+            "model",
+            "parameters",
+            "tokens",
+            "tokens/param",
+            "AdamW final eval loss",
+            "Muon final eval loss",
+            "Muon's tokens to AdamW's best",
+            "Muon's wall time to AdamW's best",
+            "seeds",
+        ),
+        key=("model", "tokens"),
     ),
     "parity": Table(
         ("GPUs", "comm / Newton–Schulz dtype", "criterion", "layouts passed", "worst (layout)"),
@@ -160,7 +178,9 @@ def read_results(path: Path, tool: str, keys: Sequence[str]) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as error:
-        raise SystemExit(f"--from-json {path}: cannot be read ({error.strerror}); give {what}")
+        raise SystemExit(
+            f"--from-json {path}: cannot be read ({error.strerror}); give {what}"
+        ) from None
     try:
         results = json.loads(text)
     except json.JSONDecodeError as error:

@@ -29,20 +29,26 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SweptLrs:
-    """Default lrs for one kind of data."""
+    """Default lrs and warmups for one kind of data."""
 
     muon: dict[str, float]  # Muon's lr per adjust_lr
     muon_adamw: float  # Muon's AdamW part: embeddings, head, norms
     adamw: float  # --optimizer adamw, at ``adamw_dim``
     adamw_dim: int | None  # AdamW's lr falls as adamw_dim / dim above it; None: not scaled
+    muon_warmup: int = 10  # --warmup steps of Muon, NorMuon and Dion2
+    adamw_warmup: int = 10  # --warmup steps of --optimizer adamw
 
     def adamw_at(self, dim: int) -> float:
         if self.adamw_dim is None:
             return self.adamw
         return self.adamw * min(1.0, self.adamw_dim / dim)
 
+    def warmup(self, optimizer: str) -> int:
+        return self.adamw_warmup if optimizer == "adamw" else self.muon_warmup
+
 
 MARKOV = SweptLrs({"spectral_norm": 0.05, "rms_norm": 2e-2}, 8e-3, 8e-3, 96)
+# benchmarks/sweep.py --from-json ... --write-defaults rewrites this line from a sweep's best.
 TEXT = SweptLrs({"spectral_norm": 0.01, "rms_norm": 2e-3}, 1e-3, 1.25e-4, None)
 DEFAULT_ADJUST_LR = "spectral_norm"  # the best on text, 0.7747 against rms_norm's 0.8271
 
