@@ -724,13 +724,26 @@ def sweep(args: argparse.Namespace, flags: list[str], fixed: list[Config]) -> di
             raise SystemExit(f"{flag} after -- is set by the sweep for each run: leave it out")
     planner = None if fixed else Planner(searches_from(args), args.seeds, args.also)
     slots = [Slot(d) for d in device_sets(args.gpus, args.nproc)]
-    scores: dict[Config, float] = {}
-    started: set[Config] = set()
     runs: list[dict[str, Any]] = []
-    began = time.perf_counter()
-    longest = 0.0
-    unfinished: list[str] = []
     command = tables.command_line()
+    if args.resume_from is not None:
+        previous = load([args.resume_from])
+        this = {"model": args.model, "flags": flags, "search seed": args.seeds[0]}
+        before = {**previous, "search seed": search_seed(previous)}
+        for key, mine in this.items():
+            if before[key] != mine:
+                raise SystemExit(
+                    f"--resume-from {args.resume_from}: its {key} {before[key]!r} differs from "
+                    f"this sweep's {mine!r}; resume with the same --model, first --seeds and "
+                    "training flags"
+                )
+        runs = list(previous["runs"])
+        command = f"{previous['run']['command']} && {command}"
+    scores = {config_from(r["config"]): r["score"] for r in runs}
+    started = set(scores)
+    began = time.perf_counter()
+    longest = max((r["wall_s"] for r in runs), default=0.0)  # a resumed sweep's estimate
+    unfinished: list[str] = []
     args.logs.mkdir(parents=True, exist_ok=True)
     while True:
         ready = (
@@ -772,12 +785,22 @@ def sweep(args: argparse.Namespace, flags: list[str], fixed: list[Config]) -> di
         "tokens_per_run": parsed.batch_size * parsed.seq_len * parsed.steps,
         "params": parameters(parsed),
         "seeds": list(args.seeds),
-        "run": tables.run_info(gpus=max(1, args.gpus), command=command),
+        "run": run_info(args, command),
         "runs": runs,
         "unfinished": unfinished,
     }
     (args.logs / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
     return results
+
+
+def run_info(args: argparse.Namespace, command: str) -> dict[str, str]:
+    """This machine's run info; a resumed sweep names the devices of both parts."""
+    info = tables.run_info(gpus=max(1, args.gpus), command=command)
+    if args.resume_from is not None:
+        before = load([args.resume_from])["run"]["device"]
+        if before != info["device"]:
+            info["device"] = f"{before} + {info['device']}"
+    return info
 
 
 def config_of(variant: str) -> Config:
@@ -839,6 +862,8 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--seeds {args.seeds} must be distinct and >= 0")
     if args.runs and args.best_of:
         p.error("--runs and --best-of both name the runs: give one")
+    if args.resume_from is not None and args.from_json is not None:
+        p.error("--resume-from continues a sweep: it trains, so it takes no --from-json")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -877,6 +902,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--runs", nargs="+", default=None, help="train these variants, no search")
     p.add_argument(
         "--best-of", type=Path, default=None, help="train the bests of this results.json"
+    )
+    p.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        help="a finished sweep's results.json: keep its runs and run what it left (the rest of"
+        " the search, the repeats at new --seeds)",
     )
     p.add_argument(
         "--from-json",

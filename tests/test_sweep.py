@@ -339,3 +339,60 @@ def test_a_fixed_sweep_trains_and_scores_real_runs(tmp_path: Path) -> None:
     assert set(rows) == {"adamw", "muon"}
     assert rows["adamw"]["best settings"] == "adamw-lr 0.003 warmup 2"
     assert "| adamw |" in (logs / "table.md").read_text()
+
+
+class Finished:
+    """A stand-in for a run's process that has already exited."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.args = argv
+
+    def poll(self) -> int:
+        return 0
+
+
+def fake_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *argv: str) -> dict[str, Any]:
+    """sweep.py's own flags ``argv`` run with every launch replaced by a bowl score."""
+
+    def start(slot: Any, nproc: int, config: Config, flags: Any, out: Path) -> None:
+        slot.process, slot.config, slot.out = Finished([str(out)]), config, out
+
+    def collect(slot: Any) -> dict[str, Any]:
+        config, slot.process, slot.config = slot.config, None, None
+        score = bowl(config)
+        curve = [[100, score + 1.0, 1.0], [200, score, 2.0]]
+        return {"config": config.__dict__, "score": score, "curve": curve, "wall_s": 0.0}
+
+    monkeypatch.setattr(sweep, "start", start)
+    monkeypatch.setattr(sweep, "collect", collect)
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    logs = tmp_path / "logs"
+    sweep.main([*argv, "--logs", str(logs), "--model", "tiny", "--", "--data", "x", *TINY])
+    return json.loads((logs / "results.json").read_text())
+
+
+def test_a_resumed_sweep_runs_what_the_first_part_left(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A search cut short (its first 5 runs kept), resumed with a second seed: it ends with
+    the uninterrupted search's runs plus the repeats, the first part's runs kept as they were."""
+    whole = fake_sweep(monkeypatch, tmp_path / "whole")
+    part = {**whole, "runs": whole["runs"][:5]}
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(part))
+    resumed = fake_sweep(
+        monkeypatch, tmp_path / "resumed", "--resume-from", str(first), "--seeds", "0", "1"
+    )
+    assert resumed["runs"][:5] == part["runs"]
+    configs = [sweep.config_from(r["config"]) for r in resumed["runs"]]
+    assert len(set(configs)) == len(configs), "a run was trained twice"
+    searched = {c for c in configs if c.seed == 0}
+    assert searched == {sweep.config_from(r["config"]) for r in whole["runs"]}
+    bests = sweep.best_runs(resumed["runs"])
+    assert {c for c in configs if c.seed == 1} == {
+        replace(sweep.config_from(r["config"]), seed=1) for r in bests.values()
+    }
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**part, "model": "another"}))
+    with pytest.raises(SystemExit, match=r"--resume-from .*other.json: its model 'another'"):
+        fake_sweep(monkeypatch, tmp_path / "again", "--resume-from", str(other))
