@@ -613,22 +613,33 @@ def defaults_line(results: dict[str, Any]) -> str:
     lrs = dict(text.muon)
     lrs[muon.adjust_lr or defaults.DEFAULT_ADJUST_LR] = muon.lr if muon.lr else lrs[MUON]
     shown = ", ".join(f'"{k}": {v:g}' for k, v in lrs.items())
-    return (
-        f"TEXT = SweptLrs({{{shown}}}, {muon.muon_adamw_lr or text.muon_adamw:g}, "
-        f"{adamw.adamw_lr or text.adamw:g}, {text.adamw_dim}, "
-        f"muon_warmup={muon.warmup if muon.warmup is not None else text.muon_warmup}, "
-        f"adamw_warmup={adamw.warmup if adamw.warmup is not None else text.adamw_warmup})"
-    )
+    arguments = [
+        f"{{{shown}}}",
+        f"{muon.muon_adamw_lr or text.muon_adamw:g}",
+        f"{adamw.adamw_lr or text.adamw:g}",
+        f"{text.adamw_dim}",
+        f"muon_warmup={text.muon_warmup if muon.warmup is None else muon.warmup}",
+        f"adamw_warmup={text.adamw_warmup if adamw.warmup is None else adamw.warmup}",
+    ]
+    # One argument a line with a trailing comma: the layout ruff format keeps.
+    return "TEXT = SweptLrs(\n" + "".join(f"    {a},\n" for a in arguments) + ")"
 
 
 def write_defaults(results: dict[str, Any], path: Path = DEFAULTS) -> None:
-    line = defaults_line(results)
-    text = path.read_text()
-    old = [x for x in text.splitlines() if x.startswith("TEXT = ")]
-    if len(old) != 1:
-        raise SystemExit(f"{path} needs exactly one line starting 'TEXT = ' to replace")
-    path.write_text(text.replace(old[0], line))
-    print(f"{path}: {line}")
+    """Replace the ``TEXT = SweptLrs(...)`` statement of ``path`` (one line, or a block
+    ending in a line ``)``) with :func:`defaults_line`'s."""
+    new = defaults_line(results)
+    lines = path.read_text().splitlines(keepends=True)
+    starts = [i for i, x in enumerate(lines) if x.startswith("TEXT = SweptLrs(")]
+    if len(starts) != 1:
+        raise SystemExit(
+            f"{path} needs exactly one statement starting 'TEXT = SweptLrs(' to replace"
+        )
+    first = last = starts[0]
+    if lines[first].rstrip().endswith("("):
+        last = next(i for i in range(first, len(lines)) if lines[i].rstrip() == ")")
+    path.write_text("".join([*lines[:first], new + "\n", *lines[last + 1 :]]))
+    print(f"{path}:\n{new}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -261,6 +261,13 @@ def test_bests_become_the_examples_defaults(tmp_path: Path) -> None:
     text = namespace["TEXT"]
     assert (text.adamw, text.adamw_warmup) == (2.5e-4, 60)
     assert (text.muon["spectral_norm"], text.muon_adamw, text.muon_warmup) == (0.01, 1e-3, 30)
+    # Written again over its own block, and kept as is by the formatter.
+    sweep.write_defaults(results, target)
+    assert target.read_text().count("TEXT = SweptLrs(") == 1
+    config = str(ROOT / "pyproject.toml")
+    ruff = [sys.executable, "-m", "ruff", "format", "--check", "--config", config, str(target)]
+    check = subprocess.run(ruff, capture_output=True)
+    assert check.returncode == 0, check.stdout
     # Unbracketed: refused, naming the axis.
     results["runs"] = [r for r in base if r["config"].get("warmup") != 120]
     with pytest.raises(SystemExit, match=r"adamw's best .* edge of warmup"):
