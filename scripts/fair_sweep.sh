@@ -68,7 +68,7 @@ sweep() {
     fi
     local logs="/tmp/sweep_$name"
     rm -rf "$logs"
-    timeout "$((budget + 90))" "$PYTHON" benchmarks/sweep.py --gpus "$gpus" --logs "$logs" \
+    timeout "$((budget + 40))" "$PYTHON" benchmarks/sweep.py --gpus "$gpus" --logs "$logs" \
         --budget-s "$budget" "$@" >"$OUT/$name.log" 2>&1
     local status=$?
     cp "$logs/results.json" "$OUT/fair_$name.json" 2>/dev/null
