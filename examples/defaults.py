@@ -14,7 +14,9 @@ between sizes:
   benchmarks/sweep.py at ~150M (dim 1024) and confirmed at ~1B (dim 2048), each run the same
   9.8M tokens; benchmarks/README.md, "Optimizers on real text", has the table and the
   command. The best lrs were the same at both widths (AdamW 1.25e-4; Muon 0.01 with its
-  AdamW part at 1e-3).
+  AdamW part at 1e-3). That sweep held every warmup at 10 steps, which held AdamW back
+  (issue 47); ``scripts/fair_sweep.sh`` sweeps the lr and the warmup of each, and
+  ``benchmarks/sweep.py --from-json ... --write-defaults`` writes its bests into ``TEXT``.
 
 AdamW's lr on the Markov chain falls as 1/width above the swept width, as muP prescribes for
 hidden matrices (its update moves every entry by about lr); on text the sweep found the same

@@ -107,7 +107,7 @@ case "$STAGE" in
         done
         build_corpus
         # The step's wait for its batch at ~1B, batch 64, 4 GPUs (Markov chain, vocab 8192).
-        timeout 300 "$PYTHON" benchmarks/train_table.py --nproc 4 \
+        timeout 240 "$PYTHON" benchmarks/train_table.py --nproc 4 \
             --model "~1B dense (dim 2048, 20 layers)" --variants adamw muon --repeats 1 \
             --skip 10 --logs /tmp/wait_1b -- --dim 2048 --layers 20 --heads 16 --vocab 8192 \
             --seq-len 1024 --batch-size 64 --steps 25 >"$OUT/wait_1b.log" 2>&1
