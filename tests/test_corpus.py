@@ -313,3 +313,28 @@ def test_make_corpus_writes_readable_deterministic_shards(tmp_path: Path) -> Non
     assert capped.returncode == 0, capped.stderr
     sizes = [p.stat().st_size - 1024 for p in (tmp_path / "cap").glob("*.bin")]
     assert 0 < sum(sizes) // 2 <= 2000 and "stopped at the --max-tokens cap" in capped.stdout
+
+
+def whole_row_walk(chain: Any, step: int, batch: int, seq: int, rows: slice) -> torch.Tensor:
+    """The chain's batch by ``torch.searchsorted`` over each whole CDF row, as data.py
+    walked it before the blocked search: the tokens every earlier run trained on."""
+    g = torch.Generator().manual_seed(data._mix(chain.seed, step))
+    u = torch.rand(seq + 1, batch, 1, generator=g, dtype=torch.float64)[:, rows]
+    cdf = chain.transition.cumsum(dim=1)
+    last = chain.vocab_size - 1
+    tokens = torch.empty(seq + 1, u.size(1), dtype=torch.long)
+    tokens[0] = torch.searchsorted(chain.stationary.cumsum(dim=0), u[0, :, 0]).clamp_max(last)
+    for t in range(1, seq + 1):
+        tokens[t] = torch.searchsorted(cdf[tokens[t - 1]], u[t]).squeeze(1).clamp_max(last)
+    return tokens.T.contiguous()
+
+
+@pytest.mark.parametrize("vocab", [2, 37, 256, 1000])
+def test_markov_batches_are_the_whole_row_search_ones(vocab: int) -> None:
+    """The blocked search draws exactly the tokens of the whole-row search, for a vocabulary
+    that is a square, one that is not (its last block padded) and the smallest."""
+    chain = data.MarkovChain(vocab, seed=5)
+    for step, rows in ((1, slice(0, 6)), (7, slice(2, 5))):
+        got = chain.batch(step, 6, 40, rows)
+        assert got.dtype == torch.long and got.shape == (rows.stop - rows.start, 41)
+        assert torch.equal(got, whole_row_walk(chain, step, 6, 40, rows)), (vocab, step)

@@ -14,9 +14,6 @@ import pytest
 from repo_paths import ROOT
 from test_train_example import launch_env
 
-# Four torchrun launches of two ranks: tens of seconds on 2 cores.
-pytestmark = pytest.mark.slow
-
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "32"]
 TINY += ["--batch-size", "4", "--steps", "5"]
 SKIP = 2
@@ -25,12 +22,17 @@ PHASE_COLUMNS = {
     "fwd_bwd_s": "forward+backward ms",
     "opt_s": "exposed optimizer ms",
     "step_s": "step ms",
+    "data_wait_s": "data wait ms",
 }
 
 
-def driver(*args: str) -> str:
+def launch(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "train_table.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True)
+
+
+def driver(*args: str) -> str:
+    proc = launch(*args)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc.stdout
 
@@ -51,6 +53,8 @@ def numbers(text: str) -> list[float]:
     return [float(n.replace(",", "")) for n in re.findall(r"[\d,]+\.?\d*", text)]
 
 
+# Four torchrun launches of two ranks: tens of seconds on 2 cores.
+@pytest.mark.slow
 def test_interleaved_runs_and_a_table_of_their_medians(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     stdout = driver(
@@ -118,3 +122,40 @@ def test_interleaved_runs_and_a_table_of_their_medians(tmp_path: Path) -> None:
     # A finished comparison is reported again from its JSON alone.
     again = driver("--from-json", str(logs / "results.json"))
     assert again == (logs / "table.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("own", "training", "named"),
+    [
+        (["--skip", "10"], ["--steps", "4"], ["--skip 10", "--steps 4"]),
+        (["--nproc", "2"], ["--batch-size", "1"], ["--batch-size 1", "--nproc 2"]),
+    ],
+)
+def test_arguments_that_give_no_table_fail_before_the_first_launch(
+    tmp_path: Path, own: list[str], training: list[str], named: list[str]
+) -> None:
+    logs = tmp_path / "logs"
+    proc = launch("--model", "tiny", "--logs", str(logs), *own, "--", *TINY[:-2], *training)
+    assert proc.returncode != 0
+    for flag in named:
+        assert flag in proc.stderr, proc.stderr
+    assert not logs.exists() or not any(logs.iterdir()), "a run was launched"
+
+
+def test_from_json_names_the_file_and_what_is_wrong(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text('{"model": "tiny", "runs": [')
+    sweep_json = tmp_path / "sweep.json"
+    sweep_json.write_text(
+        json.dumps({"model": "tiny", "flags": [], "tokens_per_run": 1, "runs": []})
+    )
+    cases = [
+        (truncated, "not valid JSON"),
+        (sweep_json, "lacks nproc"),
+        (tmp_path / "missing.json", "cannot be read"),
+    ]
+    for path, problem in cases:
+        proc = launch("--from-json", str(path))
+        assert proc.returncode != 0
+        assert f"--from-json {path}: " in proc.stderr and problem in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import astuple
 
+import pytest
 import torch
 from dist_harness import run_distributed
 from train_timing_cases import slowest_rank_worker, train
@@ -13,10 +14,11 @@ from train_timing_cases import slowest_rank_worker, train
 CPU = torch.device("cpu")
 
 
-def test_prefetched_batches_are_the_inline_ones_built_one_step_ahead() -> None:
-    """Same batches, same order, as ``make(step)`` inline; the next one starts building on
-    another thread while the consumer still holds the current one."""
-    started = {step: threading.Event() for step in range(3, 9)}
+@pytest.mark.parametrize("depth", [1, 3])
+def test_prefetched_batches_are_the_inline_ones_built_ahead(depth: int) -> None:
+    """Same batches, same order, as ``make(step)`` inline; the next ``depth`` start building
+    on another thread while the consumer still holds the current one, and none past them."""
+    started = {step: threading.Event() for step in range(3, 12)}
     threads: set[str] = set()
 
     def make(step: int) -> torch.Tensor:
@@ -25,10 +27,12 @@ def test_prefetched_batches_are_the_inline_ones_built_one_step_ahead() -> None:
         return torch.arange(4) * step
 
     seen = []
-    for step, batch, waited in train.prefetched(make, range(3, 8), CPU):
-        if step < 7:
-            # Nothing is asked of the generator here: only a thread running ahead sets it.
-            assert started[step + 1].wait(timeout=30), f"step {step + 1} was not built ahead"
+    for step, batch, waited in train.prefetched(make, range(3, 8), CPU, depth):
+        # Nothing is asked of the generator here: only a thread running ahead sets these.
+        for ahead in range(step + 1, min(step + depth, 7) + 1):
+            assert started[ahead].wait(timeout=30), f"step {ahead} was not built ahead"
+        beyond = step + depth + 1
+        assert not started[beyond].is_set(), f"step {beyond} built more than {depth} ahead"
         assert torch.equal(batch, torch.arange(4) * step) and waited >= 0.0
         seen.append(step)
     assert seen == [3, 4, 5, 6, 7]
@@ -43,11 +47,12 @@ def test_prefetched_stops_building_when_closed_early() -> None:
         built.append(step)
         return torch.zeros(1)
 
-    batches = train.prefetched(make, range(1, 100), CPU)
+    batches = train.prefetched(make, range(1, 100), CPU, 3)
     assert next(batches)[0] == 1
     batches.close()
-    # Closing cancels the batch ahead if it has not started, and waits for it if it has.
-    assert built in ([1], [1, 2]), built
+    # Closing cancels the batches ahead that have not started, and waits for the one that
+    # has: nothing past the 3 submitted ahead of the current one is ever built.
+    assert built == list(range(1, len(built) + 1)) and len(built) <= 4, built
     assert not [t for t in threading.enumerate() if t.name.startswith("batches")]
 
 
