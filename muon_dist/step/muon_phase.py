@@ -52,6 +52,7 @@ from muon_dist.step.orthogonalizer import Orthogonalizer
 from muon_dist.step.piece_io import LocalGrads, PieceForms, PieceIO
 from muon_dist.step.scalars import MuonScalars, StepInputs
 from muon_dist.step.selected_bucket import Dion2Buckets, selected_bucket_task
+from muon_dist.step.shard_io import format_shard_io_table, shard_io
 from muon_dist.step.transaction import SkipTransaction
 
 
@@ -270,6 +271,11 @@ class MuonPhase:
         ``step()`` once the other ranks know, through the result flags)."""
         return self.failures.error
 
+    def shard_io_table(self) -> str:
+        """Where each view's shard read, write, momentum, decay and Dion2's feedback
+        happen, as printable text (:mod:`muon_dist.step.shard_io`)."""
+        return format_shard_io_table(self.pieces.forms.io)
+
     # -- plan time ----------------------------------------------------------------------
 
     def _momenta(self, state: dict[torch.Tensor, dict[str, Any]]) -> list[torch.Tensor]:
@@ -361,10 +367,10 @@ class MuonPhase:
     def _advance_state(self, store_all: bool) -> None:
         """Momentum (one foreach pass per coefficient; with ``store_all`` also of the
         tensors whose fused read advances it otherwise), Magma and the unfused decay."""
-        scalars, grads, fused_reads = self.scalars, self.grads, self.pieces.forms.fused_reads
+        scalars, grads, io = self.scalars, self.grads, self.pieces.forms.io
         by_beta: dict[float, list[int]] = {}
         for j, group in enumerate(self.groups):
-            if store_all or self.views_of[j][0] not in fused_reads:
+            if store_all or not io[self.views_of[j][0]].fused_read:
                 by_beta.setdefault(rule_of(group).momentum_carry(group), []).append(j)
         self.state.advance_momenta(by_beta, grads.tensors, grads.local, scalars.ok, scalars.keep_of)
         if self.state.magma:
@@ -379,8 +385,8 @@ class MuonPhase:
         group; the others by their own, which depends on the other ranks' gradients."""
         by_group: dict[int, list[int]] = {}
         alone: list[int] = []
-        for j, group in enumerate(self.groups):
-            if group["cautious_wd"] or self.views_of[j][0] in self.pieces.forms.fused_writes:
+        for j, views in enumerate(self.views_of):
+            if not self.pieces.forms.io[views[0]].decays_tensor:
                 continue
             if self.grads.local[j]:
                 by_group.setdefault(self._group_of[j], []).append(j)
@@ -419,18 +425,21 @@ def _scalars_and_forms(
     backend, momenta = phase.settings.backend, phase.state.momenta
     fused_reads = _fused(phase.fusable_reads, tensor_of, phase.shards, momenta, backend)
     fused_writes = _fused(phase.fusable_writes, tensor_of, phase.shards, momenta, backend)
-    plain = frozenset(
-        i
-        for i, e in enumerate(entries)
-        if i not in fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
-    )
     forms = PieceForms(
         tensor_of=tuple(tensor_of),
         group_of=tuple(e.group_index for e in entries),
         groups=tuple(e.group for e in entries),
         class_of=class_of,
-        fused_reads=fused_reads,
-        fused_writes=fused_writes,
-        plain_writes=plain,
+        io=tuple(
+            shard_io(
+                e.view.label(e.name),
+                fused_read=i in fused_reads,
+                fused_write=i in fused_writes,
+                cautious=bool(e.group["cautious_wd"]),
+                magma=bool(e.group["magma"]),
+                feedback=rule_of(e.group).selects_slices,
+            )
+            for i, e in enumerate(entries)
+        ),
     )
     return scalars, forms
