@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import muon_dist
 import muon_dist.step.bucket_task as bucket_task_module
-import muon_dist.step.selected_bucket as selected_bucket_module
+import muon_dist.step.dion2_bucket as selected_bucket_module
 from muon_dist.comm import exchange
 from muon_dist.step import auto_overlap
 

@@ -35,9 +35,9 @@ from muon_dist.rules.ops import (
     step_size,
     updates_,
 )
-from muon_dist.rules.rows import scale_rows_
+from muon_dist.rules.normuon_rows import scale_rows_
 from muon_dist.rules.scale import lr_scale
-from muon_dist.rules.slices import add_slice_norms_, slice_norms
+from muon_dist.rules.dion2_slices import add_slice_norms_, slice_norms
 from muon_dist.state.flat import spans, zeros_like_flat
 from muon_dist.state.muon_state import store_momenta_
 

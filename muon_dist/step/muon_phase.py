@@ -42,16 +42,17 @@ from muon_dist.rules.ops import decay_
 from muon_dist.rules.registry import rule_of
 from muon_dist.runtime import Task, run_tasks
 from muon_dist.state.muon_state import MuonState
-from muon_dist.state.row_moments import row_moments
+from muon_dist.state.normuon_moments import row_moments
 from muon_dist.state.tensors import local
 from muon_dist.step.agreement import Agreement
 from muon_dist.step.bucket_io import BucketIO, BucketTools, Exchanges
 from muon_dist.step.bucket_task import bucket_task
+from muon_dist.step.dion2_bucket import Dion2Buckets, selected_bucket_task
 from muon_dist.step.failures import Failures
 from muon_dist.step.orthogonalizer import Orthogonalizer
 from muon_dist.step.piece_io import LocalGrads, PieceForms, PieceIO
+from muon_dist.step.rule_parts import group_parts, row_moment_tensors
 from muon_dist.step.scalars import MuonScalars, StepInputs
-from muon_dist.step.selected_bucket import Dion2Buckets, selected_bucket_task
 from muon_dist.step.shard_io import format_shard_io_table, shard_io
 from muon_dist.step.transaction import SkipTransaction
 
@@ -114,7 +115,7 @@ def _dion2_buckets(
     selects = {
         i: (float(e.group["dion2_fraction"]), e.view.part_split(e.group["adjust_lr"]))
         for i, e in enumerate(entries)
-        if rule_of(e.group).selects_slices
+        if group_parts(e.group).chosen_slices
     }
     return Dion2Buckets(
         plan,
@@ -231,6 +232,7 @@ class MuonPhase:
             [_primary_owner(e, comm, settings.replica_mode) for e in entries],
             self.views_of,
             self.groups,
+            row_moment_tensors(self.groups),
             [(b, m.stacks) for b, m in zip(plan.buckets, self.maps, strict=True)],
             comm.holders,
             self.device,
@@ -422,6 +424,7 @@ def _scalars_and_forms(
         device=phase.device,
     )
     tensor_of = [e.tensor_index for e in entries]
+    parts = [group_parts(e.group) for e in entries]
     backend, momenta = phase.settings.backend, phase.state.momenta
     fused_reads = _fused(phase.fusable_reads, tensor_of, phase.shards, momenta, backend)
     fused_writes = _fused(phase.fusable_writes, tensor_of, phase.shards, momenta, backend)
@@ -430,6 +433,7 @@ def _scalars_and_forms(
         group_of=tuple(e.group_index for e in entries),
         groups=tuple(e.group for e in entries),
         class_of=class_of,
+        write_parts=tuple(p.write for p in parts),
         io=tuple(
             shard_io(
                 e.view.label(e.name),
@@ -437,7 +441,7 @@ def _scalars_and_forms(
                 fused_write=i in fused_writes,
                 cautious=bool(e.group["cautious_wd"]),
                 magma=bool(e.group["magma"]),
-                feedback=rule_of(e.group).selects_slices,
+                feedback=parts[i].write is not None,
             )
             for i, e in enumerate(entries)
         ),

@@ -25,18 +25,11 @@ from muon_dist.rules.ops import (
 )
 from muon_dist.rules.registry import rule_of
 from muon_dist.state.muon_state import MuonState
-from muon_dist.step.piece_writes import (
-    Batch,
-    BatchedWrite,
-    Feedback,
-    FusedWrite,
-    SingleWrite,
-    Write,
-)
+from muon_dist.step.dion2_feedback import ErrorFeedback, Feedback
+from muon_dist.step.piece_writes import Batch, BatchedWrite, FusedWrite, SingleWrite, Write
 from muon_dist.step.scalars import MuonScalars
 from muon_dist.step.shard_io import (
     DECAY_CAUTIOUS,
-    FEEDBACK_NONE,
     WRITE_FUSED,
     WRITE_SINGLE,
     ShardIO,
@@ -104,6 +97,7 @@ class PieceForms:
     groups: tuple[dict[str, Any], ...]  # per piece
     class_of: tuple[int, ...]
     io: tuple[ShardIO, ...]
+    write_parts: tuple[ErrorFeedback | None, ...]  # the rule's (:mod:`muon_dist.step.rule_parts`)
 
 
 class PieceIO:
@@ -299,7 +293,8 @@ class PieceIO:
         )
 
     def _feedback(self, index: int, slices: Slices) -> Feedback | None:
-        """Dion2's error feedback of a piece, where its record has one."""
-        if self.forms.io[index].feedback == FEEDBACK_NONE:
+        """The feedback of a piece whose rule has a write part (Dion2's)."""
+        part = self.forms.write_parts[index]
+        if part is None:
             return None
-        return Feedback(self._pieces(index, slices)[1], self.forms.groups[index])
+        return part.of_piece(self._pieces(index, slices)[1], self.forms.groups[index])

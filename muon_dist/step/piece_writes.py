@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -23,18 +22,8 @@ from muon_dist.rules.ops import (
     shared_step_updates_,
     updates_,
 )
+from muon_dist.step.dion2_feedback import Feedback
 from muon_dist.step.scalars import MuonScalars
-
-
-class Feedback:
-    """Dion2's error feedback of one piece: its momentum view and its group, whose β is
-    read at every write (a scheduler may change it between steps)."""
-
-    def __init__(self, momentum: torch.Tensor, group: dict[str, Any]) -> None:
-        self.momentum, self.group = momentum, group
-
-    def args(self) -> tuple[torch.Tensor, float]:
-        return self.momentum, self.group["momentum"]
 
 
 @dataclass(frozen=True)

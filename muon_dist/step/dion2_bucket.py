@@ -2,9 +2,9 @@
 
 Norms, choose, gather, orthogonalize, scatter, apply: every rank adds its source pieces'
 partial slice norms (float64) into the bucket's norm vector and one all-reduce sums them;
-every rank then takes the same top slices (:func:`muon_dist.rules.slices.top_slices`), so
+every rank then takes the same top slices (:func:`muon_dist.rules.dion2_slices.top_slices`), so
 the choice is exact and independent of the layout. One host copy of the choice per bucket
-sizes both exchanges (:mod:`muon_dist.plan.selection`); each moves the selected elements only.
+sizes both exchanges (:mod:`muon_dist.plan.dion2_selection`); each moves the selected elements only.
 The owner orthogonalizes exactly the slices chosen; a holder writes its piece's update with
 zeros in the slices left out, the form the plain bucket hands over.
 """
@@ -25,8 +25,7 @@ from muon_dist.kernels.tables import PinnedStaging
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import BucketMap, region_views
 from muon_dist.plan.build import BucketPlan, Plan
-from muon_dist.plan.packing import flat_views, peer_splits
-from muon_dist.plan.selection import (
+from muon_dist.plan.dion2_selection import (
     BucketSelection,
     HostRect,
     PieceGrid,
@@ -37,8 +36,9 @@ from muon_dist.plan.selection import (
     take,
     take_into,
 )
+from muon_dist.plan.packing import flat_views, peer_splits
 from muon_dist.plan.views import Box, MatrixView, PartSplit
-from muon_dist.rules.slices import add_slice_norms_, top_slices
+from muon_dist.rules.dion2_slices import add_slice_norms_, top_slices
 from muon_dist.runtime.scheduler import Task, TaskBody
 from muon_dist.step.bucket_io import BucketTools, Exchanges
 
