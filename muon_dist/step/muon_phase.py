@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from muon_dist.comm.exchange import Exchanges
 from muon_dist.comm.groups import CommGroups, Peers
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import BucketMap, bucket_map
@@ -45,7 +46,7 @@ from muon_dist.state.muon_state import MuonState
 from muon_dist.state.normuon_moments import row_moments
 from muon_dist.state.tensors import local
 from muon_dist.step.agreement import Agreement
-from muon_dist.step.bucket_io import BucketIO, BucketTools, Exchanges
+from muon_dist.step.bucket_io import BucketIO, BucketTools
 from muon_dist.step.bucket_task import bucket_task
 from muon_dist.step.dion2_bucket import Dion2Buckets, selected_bucket_task
 from muon_dist.step.failures import Failures
