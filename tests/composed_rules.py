@@ -1,5 +1,6 @@
 """Each rule's single-matrix step composed of the step's own batched ops
-(:mod:`muon_dist.rules.ops`, :mod:`~muon_dist.rules.rows`, :mod:`~muon_dist.rules.slices`),
+(:mod:`muon_dist.rules.ops`, :mod:`~muon_dist.rules.normuon_rows`,
+:mod:`~muon_dist.rules.dion2_slices`),
 with device scalars and the ``keep`` flag as the step holds them.
 
 The tests hold every batched and fused form bitwise to these, and these to each rule's
@@ -13,8 +14,8 @@ from collections.abc import Callable
 import torch
 
 from muon_dist.rules import ops
-from muon_dist.rules.rows import row_factors, row_squares, scale_rows_, second_moment_next
-from muon_dist.rules.slices import selected_orthogonalize
+from muon_dist.rules.dion2_slices import selected_orthogonalize
+from muon_dist.rules.normuon_rows import row_factors, row_squares, scale_rows_, second_moment_next
 
 
 def muon_update_(

@@ -21,9 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import muon_dist
-import muon_dist.step.bucket_task as bucket_task_module
-import muon_dist.step.selected_bucket as selected_bucket_module
-from muon_dist.comm import exchange
+from muon_dist.comm import dion2_exchange, exchange
 from muon_dist.step import auto_overlap
 
 IN = 7
@@ -173,15 +171,16 @@ def _recording_exchanges() -> Iterator[list[tuple[tuple[int, ...], tuple[int, ..
 
 @contextlib.contextmanager
 def _exchanges_through(replacement: Any) -> Iterator[None]:
-    """Both bucket tasks (plain and Dion2's) start their all-to-alls through ``replacement``."""
-    modules = (bucket_task_module, selected_bucket_module)
+    """Both transports (plain and Dion2's) start their all-to-alls through ``replacement``."""
+    original = exchange.start_exchange
+    modules = (exchange, dion2_exchange)
     for module in modules:
-        module.start_exchange = replacement  # type: ignore[attr-defined]
+        module.start_exchange = replacement  # type: ignore[assignment]
     try:
         yield
     finally:
         for module in modules:
-            module.start_exchange = exchange.start_exchange  # type: ignore[attr-defined]
+            module.start_exchange = original  # type: ignore[assignment]
 
 
 def parity(world_size: int, layout: str) -> dict[str, Any]:
@@ -398,10 +397,11 @@ def early_gather(world_size: int) -> dict[str, Any]:
     model, groups = _model(world_size, "fsdp")
     opt = _optimizer(groups, "backward", "raise")
     events: list[str] = []
+    original = exchange.start_exchange
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         events.append("exchange")
-        return exchange.start_exchange(*args, **kwargs)
+        return original(*args, **kwargs)
 
     model[0].weight.register_post_accumulate_grad_hook(lambda _p: events.append("first layer"))
     with _exchanges_through(recording):

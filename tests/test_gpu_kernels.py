@@ -324,7 +324,7 @@ def test_fused_row_factors_match_torch(primary: bool) -> None:
     """NorMuon's one-launch factors: fp32 sums in another order, so within fp32 rounding;
     the reported sums of squares bitwise."""
     from muon_dist.kernels.triton_elementwise import row_factors_triton
-    from muon_dist.rules.rows import owner_row_factors
+    from muon_dist.rules.normuon_rows import owner_row_factors
 
     k, rows, total = 6, 3000, 20000
     squares = torch.rand(k, rows, device="cuda") * 4
@@ -371,7 +371,7 @@ def test_fused_slice_norms_add_at_shared_slots(axis: int, monkeypatch: pytest.Mo
     sums): ``index_add_`` bitwise."""
     from muon_dist.kernels import triton_elementwise
     from muon_dist.kernels.triton_elementwise import add_slice_l1_triton
-    from muon_dist.rules.slices import add_slice_norms_
+    from muon_dist.rules.dion2_slices import add_slice_norms_
 
     monkeypatch.setattr(triton_elementwise, "_SLICE_CHUNK", 256)
     xs = [

@@ -4,7 +4,7 @@ matrix (``tests/composed_rules.py``), and a toy rule added in one file and one r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -14,7 +14,7 @@ from composed_rules import dion2_update_, muon_update_, normuon_update_
 import muon_dist
 from muon_dist.kernels import newton_schulz
 from muon_dist.rules import dion2, muon, normuon, registry
-from muon_dist.rules.base import MatrixStep, Rule
+from muon_dist.rules.base import MatrixStep, Rule, RulePart, ViewShape
 from muon_dist.rules.scale import lr_scale
 
 LR, WD, BETA = 0.02, 0.1, 0.9
@@ -175,6 +175,73 @@ def test_a_new_rule_is_one_class_and_one_registry_line(accumulate: Rule) -> None
             ref, grad, ref_m, _orthogonalize, lr=LR, beta=BETA, scale=_scale(shape, False)
         )
     torch.testing.assert_close(opt.state[weight]["momentum_buffer"], ref_m, rtol=0, atol=0)
+    torch.testing.assert_close(weight.detach(), ref, **CLOSE)
+
+
+class NorAccumulate(Rule):
+    """A toy rule with an owner part: the undecayed momentum of :class:`Accumulate`, and
+    NorMuon's row normalization on the owner (its step part, made by
+    :func:`muon_dist.step.rule_parts.parts_of` from ``normalizes_rows``)."""
+
+    name = "noraccumulate"
+    normalizes_rows = True
+    fp32_state = (normuon.ROW_MOMENT,)
+
+    def state_shapes(self, views: Sequence[ViewShape]) -> dict[str, tuple[int, ...]]:
+        return {normuon.ROW_MOMENT: (normuon.row_count(views),)}
+
+    def momentum_carry(self, group: dict[str, Any]) -> float:
+        return 1.0
+
+    def stack_part(self, group: dict[str, Any], transposed: bool) -> RulePart:
+        return RulePart(self.name, transposed)
+
+
+@pytest.fixture
+def noraccumulate() -> Iterator[Rule]:
+    rule = NorAccumulate()
+    registry.RULES[rule.name] = rule  # the one registry line
+    try:
+        yield rule
+    finally:
+        del registry.RULES[rule.name]
+
+
+@pytest.mark.parametrize("shape", [(10, 6), (6, 10)], ids=str)
+def test_a_new_rule_with_an_owner_part_is_one_class_and_one_registry_line(
+    noraccumulate: Rule, shape: tuple[int, int]
+) -> None:
+    start, grads = _inputs(shape)
+    weight = torch.nn.Parameter(start.clone())
+    opt = muon_dist.Muon(
+        [{"params": [weight], "algorithm": "muon"}],
+        lr=LR,
+        momentum=BETA,
+        rule="noraccumulate",
+        comm_dtype=torch.float32,
+        ns_dtype=torch.float32,
+        backend="torch",
+    )
+    group = opt.param_groups[0]
+    ref, ref_m, ref_v = start.clone(), torch.zeros(shape), torch.zeros(shape[0])
+    # NorMuon's reference with a carry of 1 (β = 1, no Nesterov), its Newton–Schulz reading
+    # the toy's Nesterov input g + β·m from the advanced momentum m.
+    step = MatrixStep(LR, 0.0, 1.0, False, _scale(shape, False))
+    for grad in grads:
+        weight.grad = grad.clone()
+        opt.step()
+        normuon.reference(
+            ref,
+            grad,
+            ref_m,
+            ref_v,
+            lambda m, g=grad: _orthogonalize(g.add(m, alpha=BETA)),
+            step,
+            beta2=group["normuon_beta2"],
+            eps=group["normuon_eps"],
+        )
+    torch.testing.assert_close(opt.state[weight]["momentum_buffer"], ref_m, rtol=0, atol=0)
+    torch.testing.assert_close(opt.state[weight][normuon.ROW_MOMENT], ref_v, **CLOSE)
     torch.testing.assert_close(weight.detach(), ref, **CLOSE)
 
 

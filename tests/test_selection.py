@@ -1,4 +1,4 @@
-"""Dion2's layout in a bucket (``muon_dist.plan.selection``), checked across simulated ranks
+"""Dion2's layout in a bucket (``muon_dist.plan.dion2_selection``), checked across simulated ranks
 without processes: every rank lays the slice norms out alike, the pieces' partial norms add
 up to each slice's norm, and each all-to-all's sender and receiver agree on which selected
 elements travel, in which order, covering exactly the selected slices."""
@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from muon_dist.comm.groups import Peers
 from muon_dist.plan.bucket_map import bucket_map
 from muon_dist.plan.build import ViewPlacement, build_plan, local_boxes
-from muon_dist.plan.selection import BucketSelection, HostRect, PieceGrid, grid
+from muon_dist.plan.dion2_selection import BucketSelection, HostRect, PieceGrid, grid
 from muon_dist.plan.views import matrix_view
-from muon_dist.step.selected_bucket import DeviceSelection, add_norms
+from muon_dist.step.dion2_bucket import DeviceSelection, add_norms
 
 
 @st.composite

@@ -127,7 +127,7 @@ def test_cpu_dispatch_uses_torch_arithmetic() -> None:
 @pytest.mark.parametrize("rows", [5, 1500], ids=str)
 def test_row_factors_match_torch(primary: list[bool] | None, rows: int) -> None:
     """NorMuon's one-launch factors against the torch form, rows scattered in the vectors."""
-    from muon_dist.rules.rows import owner_row_factors
+    from muon_dist.rules.normuon_rows import owner_row_factors
 
     torch.manual_seed(0)
     k, total = 3, 3 * rows + 7

@@ -18,6 +18,8 @@ from reference_muon import reference_muon_step
 
 from muon_dist.kernels import newton_schulz
 from muon_dist.kernels.availability import interpret_mode
+from muon_dist.rules.dion2_slices import add_slice_norms_, slice_norms
+from muon_dist.rules.normuon_rows import scale_rows_
 from muon_dist.rules.ops import (
     decay_,
     decay_factor,
@@ -35,9 +37,7 @@ from muon_dist.rules.ops import (
     step_size,
     updates_,
 )
-from muon_dist.rules.rows import scale_rows_
 from muon_dist.rules.scale import lr_scale
-from muon_dist.rules.slices import add_slice_norms_, slice_norms
 from muon_dist.state.flat import spans, zeros_like_flat
 from muon_dist.state.muon_state import store_momenta_
 

@@ -50,7 +50,7 @@ def reference(
     param.sub_(ortho * size)
 
 
-class Muon(Rule):
+class MuonRule(Rule):
     """Muon's step, the base every other rule changes."""
 
     name = "muon"

@@ -24,12 +24,12 @@ from muon_dist.plan.indices import GroupIndex, TensorIndex
 from muon_dist.plan.recipes import StackRecipe
 from muon_dist.plan.views import MatrixView, matrix_views, named_params
 from muon_dist.rules.registry import rule_of
-from muon_dist.state.checks import check_grad
 from muon_dist.state.tensors import local, storage
 from muon_dist.step.agreement import Agreement
 from muon_dist.step.backward import BackwardStart
 from muon_dist.step.changes import BuiltFrom
 from muon_dist.step.cuda_graph import StepGraph
+from muon_dist.step.grad_check import check_grad
 from muon_dist.step.muon_phase import MuonEntry, MuonPhase
 from muon_dist.step.scalars import StepInputs
 

@@ -2,9 +2,9 @@
 
 Norms, choose, gather, orthogonalize, scatter, apply: every rank adds its source pieces'
 partial slice norms (float64) into the bucket's norm vector and one all-reduce sums them;
-every rank then takes the same top slices (:func:`muon_dist.rules.slices.top_slices`), so
+every rank then takes the same top slices (:func:`muon_dist.rules.dion2_slices.top_slices`), so
 the choice is exact and independent of the layout. One host copy of the choice per bucket
-sizes both exchanges (:mod:`muon_dist.plan.selection`); each moves the selected elements only.
+sizes both exchanges (:mod:`muon_dist.plan.dion2_selection`); each moves the selected elements only.
 The owner orthogonalizes exactly the slices chosen; a holder writes its piece's update with
 zeros in the slices left out, the form the plain bucket hands over.
 """
@@ -18,29 +18,28 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from muon_dist.comm.exchange import pack, start_exchange
+from muon_dist.comm.dion2_exchange import exchange_rects, put_all
+from muon_dist.comm.exchange import Exchanges, Fill, ScatterSteps, Steps, pack
 from muon_dist.comm.groups import dedicated
 from muon_dist.kernels.streams import side_stream
 from muon_dist.kernels.tables import PinnedStaging
 from muon_dist.options.settings import ExecutionSettings
-from muon_dist.plan.bucket_map import BucketMap, region_views
+from muon_dist.plan.bucket_map import BucketMap
 from muon_dist.plan.build import BucketPlan, Plan
-from muon_dist.plan.packing import flat_views, peer_splits
-from muon_dist.plan.selection import (
+from muon_dist.plan.dion2_selection import (
     BucketSelection,
     HostRect,
-    PieceGrid,
     Rect,
     device_rects,
-    put_,
     rect_indices,
     take,
-    take_into,
 )
+from muon_dist.plan.packing import flat_views
 from muon_dist.plan.views import Box, MatrixView, PartSplit
-from muon_dist.rules.slices import add_slice_norms_, top_slices
-from muon_dist.runtime.scheduler import Task, TaskBody
-from muon_dist.step.bucket_io import BucketTools, Exchanges
+from muon_dist.rules.dion2_slices import add_slice_norms_, top_slices
+from muon_dist.runtime.scheduler import Task
+from muon_dist.step.bucket_io import BucketTools
+from muon_dist.step.bucket_task import run_bucket
 
 
 class DeviceSelection:
@@ -142,76 +141,88 @@ def selected_bucket_task(
     Its norms and choice run on the selection stream, after only the work queued before
     the task was made (the step's momentum and gradients, or a hook's); that stream, not
     the host, waits for the norms' all-reduce."""
-    layout = dion2.layout(index)
-    made = _event(dion2.stream)
-    return Task(bucket.names, _run(where, layout, tools, dion2, made))
+    exchange = SelectedExchange(where, dion2.layout(index), tools.exchanges, dion2)
+    return Task(bucket.names, run_bucket(where, tools, exchange))
 
 
-def _run(
-    where: BucketMap,
-    layout: DeviceSelection,
-    tools: BucketTools,
-    dion2: Dion2Buckets,
-    made: torch.cuda.Event | None,
-) -> TaskBody:
-    sel, exchanges = layout.host, tools.exchanges
-    with _on(dion2.stream, made):
-        staged, inputs, stacks = _stage(where, layout, tools)
-        planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
-        chosen = _choose(layout, inputs, planes, dion2, exchanges.device)
-        host, chosen_ready = _to_host(chosen)
-    yield
-    if chosen_ready is not None:  # the side stream's work for this bucket is done
-        chosen_ready.synchronize()
-        _hand_over(chosen_ready, [staged, chosen, *stacks])
+class SelectedExchange:
+    """Dion2's transport (:class:`muon_dist.comm.exchange.BucketExchange`): before the
+    gather, the bucket's slice norms, summed over the peers, and the same choice on every
+    rank; then each piece moves only its elements in the chosen slices."""
 
-    gather_sends, gather_recvs, scatter_sends, scatter_recvs = _moves(layout, host.numpy())
-    recv, work = _exchange(
-        inputs, sel.gather_sends, gather_sends, sel.gather_recvs, gather_recvs, exchanges
-    )
-    del staged, inputs
-    yield
-    _wait(work)
-    _put_all([planes[p.stack] for p in sel.gather_recvs], gather_recvs, recv)
-    del recv, planes
+    def __init__(
+        self, where: BucketMap, layout: DeviceSelection, exchanges: Exchanges, dion2: Dion2Buckets
+    ) -> None:
+        self._where, self._layout, self._exchanges, self._dion2 = where, layout, exchanges, dion2
+        self._made = _event(dion2.stream)  # the work queued before the task was made
+        self._chosen: torch.Tensor | None = None  # set by the gather
+        self._moves: tuple[list[list[Rect]], ...] = ()
 
-    results = [
-        tools.orthogonalize(t, s, _chosen(layout, position, chosen))
-        for position, (t, s) in enumerate(zip(stacks, where.stacks, strict=True))
-    ]
-    del stacks
-    tools.io.write(where.own, region_views(results, where.own_regions))
-    outputs = [r.view(-1, r.shape[-1]) for r in results]
-    recv, work = _exchange(
-        [outputs[p.stack] for p in sel.scatter_sends],
-        sel.scatter_sends,
-        scatter_sends,
-        sel.scatter_recvs,
-        scatter_recvs,
-        exchanges,
-    )
-    del results, outputs
-    yield
-    _wait(work)
-    updates = torch.zeros(where.scatter_recv.numel, dtype=exchanges.dtype, device=exchanges.device)
-    pieces = flat_views(updates, where.scatter_recv.runs)
-    _put_all(
-        [v.view(len(p.rows), len(p.cols)) for v, p in zip(pieces, sel.scatter_recvs, strict=True)],
-        scatter_recvs,
-        recv,
-    )
-    tools.io.write(where.scatter_writes, pieces)
+    def gather(self, read: Fill, own: Callable[[list[torch.Tensor]], object]) -> Steps:
+        where, layout, exchanges, dion2 = self._where, self._layout, self._exchanges, self._dion2
+        sel = layout.host
+        with _on(dion2.stream, self._made):
+            staged, inputs, stacks = _stage(where, layout, exchanges, read, own)
+            planes = [stack.view(-1, stack.shape[-1]) for stack in stacks]
+            chosen = _choose(layout, inputs, planes, dion2, exchanges.device)
+            host, chosen_ready = _to_host(chosen)
+        yield
+        if chosen_ready is not None:  # the side stream's work for this bucket is done
+            chosen_ready.synchronize()
+            _hand_over(chosen_ready, [staged, chosen, *stacks])
+        self._chosen = chosen
+        self._moves = gather_sends, gather_recvs, _, _ = _moves(layout, host.numpy())
+        recv, work = exchange_rects(
+            inputs, sel.gather_sends, gather_sends, sel.gather_recvs, gather_recvs, exchanges
+        )
+        del staged, inputs
+        yield
+        _wait(work)
+        put_all([planes[p.stack] for p in sel.gather_recvs], gather_recvs, recv)
+        return stacks
+
+    def chosen(self, position: int) -> list[torch.Tensor] | None:
+        parts = self._layout.stack_chosen.get(position)
+        if parts is None or self._chosen is None:
+            return None
+        return [self._chosen[index] for index in parts]
+
+    def scatter(self, results: list[torch.Tensor]) -> ScatterSteps:
+        where, sel, exchanges = self._where, self._layout.host, self._exchanges
+        _, _, scatter_sends, scatter_recvs = self._moves
+        outputs = [r.view(-1, r.shape[-1]) for r in results]
+        recv, work = exchange_rects(
+            [outputs[p.stack] for p in sel.scatter_sends],
+            sel.scatter_sends,
+            scatter_sends,
+            sel.scatter_recvs,
+            scatter_recvs,
+            exchanges,
+        )
+        results.clear()
+        del outputs
+        yield
+        _wait(work)
+        updates = torch.zeros(
+            where.scatter_recv.numel, dtype=exchanges.dtype, device=exchanges.device
+        )
+        pieces = flat_views(updates, where.scatter_recv.runs)
+        grids = zip(pieces, sel.scatter_recvs, strict=True)
+        put_all([v.view(len(p.rows), len(p.cols)) for v, p in grids], scatter_recvs, recv)
+        return pieces
 
 
 def _stage(
-    where: BucketMap, layout: DeviceSelection, tools: BucketTools
+    where: BucketMap,
+    layout: DeviceSelection,
+    exchanges: Exchanges,
+    read: Fill,
+    own: Callable[[list[torch.Tensor]], object],
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The Newton–Schulz inputs this rank sends (packed, and each as ``[rows, cols]``) and
     the owner's stacks with its own pieces in place."""
-    dtype, device = tools.exchanges.dtype, tools.exchanges.device
-    staged = pack(
-        where.gather_send, lambda outs: tools.io.read(where.gather_reads, outs), dtype, device
-    )
+    dtype, device = exchanges.dtype, exchanges.device
+    staged = pack(where.gather_send, read, dtype, device)
     inputs = [
         view.view(len(p.rows), len(p.cols))
         for view, p in zip(
@@ -219,7 +230,7 @@ def _stage(
         )
     ]
     stacks = [torch.zeros(s.shape, dtype=dtype, device=device) for s in where.stacks]
-    tools.io.read(where.own, region_views(stacks, where.own_regions))
+    own(stacks)
     return staged, inputs, stacks
 
 
@@ -294,13 +305,6 @@ def _hand_over(done: torch.cuda.Event, tensors: Sequence[torch.Tensor]) -> None:
         tensor.record_stream(stream)
 
 
-def _chosen(
-    layout: DeviceSelection, position: int, chosen: torch.Tensor
-) -> list[torch.Tensor] | None:
-    parts = layout.stack_chosen.get(position)
-    return None if parts is None else [chosen[index] for index in parts]
-
-
 def add_norms(
     norms: torch.Tensor,
     sources: Sequence[tuple[torch.Tensor, Sequence[tuple[Rect, int, torch.Tensor]]]],
@@ -315,51 +319,6 @@ def add_norms(
             axes.append(-2 if axis == 0 else -1)
             slots.append(where)
     add_slice_norms_(norms, xs, axes, slots, backend)
-
-
-def _exchange(
-    sources: Sequence[torch.Tensor],
-    sends: Sequence[PieceGrid],
-    send_rects: Sequence[Sequence[Rect]],
-    recvs: Sequence[PieceGrid],
-    recv_rects: Sequence[Sequence[Rect]],
-    exchanges: Exchanges,
-) -> tuple[torch.Tensor, dist.Work]:
-    """Start the all-to-all of the selected elements, sized by this step's rectangles: each
-    piece's (read from its ``sources`` tensor) written in order into one send buffer."""
-    rects = [
-        (x, r) for x, piece_rects in zip(sources, send_rects, strict=True) for r in piece_rects
-    ]
-    sizes = [r.numel for _, r in rects]
-    send = torch.empty(sum(sizes), dtype=exchanges.dtype, device=exchanges.device)
-    for part, (x, rect) in zip(_split(send, sizes), rects, strict=True):
-        take_into(part, x, rect)
-    return start_exchange(
-        send,
-        peer_splits(_sizes(sends, send_rects), exchanges.world_size, exchanges.peers.ranks),
-        peer_splits(_sizes(recvs, recv_rects), exchanges.world_size, exchanges.peers.ranks),
-        exchanges.peers,
-    )
-
-
-def _sizes(pieces: Sequence[PieceGrid], rects: Sequence[Sequence[Rect]]) -> list[tuple[int, int]]:
-    return [(p.peer, sum(r.numel for r in rs)) for p, rs in zip(pieces, rects, strict=True)]
-
-
-def _put_all(
-    targets: Sequence[torch.Tensor], rects: Sequence[Sequence[Rect]], values: torch.Tensor
-) -> None:
-    """Write the received flat ``values`` to each piece's rectangles, in order."""
-    moves = [(t, r) for t, piece_rects in zip(targets, rects, strict=True) for r in piece_rects]
-    for part, (target, rect) in zip(
-        _split(values, [r.numel for _, r in moves]), moves, strict=True
-    ):
-        put_(target, rect, part)
-
-
-def _split(flat: torch.Tensor, sizes: list[int]) -> Sequence[torch.Tensor]:
-    """``flat`` in consecutive parts of ``sizes`` (one split for all)."""
-    return flat.split_with_sizes(sizes) if sizes else ()
 
 
 def _to_host(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -5,7 +5,7 @@ Each NorMuon parameter keeps one fp32 vector (``state[p][ROW_MOMENT]``), replica
 rank that holds a piece of it: the second moment of each output row of each of its
 matrices, matrix after matrix in the order of its views. The owner of a matrix sees the
 whole orthogonalized update, so it computes the rows' sums of squares and advances their
-moments for its own normalization (:func:`muon_dist.rules.rows.row_factors`). One owner
+moments for its own normalization (:func:`muon_dist.rules.normuon_rows.row_factors`). One owner
 per matrix, its primary one, writes the sums into this step's vector over all NorMuon rows,
 zero elsewhere: under ``replica_mode="redundant"`` each replica has an owner, and only the
 first replica's (coordinate 0 on the replicated mesh dims) counts. After the buckets, one
@@ -18,7 +18,7 @@ any world size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +29,12 @@ from muon_dist.comm.groups import Peers
 from muon_dist.plan.bucket_map import StackSpec
 from muon_dist.plan.build import BucketPlan
 from muon_dist.plan.views import MatrixView
-from muon_dist.rules.registry import rule_of
-from muon_dist.rules.rows import owner_row_factors, row_squares, scale_rows_, second_moment_next
+from muon_dist.rules.normuon_rows import (
+    owner_row_factors,
+    row_squares,
+    scale_rows_,
+    second_moment_next,
+)
 
 
 @dataclass(frozen=True)
@@ -153,12 +157,13 @@ def row_moments(
     primary: Sequence[bool],
     views_of: Sequence[Sequence[int]],
     groups: Sequence[dict[str, Any]],
+    normalized: Collection[int],
     stacks: Sequence[tuple[BucketPlan, Sequence[StackSpec]]],
     peers: Peers,
     device: torch.device,
     backend: str,
 ) -> RowMoments:
-    """Lay out the rows of the NorMuon tensors (``groups[j]["rule"] == "normuon"``) and
+    """Lay out the rows of the ``normalized`` tensors (NorMuon's, by position) and
     index every stack of their matrices. ``views`` are the plan's views, ``primary`` whether
     this rank is the primary owner of each view's matrices it owns, ``views_of`` each
     tensor's views, ``stacks`` each bucket's plan and stacks, ``peers`` the holders, ``backend`` the
@@ -167,8 +172,8 @@ def row_moments(
     base_of_view: dict[int, int] = {}
     in_dims: list[float] = []
     total = 0
-    for j, group in enumerate(groups):
-        if not rule_of(group).normalizes_rows:
+    for j in range(len(groups)):
+        if j not in normalized:
             continue
         start = total
         for i in views_of[j]:

@@ -7,7 +7,7 @@ shard are each a product of a row set and a column set. A :class:`Segment` is wh
 selects in: one matrix, or one part of it, with the axis its slices run along. A bucket
 lays its segments out in a vector of slice norms (:class:`BucketSelection`); every rank
 adds its pieces' partial norms there (:meth:`BucketSelection.tiles`), one all-reduce sums
-them, every rank takes the same top slices (:func:`muon_dist.rules.slices.top_slices`), and
+them, every rank takes the same top slices (:func:`muon_dist.rules.dion2_slices.top_slices`), and
 each piece then moves only its elements in selected slices, as a few rectangles
 (:class:`Rect`, :meth:`BucketSelection.rects`).
 
@@ -30,7 +30,7 @@ import torch
 from muon_dist.plan.bucket_map import StackSpec, stack_places
 from muon_dist.plan.build import Block, BucketPlan
 from muon_dist.plan.views import Box, MatrixView, PartSplit
-from muon_dist.rules.slices import selected_count
+from muon_dist.rules.dion2_slices import selected_count
 
 _LONG = torch.long
 
@@ -79,7 +79,7 @@ class Segment:
 
 def _slice_axis(out_dim: int, in_dim: int, output_axis: int) -> int:
     """The stored axis Dion2 selects along: the outputs when there are no more of them than
-    inputs, else the inputs (as :func:`muon_dist.rules.slices.selected_orthogonalize`)."""
+    inputs, else the inputs (as :func:`muon_dist.rules.dion2_slices.selected_orthogonalize`)."""
     return output_axis if out_dim <= in_dim else 1 - output_axis
 
 
