@@ -187,3 +187,18 @@ def test_no_class_grew_back() -> None:
             if lines > MAX_CLASS_LINES or attributes > MAX_CLASS_ATTRIBUTES:
                 grown.append(f"{module}.{node.name}: {lines} lines, {attributes} attributes")
     assert grown == []
+
+
+def test_readme_layout_is_rendered_from_the_module_docstrings() -> None:
+    """The README's package layout is the modules' own summaries, so it cannot drift."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "layout_table", ROOT / "tools" / "layout_table.py"
+    )
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split(tool.START, 1)[1].split(tool.END, 1)[0].strip()
+    assert section == tool.layout(), "run: python tools/layout_table.py"
