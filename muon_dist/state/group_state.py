@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from muon_dist.options.schema import LAYOUT_STATE, missing_filled
+from muon_dist.options.schema import LAYOUT_STATE, check_options, missing_filled
 from muon_dist.options.settings import STARTS_IN_BACKWARD
 from muon_dist.options.validation import check_group_keys, check_unique_names, validate_group
 from muon_dist.plan.views import ALGORITHMS, group_param_names, matrix_views, param_list
-from muon_dist.rules.registry import RULES, fp32_state, rule_of
+from muon_dist.rules.registry import fp32_state, rule_of
 from muon_dist.state.checks import (
     by_name,
     check_hookable,
@@ -147,9 +147,10 @@ def layout_converted(
         muon = isinstance(saved, dict) and saved.get("algorithm") == group["algorithm"] == "muon"
         filled = missing_filled(saved, "muon") if muon else {}
         changed = {k: filled[k] for k in LAYOUT_STATE if muon and filled[k] != group[k]}
-        if not changed or filled["rule"] not in RULES:
+        if not changed:
             converted.append(saved)
             continue
+        check_options(filled, f"load_state_dict: saved param group {index} (muon)", False)
         before = {**group, **changed}
         names = saved.get("param_names") or group_param_names(group, index)
         current = dict(zip(group_param_names(group, index), group["params"], strict=True))
