@@ -46,7 +46,7 @@ def _finish(job: subprocess.Popen[bytes], log: Path) -> str:
         if job.poll() is None:
             job.kill()
     text = log.read_text()
-    assert job.returncode == 0, f"{job.args} exited {job.returncode}:\n{text[-8000:]}"
+    assert job.returncode == 0, f"{job.args!r} exited {job.returncode}:\n{text[-8000:]}"
     return text
 
 
@@ -67,9 +67,7 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     jobs = []
     for log in logs:
         with log.open("wb") as out:
-            jobs.append(
-                subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=out, stderr=out)
-            )
+            jobs.append(subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=out, stderr=out))
     output = "".join(_finish(job, log) for job, log in zip(jobs, logs, strict=True))
     assert "world 2 on cpu (gloo), mesh {'replicate': 2, 'shard': 1}" in output
     return tmp
@@ -138,9 +136,7 @@ def killed_twice(two_nodes: Path) -> tuple[Path, str]:
         job = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=out, stderr=out)
     try:
         metrics = tmp / "metrics.jsonl"
-        _wait_for(
-            lambda: metrics.is_file() and '"step": 5,' in metrics.read_text(), job, "step 5"
-        )
+        _wait_for(lambda: metrics.is_file() and '"step": 5,' in metrics.read_text(), job, "step 5")
         os.kill(_workers(job.pid, job)[1], signal.SIGKILL)
         partial = ckpt / "step_000008.partial"
         _wait_for(partial.exists, job, "step 8's checkpoint to start")

@@ -145,9 +145,10 @@ def check_unique_names(groups: Sequence[dict[str, Any]], group: dict[str, Any]) 
 
 def check_step_values(groups: Sequence[dict[str, Any]]) -> None:
     """The keys and the options a scheduler or the user may change between steps, checked
-    at each step (a few comparisons per group): a key added that no option declares, an
-    option removed, ``momentum=1.0`` or a NaN lr is refused by name before anything
-    changes, instead of being ignored or surfacing as an overflow or a non-finite result."""
+    at each step (a few comparisons per group): a key added that no option declares (the
+    other algorithm's options excepted), a setting, an option removed, ``momentum=1.0`` or
+    a NaN lr is refused by name before anything changes, instead of being ignored or
+    surfacing as an overflow or a non-finite result."""
     keys = {algorithm: {o.key for o in options} for algorithm, options in OPTIONS.items()}
     for index, group in enumerate(groups):
         algorithm = group.get("algorithm")
@@ -155,7 +156,9 @@ def check_step_values(groups: Sequence[dict[str, Any]]) -> None:
             return  # a changed algorithm is refused by name (muon_dist.step.changes)
         where = f"param group {index} ({algorithm})"
         own = keys[algorithm] | {"algorithm"}
-        check_group_keys(group, own, keys["adamw" if algorithm == "muon" else "muon"], where)
+        # The other algorithm's options pass: torch's schedulers cycle Muon's "momentum"
+        # (the optimizer's defaults) on every group, AdamW's included, which ignore it.
+        check_group_keys(group, own | keys["adamw" if algorithm == "muon" else "muon"], (), where)
         missing = sorted(own - set(group))
         if missing:
             raise ValueError(
