@@ -291,7 +291,8 @@ def init_distributed() -> Env:
 
     FSDP2 and DCP need a process group even on one rank; a ``HashStore`` gives one without
     picking a port. GPU runs use NCCL on ``cuda:LOCAL_RANK`` (torchrun's per-node index,
-    so nothing here depends on the node); CPU runs use gloo.
+    so nothing here depends on the node); CPU runs use gloo. Under torchrun the group's
+    keys live under a prefix of their own per restart attempt (:func:`attempt_store`).
     """
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -300,10 +301,32 @@ def init_distributed() -> Env:
     if use_cuda:
         torch.cuda.set_device(device)
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, device_id=device if use_cuda else None)
+        store, rank, world_size = attempt_store()
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            device_id=device if use_cuda else None,
+        )
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return Env(dist.get_rank(), dist.get_world_size(), device)
+
+
+def attempt_store() -> tuple[dist.Store, int, int]:
+    """torchrun's store seen through a prefix naming this restart attempt, with the rank
+    and world size.
+
+    ``torchrun --max-restarts N`` starts every worker again after one dies, against the
+    store the last attempt used: its keys still hold each old rank's address, and the new
+    group's gloo or NCCL mesh would dial the dead worker's address instead of waiting for
+    the new one. Keys under ``attempt_<TORCHELASTIC_RESTART_COUNT>/`` are this attempt's
+    only.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt_{attempt}/", store), rank, world_size
 
 
 def build_mesh(env: Env, replicate: int) -> DeviceMesh:
@@ -464,28 +487,36 @@ def checkpoint_dir(args: argparse.Namespace, optimizer: str) -> Path:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """Newest ``step_NNNNNN`` folder that has ``meta.json``, which is written last."""
-    done = sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
+    """Newest complete ``step_NNNNNN`` folder: one is complete once it has that name
+    (:func:`save_checkpoint` renames it last); a save cut off leaves only a ``.partial``."""
+    done = sorted(p for p in root.glob("step_*") if p.name[5:].isdigit() and p.is_dir())
     return done[-1] if done else None
 
 
 def save_checkpoint(
     path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any], env: Env
 ) -> None:
-    """DCP save of sharded model + optimizer state, then a completion marker.
+    """DCP save of sharded model + optimizer state into ``path``, atomically.
 
+    Every rank writes its shards into ``<path>.partial``; once all have (a barrier), rank 0
+    writes ``meta.json`` there and renames the folder to ``path``, so a rank killed while
+    saving leaves a ``.partial`` folder that :func:`latest_checkpoint` never picks.
     ``get_state_dict`` keys the optimizer state by parameter FQN and keeps the Muon momentum
     buffers as DTensors, so DCP stores each shard once and can reshard them on load. The
     step counter is all the data position there is: batches are a function of the step.
     """
-    if env.is_main and path.exists():
-        shutil.rmtree(path)  # a re-run of this step after a resume: no stale shard files
+    partial = path.with_name(f"{path.name}.partial")
+    if env.is_main and partial.exists():
+        shutil.rmtree(partial)  # left by a save that was cut off
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     dist.barrier()
     if env.is_main:
-        (path / "meta.json").write_text(json.dumps(meta, indent=1))
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+        if path.exists():
+            shutil.rmtree(path)  # a re-run of this step after a resume
+        partial.rename(path)
     dist.barrier()
 
 
