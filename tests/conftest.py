@@ -6,10 +6,14 @@ Where a test lives (tests/tooling/test_architecture.py checks it; the README's "
 the same):
 
 - ``tests/unit/<layer>/``: in-process tests of one layer of ``muon_dist`` (kernels, runtime,
-  rules, plan, options, routing, comm, state, step, optimizer, integrations). A test there
-  imports ``muon_dist.<layer>`` and the layers below it, and may drive them through the
-  public API (``import muon_dist``); the folder is the highest layer whose modules it imports.
-- ``tests/distributed/<topic>/``: tests that spawn ranks (``dist_harness``), by topic.
+  rules, plan, options, routing, comm, state, step, optimizer, integrations; optimizer is
+  the top: optimizer.py, qk_clip.py). A test there imports modules of its layer and the
+  layers below, never of a higher one (it may drive them through the package's API,
+  ``import muon_dist``): its folder is the highest layer whose modules it imports. It
+  spawns no ranks.
+- ``tests/distributed/<topic>/``: tests that spawn ranks (``dist_harness``), by topic
+  (parity, rules, features, overlap, host, reliability, fuzz, models), with the in-process
+  checks of the same topic.
 - ``tests/gpu/``: tests that need CUDA; every test there is marked ``gpu``.
 - ``tests/tooling/``: tests of benchmarks/, examples/, scripts/, tools/, CI and the repo's
   structure.

@@ -26,23 +26,22 @@ from normuon_cases import layouts, normuon_worker
 from parity_cases import case_names, parity_worker
 
 RULES = ("normuon", "dion2")
+# The quick tier keeps these; test_rule_parity_slow.py runs the rest.
 QUICK = {("normuon", 2, "fsdp"), ("dion2", 2, "fsdp"), ("dion2", 3, "fsdp")}
 
 
-def _cases(names_of: Callable[[int], list[str]]) -> list[ParameterSet]:
+def cases(names_of: Callable[[int], list[str]], quick: bool) -> list[ParameterSet]:
+    """The (rule, world size, case) triples of the quick tier, or of the slow one."""
     return [
-        pytest.param(rule, w, n, id=f"{rule}-w{w}-{n}", marks=_mark(rule, w, n))
+        pytest.param(rule, w, n, id=f"{rule}-w{w}-{n}")
         for rule in RULES
         for w in (1, 2, 3, 4)
         for n in names_of(w)
+        if ((rule, w, n) in QUICK) == quick
     ]
 
 
-def _mark(rule: str, world_size: int, name: str) -> tuple[pytest.MarkDecorator, ...]:
-    return () if (rule, world_size, name) in QUICK else (pytest.mark.slow,)
-
-
-@pytest.mark.parametrize(("rule", "world_size", "name"), _cases(case_names))
+@pytest.mark.parametrize(("rule", "world_size", "name"), cases(case_names, quick=True))
 def test_parity_layouts(rule: str, world_size: int, name: str) -> None:
     results = run_distributed(world_size, parity_worker, name, "float32", "float32", "cpu", rule)
     for rank, err in enumerate(results):
@@ -50,7 +49,7 @@ def test_parity_layouts(rule: str, world_size: int, name: str) -> None:
         assert err["bf16_param"] <= 3e-2, f"rank {rank}: {err}"
 
 
-@pytest.mark.parametrize(("rule", "world_size", "layout"), _cases(layouts))
+@pytest.mark.parametrize(("rule", "world_size", "layout"), cases(layouts, quick=True))
 def test_views_and_parts(rule: str, world_size: int, layout: str) -> None:
     results = run_distributed(world_size, normuon_worker, layout, "", rule)
     for rank, err in enumerate(results):

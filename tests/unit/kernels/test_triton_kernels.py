@@ -97,15 +97,21 @@ def test_gram_reads_strided_input() -> None:
 
 
 NS_SHAPES = [(70, 50), (33, 130), (2, 16, 16), (1, 40), (5, 20, 36), (4, 40, 1), (2, 2, 24, 40)]
-# The interpreter takes seconds per iteration: the quick tier keeps one batched shape.
-NS_CASES = [
-    pytest.param(shape, coefficients, marks=() if shape == (2, 16, 16) else pytest.mark.slow)
-    for shape in NS_SHAPES
-    for coefficients in sorted(COEFFICIENT_SETS)
-]
+# The interpreter takes seconds per iteration: the quick tier keeps one batched shape, and
+# test_triton_kernels_slow.py runs the others.
+QUICK_NS_SHAPE = (2, 16, 16)
 
 
-@pytest.mark.parametrize(("shape", "coefficients"), NS_CASES, ids=str)
+def ns_cases(quick: bool) -> list[tuple[tuple[int, ...], str]]:
+    return [
+        (shape, coefficients)
+        for shape in NS_SHAPES
+        for coefficients in sorted(COEFFICIENT_SETS)
+        if (shape == QUICK_NS_SHAPE) == quick
+    ]
+
+
+@pytest.mark.parametrize(("shape", "coefficients"), ns_cases(quick=True), ids=str)
 def test_newton_schulz_matches_float64(shape: tuple[int, ...], coefficients: str) -> None:
     torch.manual_seed(3)
     X = torch.randn(shape)
@@ -205,15 +211,20 @@ def test_two_operand_product_is_exactly_symmetric() -> None:
 
 
 GRAM_NS_SHAPES = [(24, 60), (60, 24), (2, 20, 50), (3, 36, 20), (1, 40)]
-# As for NS_CASES: the quick tier keeps one batched shape, the interpreter is slow.
-GRAM_NS_CASES = [
-    pytest.param(shape, coefficients, marks=() if shape == (2, 20, 50) else pytest.mark.slow)
-    for shape in GRAM_NS_SHAPES
-    for coefficients in sorted(COEFFICIENT_SETS)
-]
+# As for ns_cases: the quick tier keeps one batched shape, the interpreter is slow.
+QUICK_GRAM_NS_SHAPE = (2, 20, 50)
 
 
-@pytest.mark.parametrize(("shape", "coefficients"), GRAM_NS_CASES, ids=str)
+def gram_ns_cases(quick: bool) -> list[tuple[tuple[int, ...], str]]:
+    return [
+        (shape, coefficients)
+        for shape in GRAM_NS_SHAPES
+        for coefficients in sorted(COEFFICIENT_SETS)
+        if (shape == QUICK_GRAM_NS_SHAPE) == quick
+    ]
+
+
+@pytest.mark.parametrize(("shape", "coefficients"), gram_ns_cases(quick=True), ids=str)
 def test_gram_newton_schulz_matches_float64(shape: tuple[int, ...], coefficients: str) -> None:
     """fp32 Gram iteration on ill-conditioned input (singular values 1e-4..1) against a
     float64 standard iteration."""
@@ -240,18 +251,3 @@ def test_gram_newton_schulz_zero_and_rank_deficient() -> None:
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = newton_schulz_torch(X.double(), dtype=torch.float64)
     assert out.isfinite().all() and rel_err(out, ref) < TOL
-
-
-# Four interpreted iterations; test_gram_newton_schulz checks restart schedules quickly.
-@pytest.mark.slow
-def test_gram_newton_schulz_restarts_and_input() -> None:
-    torch.manual_seed(11)
-    X = torch.randn(2, 24, 40)
-    before = X.clone()
-    ref = newton_schulz_torch(X.double(), steps=4, dtype=torch.float64)
-    for restarts in [(), (1,), (2,), (1, 3)]:
-        out = newton_schulz(
-            X, steps=4, dtype=torch.float32, backend="triton", method="gram", gram_restarts=restarts
-        )
-        assert rel_err(out, ref) < TOL
-    assert torch.equal(X, before)
