@@ -2,7 +2,7 @@
 set by path, Triton's interpreter on CPU, GPU tests skipped without CUDA, distributed worker
 pools closed at the end.
 
-Where a test lives (tests/tooling/test_architecture.py checks it; the README's "Tests" says
+Where a test lives (tests/tooling/test_test_layout.py checks it; the README's "Tests" says
 the same):
 
 - ``tests/unit/<layer>/``: in-process tests of one layer of ``muon_dist`` (kernels, runtime,

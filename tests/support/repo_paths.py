@@ -15,7 +15,7 @@ TESTS = ROOT / "tests"
 def module_folders() -> list[Path]:
     """Every folder under tests/ that holds a module. Tests, workers and helpers import one
     another by bare name (``from dist_harness import ...``), from any folder: file names are
-    unique across tests/ (tests/tooling/test_architecture.py checks)."""
+    unique across tests/ (tests/tooling/test_test_layout.py checks)."""
     return sorted({path.parent for path in TESTS.rglob("*.py")})
 
 
