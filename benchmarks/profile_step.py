@@ -84,7 +84,7 @@ DEVICE_KEYS = ("ns_sum", *PARTS, "comm", "host", "launch", "launches", "kernels"
 
 
 # ---------------------------------------------------------------------------------------
-# Trace arithmetic (pure; tests/test_profile_step.py checks it on a hand-made trace)
+# Trace arithmetic (pure; tests/tooling/test_profile_step.py checks it on a hand-made trace)
 
 
 class Ranges:
