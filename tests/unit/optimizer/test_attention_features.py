@@ -140,11 +140,23 @@ def test_magma_scores_stay_fp32_for_bf16_parameters() -> None:
     assert torch.equal(other.state[p]["magma_score"], score)
 
 
-def test_load_refuses_state_saved_with_other_magma_setting() -> None:
+def test_state_saved_without_magma_loads_into_magma_with_its_momenta(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A state saved with ``magma=False`` loads into ``magma=True`` (README, Reliability): the
+    momenta carry over and the scores start as a new optimizer's, with a warning."""
     model = _model()
-    saved = muon_dist.Muon(model.named_parameters()).state_dict()
-    with pytest.raises(ValueError, match=r"0\.weight: saved state has \['momentum_buffer'\]"):
-        muon_dist.Muon(model.named_parameters(), magma=True).load_state_dict(saved)
+    opt = muon_dist.Muon(model.named_parameters())
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    step_with_grads(opt, weights, [torch.randn_like(p) for p in weights])
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = muon_dist.Muon(model.named_parameters(), magma=True)
+    fresh.load_state_dict(saved)
+    assert "saved with magma=False and is loaded as" in caplog.text
+    for p in weights:
+        assert torch.equal(fresh.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+        score = fresh.state[p]["magma_score"]
+        assert score.dtype == torch.float32 and torch.equal(score, torch.ones_like(score))
 
 
 class _Attention(nn.Module):
