@@ -11,16 +11,16 @@ between sizes:
   1.9967. Muon rms_norm, AdamW part 8e-3, lr 5e-3 / 1e-2 / 2e-2 / 4e-2: 2.0005 / 1.9980 /
   1.9974 / 2.0006 (2026-11-26).
 - ``TEXT``: byte-level text (``--data``, scripts/make_corpus.py), swept by
-  benchmarks/sweep.py at ~150M (dim 1024) and confirmed at ~1B (dim 2048), each run the same
-  9.8M tokens; benchmarks/README.md, "Optimizers on real text", has the table and the
-  command. The best lrs were the same at both widths (AdamW 1.25e-4; Muon 0.01 with its
-  AdamW part at 1e-3). That sweep held every warmup at 10 steps, which held AdamW back
-  (issue 47); ``scripts/fair_sweep.sh`` sweeps the lr and the warmup of each, and
-  ``benchmarks/sweep.py --from-json ... --write-defaults`` writes its bests into ``TEXT``.
+  ``scripts/fair_sweep.sh`` at ~150M (dim 1024, 12 layers, 9.8M tokens a run) on 4x H100,
+  2026-11-27: the lr and the warmup of each optimizer, each best bracketed. AdamW: lr 5e-4,
+  warmup 60 (final eval loss 1.049); Muon (spectral_norm, its AdamW part at 1e-3): lr 0.01,
+  warmup 30 (0.834). Written by ``benchmarks/sweep.py --from-json ... --write-defaults``;
+  benchmarks/README.md, "Optimizers on real text", has every run. Muon rms_norm's lr (2e-3)
+  is the 2026-11-26 lr-only sweep's.
 
 AdamW's lr on the Markov chain falls as 1/width above the swept width, as muP prescribes for
-hidden matrices (its update moves every entry by about lr); on text the sweep found the same
-best lr at dims 1024 and 2048, so it is not scaled. Muon's lr is not scaled with width: its
+hidden matrices (its update moves every entry by about lr); on text the earlier sweep found
+the same best lr at dims 1024 and 2048, so it is not scaled. Muon's lr is not scaled with width: its
 update is orthogonalized and scaled by each matrix's shape (``adjust_lr``).
 """
 
@@ -51,7 +51,14 @@ class SweptLrs:
 
 MARKOV = SweptLrs({"spectral_norm": 0.05, "rms_norm": 2e-2}, 8e-3, 8e-3, 96)
 # benchmarks/sweep.py --from-json ... --write-defaults rewrites this line from a sweep's best.
-TEXT = SweptLrs({"spectral_norm": 0.01, "rms_norm": 2e-3}, 1e-3, 1.25e-4, None)
+TEXT = SweptLrs(
+    {"spectral_norm": 0.01, "rms_norm": 0.002},
+    0.001,
+    0.0005,
+    None,
+    muon_warmup=30,
+    adamw_warmup=60,
+)
 DEFAULT_ADJUST_LR = "spectral_norm"  # the best on text, 0.7747 against rms_norm's 0.8271
 
 
