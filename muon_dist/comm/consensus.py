@@ -17,23 +17,36 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from muon_dist.comm.groups import CommGroups, Peers, comm_groups, dedicated
-from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.views import named_params, param_list
 
 # Differing keys named in an error, at most.
 _SHOWN = 3
 
 
+class Settings(Protocol):
+    """What agreement reads of the execution settings (a dataclass: every field is agreed;
+    :class:`muon_dist.options.settings.ExecutionSettings` is one), so this layer does not
+    depend on the options layer."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def replica_mode(self) -> str: ...
+
+    @property
+    def starts_in_backward(self) -> bool: ...
+
+
 def describe(
     groups: Sequence[dict[str, Any]],
-    settings: ExecutionSettings,
+    settings: Settings,
     extra: Sequence[str] = (),
 ) -> dict[str, str]:
     """Everything that decides a step, as text: the settings, each group's options, each
@@ -145,7 +158,7 @@ def agreed_comm(
     groups: Sequence[dict[str, Any]],
     refused: Exception | None,
     when: str,
-    settings: ExecutionSettings | None,
+    settings: Settings | None,
     process_group: dist.ProcessGroup | None,
     extra: Sequence[str],
 ) -> CommGroups:
