@@ -670,7 +670,7 @@ def routing(groups: list[dict[str, Any]]) -> dict[str, str]:
     the rest; rows inside layers are keyed by their name within the layer (all layers that
     hold it must agree), the rest by their full name."""
     out: dict[str, str] = {}
-    for e in muon_dist.plan.views.routing_entries(groups):
+    for e in muon_dist.routing.table.routing_entries(groups):
         name = _LAYER.sub("", e.name)
         row = "adamw" if e.algorithm == "adamw" else f"{e.view} | {e.scale_text}"
         out[name] = row if out.get(name, row) == row else f"layers disagree: {out[name]}, {row}"
@@ -942,7 +942,7 @@ def family_rows(family: str) -> list[str]:
 
     routes = route_model(model, **options(family))
     rows: dict[str, str] = {}
-    for e in muon_dist.plan.views.routing_entries(muon_dist.param_groups(model, **options(family))):
+    for e in muon_dist.routing.table.routing_entries(muon_dist.param_groups(model, **options(family))):
         base = e.name.split("[")[0]
         reason = routes[base][1].reason
         if reason in _PLAIN[e.algorithm]:
@@ -953,7 +953,7 @@ def family_rows(family: str) -> list[str]:
             if e.name != base:  # row blocks of a split 2-D weight: list them once
                 blocks = [
                     f.view.split(" ", 1)[1]
-                    for f in muon_dist.plan.views.routing_entries(
+                    for f in muon_dist.routing.table.routing_entries(
                         muon_dist.param_groups(model, **options(family))
                     )
                     if f.name.split("[")[0] == base

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import muon_dist
-from muon_dist.plan.views import normalize_fqn
+from muon_dist.routing.names import normalize_fqn
 
 
 class Experts(nn.Module):
@@ -250,7 +250,7 @@ TITAN_TRUE_LAYOUT = {
 def _views(groups: list[dict[str, object]]) -> dict[str, str]:
     return {
         e.name: e.view if e.algorithm == "muon" else "adamw"
-        for e in muon_dist.plan.views.routing_entries(groups)
+        for e in muon_dist.routing.table.routing_entries(groups)
     }
 
 
@@ -325,7 +325,7 @@ def test_declared_layouts_split_expert_stacks_and_read_storage_orientation() -> 
             r"experts\.down_proj$": {"transposed": True},
         },
     )
-    rows = {e.name: e for e in muon_dist.plan.views.routing_entries(groups)}
+    rows = {e.name: e for e in muon_dist.routing.table.routing_entries(groups)}
     assert rows["experts.gate_up_proj"].view == "expert_stack 4x[12x8] parts 6+6"
     assert rows["experts.gate_up_proj_bias"].algorithm == "adamw"
     # [E, in, out] = [4, 6, 12]: 12 outputs from 6 inputs, the same scale as [4, 12, 6]

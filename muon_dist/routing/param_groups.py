@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from muon_dist.plan.views import ALGORITHMS, format_routing_table, normalize_fqn, routing_entries
+from muon_dist.plan.views import ALGORITHMS
+from muon_dist.routing.names import normalize_fqn
+from muon_dist.routing.table import format_routing_table, routing_entries
 from muon_dist.routing.heads import HEAD_NAMES, embedding_and_head_ids
 from muon_dist.routing.router import Route, Router
 from muon_dist.routing.structure import STATE_SPACE_NAMES

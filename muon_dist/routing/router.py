@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from muon_dist.routing.families import Layout, titan_layout
+from muon_dist.routing.names import name_regex
 from muon_dist.routing.known_modules import module_layout
 from muon_dist.routing.structure import (
     STATE_SPACE_NAMES,
@@ -185,9 +186,9 @@ class Router:
             if self.muon_mode != "2d":
                 return None
             guess = (
-                f"{_regex(name)} ({_shape_text(shape)}) is neither a convolution nor an expert "
+                f"{name_regex(name)} ({_shape_text(shape)}) is neither a convolution nor an expert "
                 f"stack: it goes to AdamW; if it is a stack of matrices, pass overrides="
-                f"{{{_regex(name)!r}: 'muon'}} with muon_mode='flat' or 'slice'"
+                f"{{{name_regex(name)!r}: 'muon'}} with muon_mode='flat' or 'slice'"
             )
             return Route("adamw", f"unknown {p.ndim}-D tensor", guess=guess)
         return None
@@ -294,7 +295,7 @@ class Router:
             sizes, source = named, "its name"
         else:
             return None
-        regex = _regex(name)
+        regex = name_regex(name)
         audit = f"whole: no module class says it is fused ({source} would cut it {sizes})"
         if not suggests_fusion(name):
             return audit, None
@@ -315,7 +316,7 @@ class Router:
         down projection's width) or cannot tell, the warning proposes the ``fused=``."""
         stacks = self._stacks_of(name.rpartition(".")[0], owner)
         leaf = name.rpartition(".")[2]
-        regex = _regex(name)
+        regex = name_regex(name)
         proposed: ViewOptions = {}
         if stacks.in_out:
             proposed["transposed"] = True
@@ -388,7 +389,7 @@ class Router:
             else ""
         )
         return (
-            f"{_regex(name)} ({_shape_text(shape)}) is a 2-D weight under an expert module, "
+            f"{name_regex(name)} ({_shape_text(shape)}) is a 2-D weight under an expert module, "
             f"orthogonalized as one matrix; pass num_experts=E if it stacks E experts [E*m, n]"
             f"{hint}"
         )
@@ -415,8 +416,3 @@ def _owner_path(name: str) -> tuple[str, str]:
         return base, rest.split(".")[0]
     module, _, leaf = name.rpartition(".")
     return module, leaf
-
-
-def _regex(name: str) -> str:
-    """A regex matching ``name`` at the end of a parameter name, layer numbers generalised."""
-    return re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name)) + "$"

@@ -1,0 +1,177 @@
+"""Run a model's forward once on the meta device and observe every parameter's use.
+
+Nothing is allocated: each parameter and buffer is swapped for a meta tensor of its full
+shape (``torch.func.functional_call``; a DTensor's global shape), the inputs are moved to
+meta, and the module hooks (FSDP2's all-gathers among them) are off for the call, so no
+collective runs and every rank observes the same. Inputs are the caller's
+``example_inputs`` or the model's own: a transformers model's ``dummy_inputs`` (token ids),
+pixels sized by its config for a vision model, and for a model with
+``get_image_features`` (a vision-language model) that call too. A forward that cannot
+run on meta (data-dependent shapes) is tried once more in bfloat16 (grouped expert
+kernels take only that), then given up: the caller routes without observation.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map
+
+from muon_dist.routing.names import normalize_fqn
+from muon_dist.routing.observed import Observation, observation
+from muon_dist.routing.trace import Tracer
+
+logger = logging.getLogger(__name__)
+
+# Outputs that are not the model's prediction: states, attention maps, caches, routers.
+_NOT_PREDICTION = re.compile(r"hidden_state|attention|past_key_values|cache|router|aux")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Observations by normalised parameter name; ``error`` says why none were made."""
+
+    by_name: Mapping[str, Observation] = field(default_factory=dict)
+    error: str | None = None
+
+
+def observe(model: nn.Module, example_inputs: Any = None) -> Observed:
+    """Observe ``model``'s forward on ``example_inputs`` (a dict of keyword arguments, a
+    tuple of positional ones or one tensor) or, where None, on the model's own."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile: the module it wraps
+    calls = _calls(model, example_inputs)
+    if not calls:
+        return Observed(error="no example_inputs and the model has no dummy inputs")
+    named = list(_unique_parameters(model))
+    error = ""
+    for dtype in (None, torch.bfloat16):
+        tracer = Tracer(len(named))
+        try:
+            _run(model, calls, tracer, dtype)
+        except Exception as e:  # noqa: BLE001 - any model code may refuse meta tensors
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            continue
+        by_name = {}
+        for index, (name, p) in enumerate(named):
+            seen = observation(
+                tracer.records[index], tuple(p.shape), index in tracer.outputs
+            )
+            if seen is not None:
+                by_name[name] = seen
+        return Observed(by_name)
+    return Observed(error=f"its forward does not run on the meta device ({error})")
+
+
+def _unique_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield normalize_fqn(name), p
+
+
+Call = tuple[str | None, tuple[Any, ...], dict[str, Any]]
+"""``(method or None for the forward, args, kwargs)``."""
+
+
+def _calls(model: nn.Module, example_inputs: Any) -> list[Call]:
+    if example_inputs is not None:
+        if isinstance(example_inputs, Mapping):
+            return [(None, (), dict(example_inputs))]
+        if isinstance(example_inputs, tuple):
+            return [(None, example_inputs, {})]
+        return [(None, (example_inputs,), {})]
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    pixels = _pixels(config)
+    if main == "pixel_values":
+        return [(None, (), {"pixel_values": pixels})] if pixels is not None else []
+    dummy = getattr(model, "dummy_inputs", None)
+    if main != "input_ids" or not isinstance(dummy, Mapping):
+        return []
+    calls: list[Call] = [(None, (), dict(dummy))]
+    vision = getattr(config, "vision_config", None)
+    if callable(getattr(model, "get_image_features", None)) and vision is not None:
+        image = _pixels(vision)
+        if image is not None:
+            calls.append(("get_image_features", (), {"pixel_values": image}))
+    return calls
+
+
+def _pixels(config: Any) -> torch.Tensor | None:
+    """One image as the config sizes it (64 pixels square where it names no size)."""
+    if config is None or not hasattr(config, "num_channels"):
+        return None
+    size = getattr(config, "image_size", 64)
+    side = size if isinstance(size, int) else None
+    if isinstance(size, (list, tuple)) and len(size) == 2:
+        return torch.zeros(1, int(config.num_channels), int(size[0]), int(size[1]))
+    if side is None:
+        return None
+    return torch.zeros(1, int(config.num_channels), side, side)
+
+
+@contextmanager
+def _hooks_off(model: nn.Module) -> Iterator[None]:
+    """No module hooks for the call (FSDP2 all-gathers, user hooks); restored after."""
+    saved = [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
+    for m, _, _ in saved:
+        m._forward_pre_hooks = OrderedDict()
+        m._forward_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks = pre
+            m._forward_hooks = post
+
+
+def _meta(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return torch.empty(tuple(t.shape), dtype=cast, device="meta")
+
+
+def _run(model: nn.Module, calls: list[Call], tracer: Tracer, dtype: torch.dtype | None) -> None:
+    """Each call on meta stand-ins for the parameters (the tracer's, in order) and
+    buffers; the parameters whose products reach a prediction output are noted."""
+    params = {id(p): i for i, (_, p) in enumerate(_unique_parameters(model))}
+    stand_ins = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        stand_ins[name] = tracer.param(params[id(p)], _meta(p, dtype))
+    for name, b in model.named_buffers(remove_duplicate=False):
+        stand_ins[name] = _meta(b, dtype)
+
+    def to_meta(a: Any) -> Any:
+        return _meta(a, dtype) if isinstance(a, torch.Tensor) else a
+
+    with torch.no_grad(), _hooks_off(model), tracer:
+        for method, args, kwargs in calls:
+            args, kwargs = tree_map(to_meta, (args, kwargs))
+            with _reparametrize_module(model, stand_ins):
+                out = getattr(model, method)(*args, **kwargs) if method else model(*args, **kwargs)
+            if method is None:
+                for key, value in _outputs(out):
+                    if not _NOT_PREDICTION.search(key):
+                        tracer.reached(value)
+
+
+def _outputs(out: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` of a model output (a ModelOutput or dict, a tuple, a tensor)."""
+    if isinstance(out, Mapping):
+        for key, value in out.items():
+            for tensor in tree_flatten(value)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    yield str(key), tensor
+    else:
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                yield "", tensor
