@@ -942,7 +942,9 @@ def family_rows(family: str) -> list[str]:
 
     routes = route_model(model, **options(family))
     rows: dict[str, str] = {}
-    for e in muon_dist.routing.table.routing_entries(muon_dist.param_groups(model, **options(family))):
+    for e in muon_dist.routing.table.routing_entries(
+        muon_dist.param_groups(model, **options(family))
+    ):
         base = e.name.split("[")[0]
         reason = routes[base][1].reason
         if reason in _PLAIN[e.algorithm]:

@@ -57,14 +57,12 @@ def observe(model: nn.Module, example_inputs: Any = None) -> Observed:
         tracer = Tracer(len(named))
         try:
             _run(model, calls, tracer, dtype)
-        except Exception as e:  # noqa: BLE001 - any model code may refuse meta tensors
+        except Exception as e:
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
         by_name = {}
         for index, (name, p) in enumerate(named):
-            seen = observation(
-                tracer.records[index], tuple(p.shape), index in tracer.outputs
-            )
+            seen = observation(tracer.records[index], tuple(p.shape), index in tracer.outputs)
             if seen is not None:
                 by_name[name] = seen
         return Observed(by_name)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from muon_dist.routing.structure import ViewOptions
 from muon_dist.routing.trace import Record
 
@@ -20,7 +18,8 @@ from muon_dist.routing.trace import Record
 @dataclass(frozen=True)
 class Observation:
     """``kind``: "matrix" (a linear map, view ``options``), "table", "head", "slice" or
-    "flat" (how a >2-D tensor is read), or "unsettled" (``reason`` says why)."""
+    "flat" (how a >2-D tensor is read), "untraceable" (cut in no pattern of blocks) or
+    "unsettled" (uses that say nothing for sure; ``reason`` says which)."""
 
     kind: str
     options: ViewOptions = field(default_factory=dict)
@@ -54,7 +53,7 @@ def observation(record: Record, shape: tuple[int, ...], head: bool) -> Observati
     found = parts(record, outputs)
     options: ViewOptions = {"transposed": True} if transposed else {}
     if found is None:
-        return Observation("unsettled", options, "observed cuts that repeat no pattern")
+        return Observation("untraceable", options, "observed cuts that repeat no pattern")
     sizes, groups = found
     if len(sizes) > 1:
         options["split_sizes"] = sizes
@@ -87,15 +86,17 @@ def _kept_cuts(record: Record) -> list[tuple[frozenset[int], list[frozenset[int]
 def parts(record: Record, outputs: int) -> tuple[list[int], int] | None:
     """``(split_sizes, split_groups)`` of the finest kept cut of ``outputs`` features;
     ``([outputs], 1)`` uncut; None where the blocks repeat no pattern."""
-    labels = torch.zeros(outputs, dtype=torch.int64)
+    labels = [0] * outputs
     for whole, pieces in _kept_cuts(record):
-        cut = torch.full((outputs,), -2, dtype=torch.int64)
-        cut[sorted(whole)] = -1
+        cut = [-2] * outputs
+        for feature in whole:
+            cut[feature] = -1
         for i, piece in enumerate(pieces):
-            cut[sorted(piece)] = i
-        pairs = torch.stack([labels, cut], dim=1)
-        labels = pairs.unique(dim=0, return_inverse=True)[1]
-    return _pattern(labels.tolist())
+            for feature in piece:
+                cut[feature] = i
+        ids: dict[tuple[int, int], int] = {}
+        labels = [ids.setdefault(pair, len(ids)) for pair in zip(labels, cut, strict=True)]
+    return _pattern(labels)
 
 
 def _runs(labels: list[int]) -> list[tuple[int, int]]:

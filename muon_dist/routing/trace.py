@@ -113,11 +113,11 @@ def _compact(codes: torch.Tensor) -> torch.Tensor:
 def decode(codes: torch.Tensor) -> Iterator[tuple[int, int, frozenset[int]]]:
     """``(parameter, axis, features)`` for each parameter axis among ``codes``."""
     codes = _compact(codes)
-    found = codes[codes >= 0].unique()
-    keys = found >> _AXIS
-    for key in keys.unique().tolist():
-        features = found[keys == key] & _FEATURES
-        yield key >> 1, key & 1, frozenset(features.tolist())
+    by_key: dict[int, set[int]] = {}
+    for code in set(codes[codes >= 0].tolist()):
+        by_key.setdefault(code >> _AXIS, set()).add(code & _FEATURES)
+    for key, features in by_key.items():
+        yield key >> 1, key & 1, frozenset(features)
 
 
 @dataclass
@@ -174,8 +174,7 @@ class Tracer(TorchFunctionMode):
         return tensor
 
     def codes(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        found = self._codes.get(tensor)
-        return None if found is None else found[1]
+        return self._codes[tensor][1] if tensor in self._codes else None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -338,9 +337,9 @@ class Tracer(TorchFunctionMode):
                 continue
             self._track(tensor, piece)
             for p, a, features in decode(piece):
-                source = whole.get((p, a))
-                if source is not None and features != source:  # fewer outputs: a cut
-                    self.records[p].cuts.setdefault(serial, (source, []))[1].append(features)
+                held = whole.get((p, a))
+                if held is not None and features != held:  # fewer outputs: a cut
+                    self.records[p].cuts.setdefault(serial, (held, []))[1].append(features)
 
     def _join(self, func: Callable[..., Any], args: Any, kwargs: Any, out: Any) -> None:
         joined = self._replay(func, args, kwargs, fill=True)
