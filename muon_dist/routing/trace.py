@@ -211,15 +211,13 @@ class Tracer(TorchFunctionMode):
             return
         operands = [a for a in flat if a is not weight]
         if name == "linear" and len(args) > 1 and args[1] is weight:
-            self._applied(record, alias, out, alias.rows, "rows")
+            self._applied(record, alias, out, alias.rows)
         elif name in ("addmm", "baddbmm") and args[-1] is weight:
-            self._applied(record, alias, out, alias.cols, "columns")
+            self._applied(record, alias, out, alias.cols)
         elif name in _MATMULS and len(args) == 2 and args[1] is weight and args[0] is not weight:
-            self._applied(record, alias, out, alias.cols, "columns")
+            self._applied(record, alias, out, alias.cols)
         elif name in _MATMULS and len(args) == 2 and args[0] is weight and args[1] is not weight:
-            record.uses.add("slice" if alias.stacked else "rows")
-            codes = alias.rows[:, None].expand(out.shape)
-            self._track(out, codes)
+            self._applied(record, alias, out, alias.rows[:, None])
         elif name in ("t", "T", "mT", "transpose", "swapaxes") and out.ndim == 2:
             self._aliases[out] = _Alias(alias.index, alias.cols, alias.rows, alias.stacked)
         elif tuple(out.shape[-2:]) == tuple(weight.shape[-2:]) and not any(
@@ -262,9 +260,11 @@ class Tracer(TorchFunctionMode):
             record.uses.add("other")
 
     def _applied(
-        self, record: Record, alias: _Alias, out: torch.Tensor, codes: torch.Tensor, use: str
+        self, record: Record, alias: _Alias, out: torch.Tensor, codes: torch.Tensor
     ) -> None:
-        record.uses.add("slice" if alias.stacked else use)
+        """``out`` holds the outputs ``codes``: the parameter's rows or its columns."""
+        axis = int(codes.flatten()[0]) >> _AXIS & 1 if codes.numel() else 0
+        record.uses.add("slice" if alias.stacked else ("columns" if axis else "rows"))
         if not alias.stacked:
             self._track(out, codes.expand(out.shape))
 
