@@ -288,9 +288,10 @@ _LAYER_ROWS: dict[str, dict[str, str]] = {
         "self_attn.q_a_proj.weight": "matrix 16x32 | 1.000",
         "self_attn.q_a_layernorm.weight": "adamw",
         "self_attn.q_b_proj.weight": "matrix 32x16 | 1.414",
-        "self_attn.kv_a_proj_with_mqa.weight": "matrix 12x32 | 1.000",
+        "self_attn.kv_a_proj_with_mqa.weight[0:8]": "matrix 8x32 | 1.000",  # latent kv
+        "self_attn.kv_a_proj_with_mqa.weight[8:12]": "matrix 4x32 | 1.000",  # rope key
         "self_attn.kv_a_layernorm.weight": "adamw",
-        "self_attn.kv_b_proj.weight": "matrix 48x8 | 2.449",
+        "self_attn.kv_b_proj.weight": "matrix 48x8 parts 4+8 x4 interleaved | 1.414/2.000",
         "self_attn.o_proj.weight": "matrix 32x32 | 1.000",
         **_MOE_EXPERTS,
         "mlp.shared_experts.gate_proj.weight": "matrix 24x32 | 1.000",
@@ -728,6 +729,12 @@ _TRUE_LAYOUTS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
         # per key head: q (dk), k (dk), v (nv/nk * dv), z (nv/nk * dv); b, a (nv/nk each)
         ("in_proj_qkvz.weight", {"split_sizes": [8, 8, 16, 16], "split_groups": 2}),
         ("in_proj_ba.weight", {"split_sizes": [2, 2], "split_groups": 2}),
+    ),
+    # split([kv_lora_rank, qk_rope_head_dim]): the latent kv and the rope key
+    "deepseek_v3": (
+        ("kv_a_proj_with_mqa.weight", {"split_sizes": [8, 4]}),
+        # kv_b_proj(x).view(..., heads, nope + v).split([nope, v]): per head k, v
+        ("kv_b_proj.weight", {"split_sizes": [4, 8], "split_groups": HEADS}),
     ),
     # gate (I), x (I), B (G N), C (G N), dt (heads)
     "mamba2": (("mixer.in_proj.weight", {"split_sizes": [64, 64, 16, 16, 8]}),),

@@ -105,7 +105,10 @@ def test_overrides_move_parameters_between_muon_and_adamw() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"proj": "sgd"}, r"overrides\['proj'\]='sgd'; choose one of \['muon', 'adamw', 'muon:flat'"),
+        (
+            {"proj": "sgd"},
+            r"overrides\['proj'\]='sgd'; choose one of \['muon', 'adamw', 'muon:flat'",
+        ),
         (lambda n, p: "lion", "overrides returned 'lion' for wqkv.weight"),
         ({"norm": "muon"}, r"routed norm.weight \(shape \(6,\)\) to 'muon'"),
     ],

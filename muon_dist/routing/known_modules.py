@@ -363,7 +363,7 @@ def module_layout(
                 return _credited(rule(module, shape), type(module).__name__)
     owner = modules.get(".".join(path[:-1]))
     attention = modules.get(".".join(path[:-2])) if len(path) > 1 else None
-    if attention is not None and (found := latent_attention(attention, path[-2:])):
+    if attention is not None and (found := latent_attention(attention, path[-2:], shape[0])):
         return found
     if owner is None:
         return None

@@ -13,6 +13,7 @@ kernels take only that), then given up: the caller routes without observation.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from collections import OrderedDict
@@ -96,7 +97,7 @@ def _calls(model: nn.Module, example_inputs: Any) -> list[Call]:
     dummy = getattr(model, "dummy_inputs", None)
     if main != "input_ids" or not isinstance(dummy, Mapping):
         return []
-    calls: list[Call] = [(None, (), dict(dummy))]
+    calls: list[Call] = [(None, (), {**dict(dummy), **_with_cache(model)})]
     vision = getattr(config, "vision_config", None)
     if callable(getattr(model, "get_image_features", None)) and vision is not None:
         image = _pixels(vision)
@@ -105,17 +106,31 @@ def _calls(model: nn.Module, example_inputs: Any) -> list[Call]:
     return calls
 
 
+def _with_cache(model: nn.Module) -> dict[str, Any]:
+    """``use_cache=True`` where the forward takes it: without a cache, transformers reads
+    the position ids' values to find packed sequences, which meta tensors do not have
+    (the cache changes no op that touches a weight)."""
+    try:
+        accepted = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": True} if "use_cache" in accepted else {}
+
+
 def _pixels(config: Any) -> torch.Tensor | None:
-    """One image as the config sizes it (64 pixels square where it names no size)."""
-    if config is None or not hasattr(config, "num_channels"):
+    """One image as the config (or its backbone's) sizes it (64 pixels square where it
+    names no size)."""
+    backbone = getattr(config, "backbone_config", None)
+    channels = getattr(config, "num_channels", getattr(backbone, "num_channels", None))
+    if not isinstance(channels, int):
         return None
     size = getattr(config, "image_size", 64)
     side = size if isinstance(size, int) else None
     if isinstance(size, (list, tuple)) and len(size) == 2:
-        return torch.zeros(1, int(config.num_channels), int(size[0]), int(size[1]))
+        return torch.zeros(1, channels, int(size[0]), int(size[1]))
     if side is None:
         return None
-    return torch.zeros(1, int(config.num_channels), side, side)
+    return torch.zeros(1, channels, side, side)
 
 
 @contextmanager

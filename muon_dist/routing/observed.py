@@ -2,9 +2,11 @@
 table, a head, or a stack of matrices; from the :class:`muon_dist.routing.trace.Record`.
 
 Parts are the finest cut of the product's outputs that the forward makes and keeps: a
-cut whose pieces are joined again (rotary halves put back together, a rotary part and a
-pass-through part) is no part. The cut must repeat one pattern of contiguous blocks along
-the outputs (q, k, v blocks; ``[heads, 3, d]`` per head), or it is not traceable.
+cut whose pieces are joined again into its source (rotary halves put back together, a
+rotary part and a pass-through part) is no part. A product added to another parameter's
+is followed no further (the sum carries the other's codes): unsettled. The cut must
+repeat one pattern of contiguous blocks along the outputs (q, k, v blocks;
+``[heads, 3, d]`` per head), or it is not traceable.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def observation(record: Record, shape: tuple[int, ...], head: bool) -> Observati
         return Observation("table", reason="observed: indexed or added, never multiplied")
     if len(uses) != 1 or not uses <= {"rows", "columns"}:
         return Observation("unsettled", reason=f"observed uses {sorted(uses)}")
+    if record.merged:
+        return Observation("unsettled", reason="its product is added to another's")
     transposed = uses == {"columns"}
     if head:
         return Observation("head", reason="observed: its product is the model's output")
@@ -74,13 +78,9 @@ def _matrix_reason(transposed: bool, sizes: list[int], groups: int) -> str:
 
 
 def _kept_cuts(record: Record) -> list[tuple[frozenset[int], list[frozenset[int]]]]:
-    """The cuts whose pieces no join puts back together."""
-    kept = []
-    for whole, pieces in record.cuts.values():
-        if any(sum(p <= joined for p in pieces) >= 2 for joined in record.joins):
-            continue
-        kept.append((whole, pieces))
-    return kept
+    """The cuts that no join puts back together (a join of exactly the cut's source)."""
+    joined = set(record.joins)
+    return [(whole, pieces) for whole, pieces in record.cuts.values() if whole not in joined]
 
 
 def parts(record: Record, outputs: int) -> tuple[list[int], int] | None:

@@ -235,9 +235,10 @@ class Router:
         if evidence.settled(seen) is not None and seen is not None:  # the forward wins
             if layout is not None:
                 guess = evidence.disagreement(name, shape, layout, seen)
-            options = {k: v for k, v in options.items() if k not in evidence.OBSERVED_KEYS}
-            options.update(seen.options)
-            reasons = [reasons[0].split(" [")[0], seen.reason, *reasons[1:]]
+            kept = {k: v for k, v in options.items() if k not in evidence.OBSERVED_KEYS}
+            if {**kept, **seen.options} != options:  # the audit says what the forward added
+                options = {**kept, **seen.options}
+                reasons = [reasons[0].split(" [")[0], seen.reason, *reasons[1:]]
         if declared is not None:  # the caller's layout replaces parts and expert counts
             kept = {k: v for k, v in options.items() if k in ("experts", "transposed")}
             route = Route("muon", "fused= declared", frozen({**kept, **declared}))

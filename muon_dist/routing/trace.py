@@ -126,9 +126,10 @@ class Record:
     ``"columns"``: a linear map reading those as outputs; ``"slice"``, ``"flat"``: a
     stack of matrices or one flattened matrix; ``"table"``: indexed, added or expanded;
     ``"other"``), its cuts (per source tensor: the source's features and each piece's)
-    and its joins (the features of each join of two or more of its tensors)."""
+    its joins (the features of each join of its tensors) and whether it was ``merged``."""
 
     uses: set[str] = field(default_factory=set)
+    merged: bool = False  # added to another parameter's product, then not followed
     cuts: dict[int, tuple[frozenset[int], list[frozenset[int]]]] = field(default_factory=dict)
     joins: list[frozenset[int]] = field(default_factory=list)
 
@@ -295,7 +296,19 @@ class Tracer(TorchFunctionMode):
         elif name not in _MIXING and isinstance(out, torch.Tensor):
             same = [t for t in tracked if t.shape == out.shape]
             if same:
-                self._track(out, self._codes[same[0]][1])
+                kept = self._codes[same[0]][1]
+                self._track(out, kept)
+                self._merged(kept, [self._codes[t][1] for t in tracked[1:] if t is not same[0]])
+
+    def _merged(self, kept: torch.Tensor, others: list[torch.Tensor]) -> None:
+        """Mark the parameters whose products an elementwise op adds to another's."""
+        if not others:
+            return
+        carried = {p for p, _, _ in decode(kept)}
+        for codes in others:
+            for p, _, _ in decode(codes):
+                if p not in carried:
+                    self.records[p].merged = True
 
     def _replay(self, func: Callable[..., Any], args: Any, kwargs: Any, fill: bool) -> Any:
         """``func`` on the codes of its tracked arguments (untracked tensors: -1 codes
