@@ -65,7 +65,8 @@ def test_xlnet_projections_are_offered_flat_alone(caplog: pytest.LogCaptureFixtu
     model = hf.XLNetLMHeadModel(config)
     text = _tensor_warning(model, caplog)
     assert "rel_attn" in text and "q$': 'muon:flat'}" in text
-    assert "muon:slice" not in text and "r_w_bias" not in text and "seg_embed" not in text
+    assert "muon:slice" not in text and "r_w_bias" not in text
+    assert "seg_embed$': 'muon" not in text  # a segment table is never invited onto Muon
     groups = muon_dist.param_groups(model, overrides={r"rel_attn\.[qkvo]$": "muon:flat"})
     muon = {n: g.get("muon_mode") for g in groups for n in g["param_names"]}
     assert muon["transformer.layer.0.rel_attn.q"] == "flat"

@@ -84,8 +84,8 @@ def tensor_route(name: str, shape: tuple[int, ...], seen: Observation | None) ->
     reason = f"{len(shape)}-D tensor"
     if seen is not None and seen.kind in ("slice", "flat"):
         guess = (
-            f"{regex} ({shape_text(shape)}) is read as {seen.reason.split(': ', 1)[1]} by "
-            f"its forward, but is neither a convolution nor an expert stack: it goes to "
+            f"{regex} ({shape_text(shape)}) is {seen.reason.split(': ', 1)[1]} by its "
+            f"forward, but is neither a convolution nor an expert stack: it goes to "
             f"AdamW. To orthogonalize it as read, pass overrides={{{regex!r}: "
             f"'muon:{seen.kind}'}}"
         )

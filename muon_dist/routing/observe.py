@@ -4,7 +4,8 @@ Nothing is allocated: each parameter and buffer is swapped for a meta tensor of 
 shape (``torch.func.functional_call``; a DTensor's global shape), the inputs are moved to
 meta, and the module hooks (FSDP2's all-gathers among them) are off for the call, so no
 collective runs and every rank observes the same. Inputs are the caller's
-``example_inputs`` or the model's own: a transformers model's ``dummy_inputs`` (token ids),
+``example_inputs`` or the model's own: a transformers model's ``dummy_inputs`` (token ids;
+the first sequence, since every product's codes are held per token),
 pixels sized by its config for a vision model, and for a model with
 ``get_image_features`` (a vision-language model) that call too. A forward that cannot
 run on meta (data-dependent shapes) is tried once more in bfloat16 (grouped expert
@@ -97,7 +98,8 @@ def _calls(model: nn.Module, example_inputs: Any) -> list[Call]:
     dummy = getattr(model, "dummy_inputs", None)
     if main != "input_ids" or not isinstance(dummy, Mapping):
         return []
-    calls: list[Call] = [(None, (), {**dict(dummy), **_with_cache(model)})]
+    first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in dummy.items()}
+    calls: list[Call] = [(None, (), {**first, **_with_cache(model)})]
     vision = getattr(config, "vision_config", None)
     if callable(getattr(model, "get_image_features", None)) and vision is not None:
         image = _pixels(vision)

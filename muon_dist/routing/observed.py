@@ -86,8 +86,11 @@ def _kept_cuts(record: Record) -> list[tuple[frozenset[int], list[frozenset[int]
 def parts(record: Record, outputs: int) -> tuple[list[int], int] | None:
     """``(split_sizes, split_groups)`` of the finest kept cut of ``outputs`` features;
     ``([outputs], 1)`` uncut; None where the blocks repeat no pattern."""
+    kept = _kept_cuts(record)
+    if not kept:
+        return [outputs], 1
     labels = [0] * outputs
-    for whole, pieces in _kept_cuts(record):
+    for whole, pieces in kept:
         cut = [-2] * outputs
         for feature in whole:
             cut[feature] = -1

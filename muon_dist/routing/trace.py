@@ -64,6 +64,30 @@ _MOVES = frozenset(
         "__get__",
     }
 )
+# Moves that keep every output they are given: no cut to look for.
+_KEEPING = frozenset(
+    {
+        "view",
+        "reshape",
+        "transpose",
+        "swapaxes",
+        "permute",
+        "movedim",
+        "contiguous",
+        "unflatten",
+        "flatten",
+        "squeeze",
+        "unsqueeze",
+        "clone",
+        "view_as",
+        "reshape_as",
+        "expand",
+        "expand_as",
+        "t",
+        "T",
+        "mT",
+    }
+)
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack"})
 # Ops that mix features (or tokens) even where the shape is kept: the trail ends there.
 _MIXING = frozenset(
@@ -112,12 +136,19 @@ def _compact(codes: torch.Tensor) -> torch.Tensor:
 
 def decode(codes: torch.Tensor) -> Iterator[tuple[int, int, frozenset[int]]]:
     """``(parameter, axis, features)`` for each parameter axis among ``codes``."""
-    codes = _compact(codes)
-    by_key: dict[int, set[int]] = {}
-    for code in set(codes[codes >= 0].tolist()):
-        by_key.setdefault(code >> _AXIS, set()).add(code & _FEATURES)
-    for key, features in by_key.items():
-        yield key >> 1, key & 1, frozenset(features)
+    found = _compact(codes)
+    found = found[found >= 0].flatten().sort().values
+    if not found.numel():
+        return
+    fresh = torch.ones_like(found, dtype=torch.bool)
+    fresh[1:] = found[1:] != found[:-1]
+    found = found[fresh]
+    keys = found >> _AXIS
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    for key in keys[first].tolist():
+        features = found[keys == key] & _FEATURES
+        yield key >> 1, key & 1, frozenset(features.tolist())
 
 
 @dataclass
@@ -173,9 +204,6 @@ class Tracer(TorchFunctionMode):
             self._stacks[id(tensor)] = index
             self._kept.append(tensor)  # keeps its id its own while the forward runs
         return tensor
-
-    def codes(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        return self._codes[tensor][1] if tensor in self._codes else None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -267,14 +295,13 @@ class Tracer(TorchFunctionMode):
         axis = int(codes.flatten()[0]) >> _AXIS & 1 if codes.numel() else 0
         record.uses.add("slice" if alias.stacked else ("columns" if axis else "rows"))
         if not alias.stacked:
-            self._track(out, codes.expand(out.shape))
+            self._track(out, codes.expand(out.shape), frozenset({alias.index}))
 
     # -- products -------------------------------------------------------------------------
 
-    def _track(self, tensor: torch.Tensor, codes: torch.Tensor) -> int:
-        serial = next(self._serial)
-        self._codes[tensor] = (serial, codes)
-        return serial
+    def _track(self, tensor: torch.Tensor, codes: torch.Tensor, params: frozenset[int]) -> None:
+        """``tensor`` holds ``codes``, outputs of (at most) the parameters ``params``."""
+        self._codes[tensor] = (next(self._serial), codes, params)
 
     def _follow(
         self,
@@ -287,28 +314,20 @@ class Tracer(TorchFunctionMode):
         out: Any,
     ) -> None:
         if name in _CONVS and _depthwise(args, kwargs) and isinstance(out, torch.Tensor):
-            codes = self._codes[args[0]][1]
-            self._track(out, codes[..., :1].expand(out.shape))
+            _, codes, params = self._codes[args[0]]
+            self._track(out, codes[..., :1].expand(out.shape), params)
         elif name in _MOVES and len(tracked) == 1:
-            self._move(func, args, kwargs, tracked[0], out)
+            self._move(func, args, kwargs, tracked[0], out, cuts=name not in _KEEPING)
         elif name in _JOINS:
             self._join(func, args, kwargs, out)
         elif name not in _MIXING and isinstance(out, torch.Tensor):
             same = [t for t in tracked if t.shape == out.shape]
             if same:
-                kept = self._codes[same[0]][1]
-                self._track(out, kept)
-                self._merged(kept, [self._codes[t][1] for t in tracked[1:] if t is not same[0]])
-
-    def _merged(self, kept: torch.Tensor, others: list[torch.Tensor]) -> None:
-        """Mark the parameters whose products an elementwise op adds to another's."""
-        if not others:
-            return
-        carried = {p for p, _, _ in decode(kept)}
-        for codes in others:
-            for p, _, _ in decode(codes):
-                if p not in carried:
-                    self.records[p].merged = True
+                _, kept, params = self._codes[same[0]]
+                self._track(out, kept, params)
+                for other in tracked:  # products added to another's: followed no further
+                    for p in self._codes[other][2] - params:
+                        self.records[p].merged = True
 
     def _replay(self, func: Callable[..., Any], args: Any, kwargs: Any, fill: bool) -> Any:
         """``func`` on the codes of its tracked arguments (untracked tensors: -1 codes
@@ -336,20 +355,26 @@ class Tracer(TorchFunctionMode):
         return None
 
     def _move(
-        self, func: Callable[..., Any], args: Any, kwargs: Any, source: torch.Tensor, out: Any
+        self,
+        func: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        source: torch.Tensor,
+        out: Any,
+        cuts: bool,
     ) -> None:
         moved = self._replay(func, args, kwargs, fill=False)
         if moved is None:
             return
-        serial, codes = self._codes[source]
+        serial, codes, params = self._codes[source]
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         pieces = list(moved) if isinstance(moved, (tuple, list)) else [moved]
-        whole = {(p, a): f for p, a, f in decode(codes)}
+        whole = {(p, a): f for p, a, f in decode(codes)} if cuts else {}
         for tensor, piece in zip(outs, pieces, strict=False):
             if not isinstance(tensor, torch.Tensor) or not isinstance(piece, torch.Tensor):
                 continue
-            self._track(tensor, piece)
-            for p, a, features in decode(piece):
+            self._track(tensor, piece, params)
+            for p, a, features in decode(piece) if cuts else ():
                 held = whole.get((p, a))
                 if held is not None and features != held:  # fewer outputs: a cut
                     self.records[p].cuts.setdefault(serial, (held, []))[1].append(features)
@@ -358,15 +383,21 @@ class Tracer(TorchFunctionMode):
         joined = self._replay(func, args, kwargs, fill=True)
         if not isinstance(joined, torch.Tensor) or not isinstance(out, torch.Tensor):
             return
-        self._track(out, joined)
+        params = frozenset().union(
+            *(
+                self._codes[a][2]
+                for a in tree_flatten((args, kwargs))[0]
+                if isinstance(a, torch.Tensor) and a in self._codes
+            )
+        )
+        self._track(out, joined, params)
         for p, _, features in decode(joined):
             self.records[p].joins.append(features)
 
     def reached(self, output: torch.Tensor) -> None:
         """Note the parameters whose products ``output`` (a model output) holds."""
-        codes = self.codes(output)
-        if codes is not None:
-            self.outputs |= {p for p, _, _ in decode(codes)}
+        if output in self._codes:
+            self.outputs |= self._codes[output][2]
 
 
 def _depthwise(args: Any, kwargs: Any) -> bool:
