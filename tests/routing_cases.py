@@ -877,3 +877,37 @@ OBSERVED: dict[str, Case] = {
         | {"num_key_value_heads": 8},
     ),
 }
+
+
+def _aya(c: dict[str, Any]) -> Expected:  # x, gate = linear_1(x).chunk(2, dim=-1)
+    half = c["alignment_intermediate_size"] // 2
+    return {r"multi_modal_projector\.linear_1\.weight$": {"split_sizes": (half, half)}}
+
+
+_AYA_TINY = {
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32}
+    | {"intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4}
+    | {"image_size": 32, "patch_size": 8},
+    "text_config": {"model_type": "cohere2", "vocab_size": 64, "hidden_size": 32}
+    | {"intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4}
+    | {"num_key_value_heads": 2, "pad_token_id": 0},
+    "alignment_intermediate_size": 64,
+    "downsample_factor": 2,
+    "image_token_index": 5,
+}
+OBSERVED["aya_vision"] = Case(  # CohereForAI/aya-vision-8b, one layer per tower
+    _causal("AyaVisionConfig", "AyaVisionForConditionalGeneration"),
+    _aya,
+    _AYA_TINY,
+    _AYA_TINY
+    | {
+        "vision_config": _AYA_TINY["vision_config"]
+        | {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16}
+        | {"image_size": 364, "patch_size": 14},
+        "text_config": _AYA_TINY["text_config"]
+        | {"vocab_size": 256000, "hidden_size": 4096, "intermediate_size": 14336}
+        | {"num_attention_heads": 32, "num_key_value_heads": 8},
+        "alignment_intermediate_size": 28672,
+        "image_token_index": 255036,
+    },
+)
