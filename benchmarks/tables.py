@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -101,6 +102,7 @@ TABLES: dict[str, Table] = {
             "exposed optimizer ms",
             "step ms",
             "tokens/s",
+            "data wait ms",
             "vs AdamW",
             "runs",
         ),
@@ -110,15 +112,33 @@ TABLES: dict[str, Table] = {
         (
             "model",
             "tokens",
+            "tokens/param",
             "optimizer",
             "best settings",
+            "seeds",
             "final eval loss",
             "tokens to AdamW's best",
             "vs AdamW",
+            "wall s to AdamW's best",
+            "wall vs AdamW",
             "runs",
             "best at an edge",
         ),
         key=("model", "tokens", "optimizer"),
+    ),
+    "budget": Table(
+        (
+            "model",
+            "parameters",
+            "tokens",
+            "tokens/param",
+            "AdamW final eval loss",
+            "Muon final eval loss",
+            "Muon's tokens to AdamW's best",
+            "Muon's wall time to AdamW's best",
+            "seeds",
+        ),
+        key=("model", "tokens"),
     ),
     "parity": Table(
         ("GPUs", "comm / Newton–Schulz dtype", "criterion", "layouts passed", "worst (layout)"),
@@ -149,6 +169,29 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     else:
         launcher = "python3"
     return shlex.join([*launcher.split(), program, *kept])
+
+
+def read_results(path: Path, tool: str, keys: Sequence[str]) -> dict[str, Any]:
+    """The ``results.json`` at ``path`` that benchmarks/``tool`` wrote, or an exit naming the
+    file and what is wrong with it (missing, not JSON, truncated, another tool's)."""
+    what = f"a results.json written by benchmarks/{tool}"
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise SystemExit(
+            f"--from-json {path}: cannot be read ({error.strerror}); give {what}"
+        ) from None
+    try:
+        results = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SystemExit(
+            f"--from-json {path}: not valid JSON at line {error.lineno} column {error.colno} "
+            f"({error.msg}; truncated?); give {what}"
+        ) from None
+    missing = [k for k in keys if k not in results] if isinstance(results, dict) else list(keys)
+    if missing:
+        raise SystemExit(f"--from-json {path}: lacks {', '.join(missing)}; give {what}")
+    return results
 
 
 def run_info(gpus: int = 1, command: str | None = None) -> dict[str, str]:

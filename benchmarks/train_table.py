@@ -47,6 +47,7 @@ BASELINE = "adamw"
 PHASES = ("fwd_bwd_s", "opt_s", "step_s", "data_wait_s")
 LEGEND = (
     "Cells: median over runs of each run's median over its timed steps (min–max over runs). "
+    "data wait: the step's wait for its batch, before its clock starts (left out of tokens/s). "
     "vs AdamW: ratio of the median tokens/s (min–max over the runs paired by round)."
 )
 
@@ -158,6 +159,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
                 "exposed optimizer ms": cell(entry["opt_s"], 1e3, ".1f"),
                 "step ms": cell(entry["step_s"], 1e3, ".1f"),
                 "tokens/s": cell(entry["tokens_per_s"], 1, ",.0f"),
+                "data wait ms": cell(entry["data_wait_s"], 1e3, ".2f"),
                 "vs AdamW": cell(entry["vs_baseline"], 1, ".3f", "×"),
                 "runs": f"{entry['runs']} × {results['timed_steps'][variant]} steps",
             }
@@ -185,14 +187,32 @@ def report(results: dict[str, Any], logs: Path | None, write_table: bool) -> Non
     print(text, end="")
 
 
-def compare(args: argparse.Namespace, flags: list[str]) -> dict[str, Any]:
-    """Launch every run in interleaved order; the results with every raw number."""
+def checked_batches(args: argparse.Namespace, flags: list[str]) -> dict[str, int]:
+    """Each variant's global batch, after checking every run's flags as the example and the
+    table will read them: a comparison that cannot give a table fails before it trains."""
     batch = {}
     for variant in args.variants:
         parsed = training_args([*flags, *variant_flags(variant)])
         if parsed.compare is not None:
             raise SystemExit("--compare runs optimizers in one process: give --variants instead")
+        steps = parsed.stop_after or parsed.steps
+        if args.skip >= steps:
+            raise SystemExit(
+                f"--skip {args.skip} leaves none of the {steps} steps of {variant!r} (--steps "
+                f"{parsed.steps}) to time: pass --skip below {steps} or more --steps"
+            )
+        if parsed.batch_size < args.nproc:
+            raise SystemExit(
+                f"--batch-size {parsed.batch_size} is smaller than --nproc {args.nproc}: every "
+                "rank needs at least one sequence; pass a larger --batch-size"
+            )
         batch[variant] = parsed.batch_size
+    return batch
+
+
+def compare(args: argparse.Namespace, flags: list[str]) -> dict[str, Any]:
+    """Launch every run in interleaved order; the results with every raw number."""
+    batch = checked_batches(args, flags)
     command = tables.command_line()
     args.logs.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -252,12 +272,14 @@ def main() -> None:
     if args.from_json is not None:
         if flags:
             parser.error("--from-json takes no training flags")
-        report(json.loads(args.from_json.read_text()), args.logs, args.write_table)
+        keys = ("model", "nproc", "batch", "timed_steps", "summary", "run")
+        results = tables.read_results(args.from_json, "train_table.py", keys)
+        report(results, args.logs, args.write_table)
         return
     if args.model is None or args.logs is None:
         parser.error("a comparison needs --model and --logs")
-    if args.repeats < 1 or args.skip < 0:
-        parser.error("--repeats must be >= 1 and --skip >= 0")
+    if args.repeats < 1 or args.skip < 0 or args.nproc < 1:
+        parser.error("--repeats and --nproc must be >= 1 and --skip >= 0")
     if BASELINE not in args.variants or len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants must be distinct and include {BASELINE}: ratios are to AdamW")
     report(compare(args, flags), args.logs, args.write_table)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -67,8 +68,16 @@ class MarkovChain:
         self.transition = (1.0 - smoothing) * sparse + smoothing / vocab_size
         self.stationary = _stationary(self.transition)
         # Inverse-CDF sampling tables, float64 so the last entry rounds to 1 (clamped anyway).
-        self._cdf = self.transition.cumsum(dim=1)
-        self._start_cdf = self.stationary.cumsum(dim=0)
+        # Each row's CDF is cut into blocks of about sqrt(vocab_size) entries (the last block
+        # padded with +inf, which no uniform reaches), and ``_block_ends`` keeps every
+        # block's last entry: a draw reads one row of block ends and one block, not the row.
+        self._block = max(1, math.isqrt(vocab_size))
+        blocks = -(-vocab_size // self._block)
+        cdf = np.full((vocab_size, blocks * self._block), np.inf)
+        cdf[:, :vocab_size] = self.transition.cumsum(dim=1).numpy()
+        self._blocks = cdf.reshape(vocab_size, blocks, self._block)
+        self._block_ends = np.ascontiguousarray(self._blocks[:, :, -1])
+        self._start_cdf = self.stationary.cumsum(dim=0).numpy()
 
     def stats(self) -> ChainStats:
         """Entropy rate ``sum_i pi_i H(P_i)`` and the stationary distribution's entropy."""
@@ -86,21 +95,31 @@ class MarkovChain:
         Row ``r`` is the same whichever ``rows`` it is asked with, so ranks that each build
         their own rows together hold the global batch, on any number of ranks. The uniforms
         of the whole global batch are drawn (8 bytes a token, from one generator seeded by
-        ``(seed, step)``); the chain is walked only for ``rows``, which is the costly part
-        (a transition-matrix row, ``vocab_size`` floats, read per token).
+        ``(seed, step)``); the chain is walked only for ``rows``. Each token is the first
+        entry of its predecessor's CDF row at or above its uniform (inverse-CDF sampling,
+        as ``torch.searchsorted`` on the whole row finds it), found by reading about
+        ``2 sqrt(vocab_size)`` entries instead of the row, so the walk keeps ahead of a
+        large model's step (16 rows x 1025 tokens at vocabulary 8192: benchmarks/README.md,
+        "Training example").
 
         The first token of each row is drawn from the stationary distribution, so every
         position is in the chain's steady state and the floor applies to every target.
         """
         g = torch.Generator().manual_seed(_mix(self.seed, step))
-        u = torch.rand(seq_len + 1, batch_size, 1, generator=g, dtype=torch.float64)[:, rows]
+        u = torch.rand(seq_len + 1, batch_size, 1, generator=g, dtype=torch.float64)
+        draws = u[:, rows, 0].numpy()
         last = self.vocab_size - 1
-        tokens = torch.empty(seq_len + 1, u.size(1), dtype=torch.long)
-        tokens[0] = torch.searchsorted(self._start_cdf, u[0, :, 0]).clamp_max(last)
+        tokens = np.empty((seq_len + 1, draws.shape[1]), dtype=np.int64)
+        tokens[0] = np.minimum(np.searchsorted(self._start_cdf, draws[0]), last)
+        top_block = self._block_ends.shape[1] - 1
         for t in range(1, seq_len + 1):
-            cdf_rows = self._cdf[tokens[t - 1]]
-            tokens[t] = torch.searchsorted(cdf_rows, u[t]).squeeze(1).clamp_max(last)
-        return tokens.T.contiguous()
+            previous, ut = tokens[t - 1], draws[t][:, None]
+            # The CDF entries below u, counted: whole blocks whose last entry is below u,
+            # then the entries below u in the block that holds the first one at or above it.
+            block = np.minimum((self._block_ends[previous] < ut).sum(axis=1), top_block)
+            inside = (self._blocks[previous, block] < ut).sum(axis=1)
+            tokens[t] = np.minimum(block * self._block + inside, last)
+        return torch.from_numpy(np.ascontiguousarray(tokens.T))
 
 
 def rank_slice(batch_size: int, rank: int, world_size: int) -> slice:

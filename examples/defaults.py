@@ -14,7 +14,9 @@ between sizes:
   benchmarks/sweep.py at ~150M (dim 1024) and confirmed at ~1B (dim 2048), each run the same
   9.8M tokens; benchmarks/README.md, "Optimizers on real text", has the table and the
   command. The best lrs were the same at both widths (AdamW 1.25e-4; Muon 0.01 with its
-  AdamW part at 1e-3).
+  AdamW part at 1e-3). That sweep held every warmup at 10 steps, which held AdamW back
+  (issue 47); ``scripts/fair_sweep.sh`` sweeps the lr and the warmup of each, and
+  ``benchmarks/sweep.py --from-json ... --write-defaults`` writes its bests into ``TEXT``.
 
 AdamW's lr on the Markov chain falls as 1/width above the swept width, as muP prescribes for
 hidden matrices (its update moves every entry by about lr); on text the sweep found the same
@@ -29,20 +31,26 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SweptLrs:
-    """Default lrs for one kind of data."""
+    """Default lrs and warmups for one kind of data."""
 
     muon: dict[str, float]  # Muon's lr per adjust_lr
     muon_adamw: float  # Muon's AdamW part: embeddings, head, norms
     adamw: float  # --optimizer adamw, at ``adamw_dim``
     adamw_dim: int | None  # AdamW's lr falls as adamw_dim / dim above it; None: not scaled
+    muon_warmup: int = 10  # --warmup steps of Muon, NorMuon and Dion2
+    adamw_warmup: int = 10  # --warmup steps of --optimizer adamw
 
     def adamw_at(self, dim: int) -> float:
         if self.adamw_dim is None:
             return self.adamw
         return self.adamw * min(1.0, self.adamw_dim / dim)
 
+    def warmup(self, optimizer: str) -> int:
+        return self.adamw_warmup if optimizer == "adamw" else self.muon_warmup
+
 
 MARKOV = SweptLrs({"spectral_norm": 0.05, "rms_norm": 2e-2}, 8e-3, 8e-3, 96)
+# benchmarks/sweep.py --from-json ... --write-defaults rewrites this line from a sweep's best.
 TEXT = SweptLrs({"spectral_norm": 0.01, "rms_norm": 2e-3}, 1e-3, 1.25e-4, None)
 DEFAULT_ADJUST_LR = "spectral_norm"  # the best on text, 0.7747 against rms_norm's 0.8271
 

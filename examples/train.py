@@ -26,10 +26,12 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, cast
 
@@ -101,7 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f" --dim) on the Markov chain, {TEXT.adamw:g} with --data)",
     )
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup", type=int, default=10, help="linear lr warmup steps")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="linear lr warmup steps (default: swept per optimizer, see defaults.py; on the"
+        f" Markov chain {MARKOV.muon_warmup} for Muon and {MARKOV.adamw_warmup} for AdamW; with"
+        f" --data {TEXT.muon_warmup} and {TEXT.adamw_warmup})",
+    )
     p.add_argument(
         "--cooldown",
         type=float,
@@ -253,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.eval_every = max(1, args.steps // 10)
         if args.eval_every < 1:
             p.error(f"--eval-every {args.eval_every} must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error(f"--warmup {args.warmup} must be >= 0 (0: no warmup)")
     if args.eval_batches < 1:
         p.error(f"--eval-batches {args.eval_batches} must be >= 1")
     return args
@@ -280,7 +291,8 @@ def init_distributed() -> Env:
 
     FSDP2 and DCP need a process group even on one rank; a ``HashStore`` gives one without
     picking a port. GPU runs use NCCL on ``cuda:LOCAL_RANK`` (torchrun's per-node index,
-    so nothing here depends on the node); CPU runs use gloo.
+    so nothing here depends on the node); CPU runs use gloo. Under torchrun the group's
+    keys live under a prefix of their own per restart attempt (:func:`attempt_store`).
     """
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -289,10 +301,32 @@ def init_distributed() -> Env:
     if use_cuda:
         torch.cuda.set_device(device)
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, device_id=device if use_cuda else None)
+        store, rank, world_size = attempt_store()
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            device_id=device if use_cuda else None,
+        )
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return Env(dist.get_rank(), dist.get_world_size(), device)
+
+
+def attempt_store() -> tuple[dist.Store, int, int]:
+    """torchrun's store seen through a prefix naming this restart attempt, with the rank
+    and world size.
+
+    ``torchrun --max-restarts N`` starts every worker again after one dies, against the
+    store the last attempt used: its keys still hold each old rank's address, and the new
+    group's gloo or NCCL mesh would dial the dead worker's address instead of waiting for
+    the new one. Keys under ``attempt_<TORCHELASTIC_RESTART_COUNT>/`` are this attempt's
+    only.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt_{attempt}/", store), rank, world_size
 
 
 def build_mesh(env: Env, replicate: int) -> DeviceMesh:
@@ -305,14 +339,9 @@ def build_mesh(env: Env, replicate: int) -> DeviceMesh:
     return init_device_mesh(env.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
-def build_model(args: argparse.Namespace, mesh: DeviceMesh, env: Env) -> Transformer:
-    """Same seeded init on every rank, then ``fully_shard`` each block and the root.
-
-    Sharding per block lets FSDP gather one block's weights at a time; the root call takes
-    the embedding, final norm and head. On GPU the forward runs in bf16 with fp32 gradient
-    reduction; on CPU everything stays fp32.
-    """
-    model_args = ModelArgs(
+def model_args(args: argparse.Namespace) -> ModelArgs:
+    """The model's shape from the flags (benchmarks/sweep.py counts its parameters)."""
+    return ModelArgs(
         vocab_size=args.vocab,
         dim=args.dim,
         n_layers=args.layers,
@@ -323,8 +352,17 @@ def build_model(args: argparse.Namespace, mesh: DeviceMesh, env: Env) -> Transfo
         n_experts=args.experts,
         top_k=args.top_k,
     )
+
+
+def build_model(args: argparse.Namespace, mesh: DeviceMesh, env: Env) -> Transformer:
+    """Same seeded init on every rank, then ``fully_shard`` each block and the root.
+
+    Sharding per block lets FSDP gather one block's weights at a time; the root call takes
+    the embedding, final norm and head. On GPU the forward runs in bf16 with fp32 gradient
+    reduction; on CPU everything stays fp32.
+    """
     torch.manual_seed(args.seed + 1)
-    model = Transformer(model_args).to(env.device)
+    model = Transformer(model_args(args)).to(env.device)
     if args.ep > 1 and args.batch_size % env.world_size:
         raise SystemExit(
             f"--ep needs --batch-size divisible by the {env.world_size} ranks: EP groups "
@@ -429,10 +467,10 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
     )
 
 
-def lr_factor(step: int, args: argparse.Namespace) -> float:
+def lr_factor(step: int, args: argparse.Namespace, warmup: int) -> float:
     """Warmup, constant, then linear cooldown to 0 (a "WSD" schedule) for step 1..steps."""
-    if args.warmup > 0 and step <= args.warmup:
-        return step / args.warmup
+    if warmup > 0 and step <= warmup:
+        return step / warmup
     cooldown = int(args.cooldown * args.steps)
     if cooldown > 0 and step > args.steps - cooldown:
         return max(0.0, (args.steps - step + 1) / (cooldown + 1))
@@ -449,28 +487,36 @@ def checkpoint_dir(args: argparse.Namespace, optimizer: str) -> Path:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """Newest ``step_NNNNNN`` folder that has ``meta.json``, which is written last."""
-    done = sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
+    """Newest complete ``step_NNNNNN`` folder: one is complete once it has that name
+    (:func:`save_checkpoint` renames it last); a save cut off leaves only a ``.partial``."""
+    done = sorted(p for p in root.glob("step_*") if p.name[5:].isdigit() and p.is_dir())
     return done[-1] if done else None
 
 
 def save_checkpoint(
     path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any], env: Env
 ) -> None:
-    """DCP save of sharded model + optimizer state, then a completion marker.
+    """DCP save of sharded model + optimizer state into ``path``, atomically.
 
+    Every rank writes its shards into ``<path>.partial``; once all have (a barrier), rank 0
+    writes ``meta.json`` there and renames the folder to ``path``, so a rank killed while
+    saving leaves a ``.partial`` folder that :func:`latest_checkpoint` never picks.
     ``get_state_dict`` keys the optimizer state by parameter FQN and keeps the Muon momentum
     buffers as DTensors, so DCP stores each shard once and can reshard them on load. The
     step counter is all the data position there is: batches are a function of the step.
     """
-    if env.is_main and path.exists():
-        shutil.rmtree(path)  # a re-run of this step after a resume: no stale shard files
+    partial = path.with_name(f"{path.name}.partial")
+    if env.is_main and partial.exists():
+        shutil.rmtree(partial)  # left by a save that was cut off
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     dist.barrier()
     if env.is_main:
-        (path / "meta.json").write_text(json.dumps(meta, indent=1))
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+        if path.exists():
+            shutil.rmtree(path)  # a re-run of this step after a resume
+        partial.rename(path)
     dist.barrier()
 
 
@@ -590,17 +636,27 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 # Timing and data
 
 
+PREFETCH = 4
+"""Batches built ahead of the step: a batch that once takes longer than a step to build is
+absorbed by the ones already waiting."""
+
+
 def prefetched(
-    make: Callable[[int], torch.Tensor], steps: range, device: torch.device
+    make: Callable[[int], torch.Tensor],
+    steps: range,
+    device: torch.device,
+    depth: int = PREFETCH,
 ) -> Iterator[tuple[int, torch.Tensor, float]]:
     """``(step, batch on device, seconds waited for it)`` for each of ``steps``, in order.
 
-    ``make(step)`` runs on a background thread one step ahead: the next batch is built while
-    the current step trains, so the step waits only when building a batch takes longer than
-    training on one (the wait says how long). Batches are a pure function of the step, so
-    the numbers are those of building each batch inline. On CUDA the thread pins the batch
-    and the copy to the device does not block the host.
+    ``make(step)`` runs on a background thread up to ``depth`` steps ahead: batches are built
+    while the steps train, so a step waits only when building has fallen ``depth`` batches
+    behind (the wait says how long). Batches are a pure function of the step, so the
+    numbers are those of building each batch inline. On CUDA the thread pins the batch and
+    the copy to the device does not block the host.
     """
+    if depth < 1:
+        raise ValueError(f"depth {depth} must be >= 1: the batch after the current one")
     cuda = device.type == "cuda"
 
     def build(step: int) -> torch.Tensor:
@@ -612,11 +668,11 @@ def prefetched(
     setup: dict[str, Any] = {"initializer": torch.cuda.set_device, "initargs": (device,)}
     pool = ThreadPoolExecutor(1, thread_name_prefix="batches", **(setup if cuda else {}))
     try:
-        futures = (pool.submit(build, step) for step in steps)  # submitted one ahead
-        following = next(futures, None)
+        futures = (pool.submit(build, step) for step in steps)
+        ahead = deque(islice(futures, depth))
         for step in steps:
-            current, following = following, next(futures, None)
-            assert current is not None
+            current = ahead.popleft()
+            ahead.extend(islice(futures, 1))
             begin = time.perf_counter()
             batch = current.result()
             waited = time.perf_counter() - begin
@@ -804,6 +860,7 @@ def train(
         return local_batch(data, step, args, rows)
 
     global_tokens = args.batch_size * args.seq_len
+    warmup = swept_for(args.data).warmup(optimizer_name) if args.warmup is None else args.warmup
     end = args.stop_after or args.steps
     show = env.is_main and not args.no_progress
     log_every = max(1, args.steps // 10)
@@ -812,7 +869,7 @@ def train(
     batches = prefetched(batch_of, range(start + 1, end + 1), env.device)
     with progress(args.steps, start, show) as bar, closing(batches):
         for step, batch, data_wait in batches:
-            factor = lr_factor(step, args)
+            factor = lr_factor(step, args, warmup)
             for group, base in zip(opt.param_groups, base_lrs, strict=True):
                 group["lr"] = base * factor
             timer.start()

@@ -182,7 +182,7 @@ class Muon(torch.optim.Optimizer):
             qk_clip, max_logits, self._named_params(), self._comm.rank, self._comm.holders
         )
         if clipper is not None:
-            self.register_step_post_hook(lambda opt, *_: clipper(opt.runner.agreement.found_inf))
+            self.register_step_post_hook(lambda opt, *_: clipper(opt.runner.found_inf))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group, checked as the constructor checks its groups; after construction,
@@ -200,7 +200,9 @@ class Muon(torch.optim.Optimizer):
             [*self.param_groups, group or param_group], refused, "add_param_group"
         )
         assert group is not None  # _agree raised the refusal otherwise
+        self.check_finite()  # the last step's outcome, read before its step is replaced
         self._add_group(group)
+        _ = self.runner  # built here, as at construction: every step() has one to refuse through
 
     def _checked_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
         """``param_group`` checked and completed
@@ -344,28 +346,26 @@ class Muon(torch.optim.Optimizer):
         runner = self.runner
         with _autocast_off():
             failure = runner.run(self.param_groups, refusal, overlap=self._overlap.overlapping)
-        runner.agreement.report.queued(self.param_groups[0]["steps"] + 1)
+        on_host = runner.queued(self.param_groups[0]["steps"] + 1, failure)
         if failure is None or (failure is runner.crash() and self.settings.nonfinite == "raise"):
             for group in self.param_groups:  # a refused step changed nothing: not counted
                 group["steps"] += 1
         if failure is not None:
-            runner.agreement.report.discard()
             raise failure
-        if runner.agreement.report.on_host:
+        if on_host:
             self.check_finite()
         return loss
 
     def _follow_groups(self) -> None:
-        """Refuse group edits the state cannot follow, check the step values, and rebuild
-        the step where it no longer fits the groups and parameters (:mod:`muon_dist.step.changes`,
-        :meth:`muon_dist.step.runner.StepRunner.stale`), state moved along with storage."""
-        previous = self._runner
-        refused = None if previous is None else previous.built.refused(self.param_groups)
+        """Refuse group edits the state cannot follow, check the keys and step values, and
+        rebuild the step where it no longer fits the groups and parameters
+        (:mod:`muon_dist.step.changes`, :meth:`muon_dist.step.runner.StepRunner.stale`),
+        state moved along with storage."""
+        previous = self.runner
+        refused = previous.built.refused(self.param_groups)
         if refused is not None:
             raise ValueError(refused)
         check_step_values(self.param_groups)
-        if previous is None:
-            return
         reason = previous.stale(self.param_groups)
         if reason is None:
             return
@@ -386,7 +386,7 @@ class Muon(torch.optim.Optimizer):
         ``nonfinite`` policy; ``step()`` and ``state_dict()`` call it first."""
         if self._runner is None:
             return
-        outcome = self._runner.agreement.report.read()
+        outcome = self._runner.outcome()
         if outcome is not None:
             apply_policy(outcome, self.settings.nonfinite, self.param_groups)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install into .venv (if needed) and run lint, the type checker and the whole test suite on CPU.
-# Extra arguments go to pytest, e.g. `bash scripts/run_tests.sh -m "not slow"` for the quick tier.
+# Extra arguments go to pytest, e.g. `bash scripts/run_tests.sh --ignore-glob='*_slow.py'` for
+# the quick tier (every test file but test_*_slow.py).
 source "$(dirname "$0")/env.sh"
 ruff check .
 ruff format --check .

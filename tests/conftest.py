@@ -1,20 +1,56 @@
-"""Session-wide test setup: Triton's interpreter on CPU, GPU tests skipped without CUDA,
-distributed worker pools closed at the end."""
+"""Session-wide test setup: every test folder on ``sys.path``, the ``slow`` and ``gpu`` markers
+set by path, Triton's interpreter on CPU, GPU tests skipped without CUDA, distributed worker
+pools closed at the end.
+
+Where a test lives (tests/tooling/test_test_layout.py checks it; the README's "Tests" says
+the same):
+
+- ``tests/unit/<layer>/``: in-process tests of one layer of ``muon_dist`` (kernels, runtime,
+  rules, plan, options, routing, comm, state, step, optimizer, integrations; optimizer is
+  the top: optimizer.py, qk_clip.py). A test there imports modules of its layer and the
+  layers below, never of a higher one (it may drive them through the package's API,
+  ``import muon_dist``): its folder is the highest layer whose modules it imports. It
+  spawns no ranks.
+- ``tests/distributed/<topic>/``: tests that spawn ranks (``dist_harness``), by topic
+  (parity, rules, features, overlap, host, reliability, fuzz, models), with the in-process
+  checks of the same topic.
+- ``tests/gpu/``: tests that need CUDA; every test there is marked ``gpu``.
+- ``tests/tooling/``: tests of benchmarks/, examples/, scripts/, tools/, CI and the repo's
+  structure.
+- ``tests/support/``: helpers that tests in several folders import; no tests.
+- A worker or helper module that one folder's tests use (``*_cases.py``) sits beside them.
+  Module names are unique across tests/: every folder is on ``sys.path`` and modules import
+  one another by bare name.
+- The tier is the file name: a ``test_*_slow.py`` file is the slow tier (multi-process
+  sweeps, end-to-end runs; every test in it is marked ``slow``), every other file is the
+  quick tier, ``pytest tests --ignore-glob='*_slow.py'``. No test file sets ``slow`` or
+  ``gpu`` itself.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import close_pools
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from repo_paths import TESTS, add_module_folders_to_path
+
+add_module_folders_to_path()
+from dist_harness import close_pools  # noqa: E402
 
 # Without CUDA the Triton kernels run in Triton's CPU interpreter (fp32 tests in
 # test_triton_*.py). It must be chosen before Triton is first imported; with CUDA the real
 # kernels are built and the gpu tests check them, so it is left off there.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+GPU = TESTS / "gpu"
+SLOW_SUFFIX = "_slow.py"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -25,13 +61,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs CUDA: run `pytest -m gpu` on a GPU machine")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.path.name.endswith(SLOW_SUFFIX):
+            item.add_marker(pytest.mark.slow)
+        if item.path.is_relative_to(GPU):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,9 +1,10 @@
 """Rewrite the README's model-family table from the model-family tests.
 
 The table between ``<!-- table:families -->`` and ``<!-- /table:families -->`` is rendered
-by ``tests/model_families.py`` from the same tiny transformers models whose routing
-``tests/test_model_families.py`` checks, so it says what each family's parameters get and
-why. Run after changing the routing or the families: ``python tools/family_table.py``.
+by ``tests/support/model_families.py`` from the same tiny transformers models whose
+routing ``tests/unit/routing/test_model_families.py`` checks, so it says what each family's
+parameters get and why. Run after changing the routing or the families:
+``python tools/family_table.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def replace_section(text: str, table: str) -> str:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from model_families import family_table
 
     readme = ROOT / "README.md"

@@ -5,7 +5,8 @@
 Builds the same FSDP2 model as benchmarks/bench_step.py, takes warm-up steps, profiles two
 steps and prints rank 0's kernels by total device time, with the step's wall time. With
 ``--host`` it profiles rank 0's Python instead (cProfile, by own time), to tell whether the
-step is bound by the host launching its kernels.
+step is bound by the host launching its kernels. benchmarks/profile_step.py splits each
+rank's step into Newton–Schulz, other compute, exposed communication and idle time instead.
 """
 
 from __future__ import annotations

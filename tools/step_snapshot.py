@@ -4,10 +4,11 @@ to compare two versions of the step bitwise (a refactor must not change one bit)
     PYTHONPATH=$PWD python tools/step_snapshot.py record /tmp/before.pt
     PYTHONPATH=$PWD python tools/step_snapshot.py compare /tmp/before.pt /tmp/after.pt
 
-Runs the layout cases of ``tests/parity_cases.py`` under every update rule (Muon, NorMuon,
-Dion2) and the feature cases of ``tests/feature_cases.py`` (views, Magma, cautious decay,
-QK-clip) with fp32 Newton–Schulz and fp32 communication on 1 to 4 gloo ranks, plus skipped
-and raised non-finite steps, and keeps
+Runs the layout cases of ``tests/distributed/parity/parity_cases.py`` under every update
+rule (Muon, NorMuon, Dion2) and the feature cases of
+``tests/distributed/features/feature_cases.py`` (views, Magma, cautious decay, QK-clip) with
+fp32 Newton–Schulz and fp32 communication on 1 to 4 gloo ranks, plus skipped and raised
+non-finite steps, and keeps
 each rank's local tensors (parameters, momenta, Magma scores, AdamW moments) and, for the
 layout cases, how many operations of each kind the last step dispatched (views included).
 """
@@ -21,10 +22,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 from dispatch_count import CountOps
 from dist_harness import close_pools, run_distributed
+from repo_paths import add_module_folders_to_path
+
+add_module_folders_to_path()  # before a pool starts: its ranks import the workers by name
 
 WORLD_SIZES = (1, 2, 3, 4)
 RULES = ("muon", "normuon", "dion2")
@@ -158,7 +162,6 @@ def _cases(world_size: int) -> list[tuple[str, Any, tuple[Any, ...]]]:
 
 
 def record(path: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     results: dict[str, list[dict[str, Any]]] = {}
     for world_size in WORLD_SIZES:
         for name, fn, args in _cases(world_size):

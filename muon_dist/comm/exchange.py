@@ -1,15 +1,62 @@
-"""The packed all-to-all exchange of a bucket's pieces: one collective per bucket and direction
-(the buffers' layout is :mod:`muon_dist.plan.packing`)."""
+"""A bucket's transport: the gather of Newton–Schulz inputs to their owners and the scatter
+of results back, one all-to-all per bucket and direction, behind one object
+(:class:`BucketExchange`). :class:`PackedExchange` moves whole pieces in packed buffers
+(their layout is :mod:`muon_dist.plan.packing`); Dion2's variant moves only the chosen
+slices (:class:`muon_dist.step.dion2_bucket.SelectedExchange`, its buffers
+:mod:`muon_dist.comm.dion2_exchange`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from muon_dist.comm.groups import Peers
+from muon_dist.plan.bucket_map import BucketMap, region_views
 from muon_dist.plan.packing import Packing, flat_views
+
+# Writes the pieces' values into the views it is handed (all at once, so it can batch).
+Fill = Callable[[list[torch.Tensor]], object]
+# A generator step of a bucket task: it yields while a collective is in flight.
+Steps = Generator[None, None, list[torch.Tensor]]
+# A scatter's steps: None where the bucket does not communicate (nothing is received).
+ScatterSteps = Generator[None, None, list[torch.Tensor] | None]
+
+
+@dataclass(frozen=True)
+class Exchanges:
+    """How this rank's bucket all-to-alls run: among ``peers``, in ``dtype``, on ``device``
+    (``world_size`` ranks in all)."""
+
+    peers: Peers
+    dtype: torch.dtype
+    device: torch.device
+    world_size: int
+
+
+class BucketExchange(Protocol):
+    """One bucket's transport, in two steps a task runs with ``yield from``."""
+
+    def gather(self, read: Fill, own: Callable[[list[torch.Tensor]], object]) -> Steps:
+        """The owner's Newton–Schulz input stacks: the pieces this rank sends read by
+        ``read`` into the send buffer, its own pieces read by ``own`` into the stacks, the
+        received ones put in place."""
+        ...
+
+    def chosen(self, position: int) -> list[torch.Tensor] | None:
+        """The slices chosen in the stack at ``position`` (None: every slice)."""
+        ...
+
+    def scatter(self, results: list[torch.Tensor]) -> ScatterSteps:
+        """Send the results' pieces back (``results`` is emptied once they are packed, so a
+        waiting task holds no stacks) and return this rank's received pieces' updates, in
+        the order of the bucket map's ``scatter_writes`` (None: the bucket does not
+        communicate)."""
+        ...
 
 
 def pack(
@@ -42,3 +89,58 @@ def start_exchange(
     if work is None:
         raise RuntimeError("all_to_all_single(async_op=True) returned no work handle")
     return recv, work
+
+
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for all i, in one foreach launch where it can."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
+
+
+class PackedExchange:
+    """Whole pieces in packed buffers, laid out once per plan by the bucket map ``where``;
+    a bucket that does not ``communicate`` only reads its own pieces."""
+
+    def __init__(self, where: BucketMap, communicates: bool, exchanges: Exchanges) -> None:
+        self._where, self._communicates, self._exchanges = where, communicates, exchanges
+
+    def _start(self, sends: Packing, recvs: Packing, fill: Fill) -> tuple[torch.Tensor, dist.Work]:
+        """Pack the pieces this rank sends and start the all-to-all; returns the receive
+        buffer (the send buffer is dropped here: the collective keeps its own reference)."""
+        x = self._exchanges
+        send = pack(sends, fill, x.dtype, x.device)
+        return start_exchange(send, sends.splits, recvs.splits, x.peers)
+
+    def gather(self, read: Fill, own: Callable[[list[torch.Tensor]], object]) -> Steps:
+        where, x = self._where, self._exchanges
+        received = None
+        if self._communicates:
+            received, work = self._start(where.gather_send, where.gather_recv, read)
+            yield
+            work.wait()
+        stacks = [torch.empty(s.shape, dtype=x.dtype, device=x.device) for s in where.stacks]
+        own(stacks)
+        if received is not None:
+            copy_all(
+                region_views(stacks, where.gather_regions),
+                flat_views(received, where.gather_recv.runs),
+            )
+        return stacks
+
+    def chosen(self, position: int) -> list[torch.Tensor] | None:
+        return None
+
+    def scatter(self, results: list[torch.Tensor]) -> ScatterSteps:
+        where = self._where
+        if not self._communicates:
+            results.clear()
+            return None
+        received, work = self._start(
+            where.scatter_send,
+            where.scatter_recv,
+            lambda outs: copy_all(outs, region_views(results, where.scatter_regions)),
+        )
+        results.clear()
+        yield
+        work.wait()
+        return flat_views(received, where.scatter_recv.runs)

@@ -686,7 +686,7 @@ def zero_dropped_triton(stack: torch.Tensor, dropped: torch.Tensor) -> None:
 
 
 def scale_rows_triton(x: torch.Tensor, factors: torch.Tensor, columns: bool) -> None:
-    """Fused form of :func:`muon_dist.rules.rows.scale_rows_` (``x`` contiguous
+    """Fused form of :func:`muon_dist.rules.normuon_rows.scale_rows_` (``x`` contiguous
     ``[..., rows, cols]``, ``factors`` fp32 ``[..., rows]``, or ``[..., cols]`` with
     ``columns``, on x's device)."""
     numel = x.numel()
@@ -739,7 +739,7 @@ _SLICE_CHUNK = 1024
 
 
 def slice_l1_triton(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """Fused form of :func:`muon_dist.rules.slices.slice_norms`: the float64 L1 norm of each
+    """Fused form of :func:`muon_dist.rules.dion2_slices.slice_norms`: the float64 L1 norm of each
     row (``axis=-2``) or column (``axis=-1``) of each matrix of a ``[k, m, n]`` tensor,
     read in place whatever its strides."""
     k, slices, length, *strides = _slice_geometry(x, axis)
@@ -767,7 +767,7 @@ def add_slice_l1_triton(
     axes: Sequence[int],
     slots: Sequence[torch.Tensor],
 ) -> None:
-    """Fused form of :func:`muon_dist.rules.slices.add_slice_norms_`: every ``[k, m, n]``
+    """Fused form of :func:`muon_dist.rules.dion2_slices.add_slice_norms_`: every ``[k, m, n]``
     tensor's slice norms (as :func:`slice_l1_triton`) added into ``norms`` at its ``[k,
     slices]`` int64 slots, one launch per dtype and layout of the tensors. Not while a graph is
     captured: its address table would be read again at every replay."""
@@ -806,8 +806,8 @@ def row_factors_triton(
     primary: torch.Tensor | None,
     sums: torch.Tensor,
 ) -> torch.Tensor:
-    """Fused form of NorMuon's factors (:func:`muon_dist.rules.rows.second_moment_next`
-    then :func:`muon_dist.rules.rows.row_factors`) for ``[k, m]`` fp32 ``squares`` whose
+    """Fused form of NorMuon's factors (:func:`muon_dist.rules.normuon_rows.second_moment_next`
+    then :func:`muon_dist.rules.normuon_rows.row_factors`) for ``[k, m]`` fp32 ``squares`` whose
     rows lie at ``index`` in the per-row vectors, also writing the squares to ``sums``
     there (zero for matrices not ``primary``): one launch instead of about twenty."""
     k, m = squares.shape

@@ -463,6 +463,11 @@ def missing_filled(group: dict[str, Any], algorithm: str) -> dict[str, Any]:
     return {**{o.key: o.default for o in OPTIONS[algorithm]}, **group}
 
 
+# The layout options whose change only adds or drops state (not the matrix views), so a
+# state saved under another value loads (muon_dist.state.group_state.layout_converted).
+LAYOUT_STATE = ("rule", "magma")
+
+
 def layout_keys(algorithm: str) -> tuple[str, ...]:
     """The options of ``algorithm`` fixed once the state exists."""
     return tuple(o.key for o in OPTIONS[algorithm] if o.layout)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from muon_dist.kernels.coefficients import resolve_coefficients
-from muon_dist.options.schema import check_options, number
+from muon_dist.options.schema import OPTIONS, SETTINGS, check_options, number
 from muon_dist.plan.views import group_param_names, matrix_views
 from muon_dist.rules.registry import RULES
 
@@ -40,14 +40,23 @@ def check_group_keys(
     group: dict[str, Any], own: Iterable[str], other: Iterable[str], where: str
 ) -> None:
     """Refuse a key this group's algorithm does not read: another algorithm's option set to
-    a value (``num_heads`` on an AdamW group), or a misspelling (``weight_decy``, with the
-    closest key suggested). ``own`` and ``other`` are the keys of each algorithm."""
+    a value (``num_heads`` on an AdamW group), a setting of the whole optimizer
+    (``overlap``), or a misspelling (``weight_decy``, with the closest key suggested).
+    ``own`` and ``other`` are the keys of each algorithm."""
     allowed = set(own) | BOOKKEEPING_KEYS
     foreign = set(other) - allowed
+    settings = {o.key for o in SETTINGS}
     algorithm = group.get("algorithm", "muon")
     for key, value in group.items():
         if key in allowed:
             continue
+        if key in settings:
+            raise ValueError(
+                f"{where}: {key}={value!r} is a setting of the whole optimizer, not of a "
+                f"group, fixed when it is built; remove the key and build a new "
+                f"muon_dist.Muon(..., {key}={value!r}), then new.load_state_dict("
+                "opt.state_dict()) to carry the state over"
+            )
         if key in foreign:
             if value in (None, False):
                 continue
@@ -135,8 +144,25 @@ def check_unique_names(groups: Sequence[dict[str, Any]], group: dict[str, Any]) 
 
 
 def check_step_values(groups: Sequence[dict[str, Any]]) -> None:
-    """The options a scheduler or the user may change between steps, checked at each step
-    (a few comparisons per group): ``momentum=1.0`` or a NaN lr is refused by name before
-    anything changes, instead of surfacing as an overflow or a non-finite result."""
+    """The keys and the options a scheduler or the user may change between steps, checked
+    at each step (a few comparisons per group): a key added that no option declares (the
+    other algorithm's options excepted), a setting, an option removed, ``momentum=1.0`` or
+    a NaN lr is refused by name before anything changes, instead of being ignored or
+    surfacing as an overflow or a non-finite result."""
+    keys = {algorithm: {o.key for o in options} for algorithm, options in OPTIONS.items()}
     for index, group in enumerate(groups):
-        check_options(group, f"param group {index} ({group['algorithm']})", per_step=True)
+        algorithm = group.get("algorithm")
+        if algorithm not in keys:
+            return  # a changed algorithm is refused by name (muon_dist.step.changes)
+        where = f"param group {index} ({algorithm})"
+        own = keys[algorithm] | {"algorithm"}
+        # The other algorithm's options pass: torch's schedulers cycle Muon's "momentum"
+        # (the optimizer's defaults) on every group, AdamW's included, which ignore it.
+        check_group_keys(group, own | keys["adamw" if algorithm == "muon" else "muon"], (), where)
+        missing = sorted(own - set(group))
+        if missing:
+            raise ValueError(
+                f"{where}: {', '.join(map(repr, missing))} removed from the group since the "
+                "optimizer was built; every option is read by the step: set it back"
+            )
+        check_options(group, where, per_step=True)

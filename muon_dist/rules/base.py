@@ -56,7 +56,7 @@ class Rule:
 
     name: ClassVar[str]
     # The owner normalizes each output row of Newton–Schulz's result (NorMuon), which needs
-    # every holder's per-row second moments (:mod:`muon_dist.state.row_moments`).
+    # every holder's per-row second moments (:mod:`muon_dist.state.normuon_moments`).
     normalizes_rows: ClassVar[bool] = False
     # Newton–Schulz runs on a selection of each matrix's slices, and the momentum decays only
     # there (Dion2's error feedback, applied with the update's write).

@@ -2,7 +2,8 @@
 error feedback on the momentum of the slices it orthogonalized.
 
 :func:`reference` is the rule for one matrix in plain torch; the batched form is
-:mod:`muon_dist.rules.slices`, and the distributed selection :mod:`muon_dist.plan.selection`.
+:mod:`muon_dist.rules.dion2_slices`, the distributed selection
+:mod:`muon_dist.plan.dion2_selection`, the step's parts ``muon_dist/step/dion2_*.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from muon_dist.rules.base import MatrixStep, Rule, RulePart
-from muon_dist.rules.slices import slice_axis
+from muon_dist.rules.dion2_slices import slice_axis
 
 
 def reference(

@@ -2,7 +2,7 @@
 
 :func:`reference` is the rule for one matrix in plain torch, to be read against the
 algorithm as torch's ``_single_tensor_muon`` is; the step computes it for many pieces at
-once with :mod:`muon_dist.rules.ops`, and ``tests/test_rules.py`` holds the two together.
+once with :mod:`muon_dist.rules.ops`, and ``tests/unit/rules/test_rules.py`` holds the two together.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def reference(
     param.sub_(ortho * size)
 
 
-class Muon(Rule):
+class MuonRule(Rule):
     """Muon's step, the base every other rule changes."""
 
     name = "muon"

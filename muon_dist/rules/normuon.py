@@ -2,7 +2,7 @@
 update normalized by a running second moment.
 
 :func:`reference` is the rule for one matrix in plain torch; the owner's batched form is
-:mod:`muon_dist.rules.rows` with :mod:`muon_dist.state.row_moments`.
+:mod:`muon_dist.rules.normuon_rows` with :mod:`muon_dist.state.normuon_moments`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ Magma, decay and the writes, for many pieces at once.
 
 Each op computes a part of a rule's single-matrix reference (:mod:`muon_dist.rules.muon`)
 for many pieces, in torch (multi-tensor launches) or in a fused Triton pass
-(:mod:`muon_dist.rules.forms` chooses); ``tests/test_update_rule.py`` checks each against
+(:mod:`muon_dist.rules.forms` chooses); ``tests/unit/state/test_update_rule.py`` checks each against
 the reference. The rest of the step only decides how pieces are batched and moved, never
 what is computed.
 

@@ -6,10 +6,10 @@ from typing import Any
 
 from muon_dist.rules.base import Rule
 from muon_dist.rules.dion2 import Dion2
-from muon_dist.rules.muon import Muon
+from muon_dist.rules.muon import MuonRule
 from muon_dist.rules.normuon import NorMuon
 
-RULES: dict[str, Rule] = {rule.name: rule for rule in (Muon(), NorMuon(), Dion2())}
+RULES: dict[str, Rule] = {rule.name: rule for rule in (MuonRule(), NorMuon(), Dion2())}
 
 
 def rule_of(group: dict[str, Any]) -> Rule:

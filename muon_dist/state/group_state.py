@@ -8,11 +8,12 @@ talks to other ranks, so a refusal can be agreed before anything changes.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from muon_dist.options.schema import missing_filled
+from muon_dist.options.schema import LAYOUT_STATE, check_options, missing_filled
 from muon_dist.options.settings import STARTS_IN_BACKWARD
 from muon_dist.options.validation import check_group_keys, check_unique_names, validate_group
 from muon_dist.plan.views import ALGORITHMS, group_param_names, matrix_views, param_list
@@ -26,6 +27,8 @@ from muon_dist.state.checks import (
 )
 from muon_dist.state.flat import own_copy, zeros_like_flat
 from muon_dist.state.tensors import local
+
+logger = logging.getLogger(__name__)
 
 Defaults = dict[str, dict[str, Any]]
 State = dict[torch.Tensor, dict[str, Any]]
@@ -76,10 +79,19 @@ def init_state(group: dict[str, Any], index: int, state: State) -> None:
             entry["exp_avg_sq"] = torch.zeros_like(p)
             continue
         entry["momentum_buffer"] = momenta[at]
-        if group["magma"]:
-            entry["magma_score"] = torch.ones(matrix_count(group, p, name), device=device)
-        for key, shape in rule_of(group).state_shapes(matrix_views(p.shape, group, name)).items():
-            entry[key] = torch.zeros(shape, device=device)
+        entry.update(fresh_layout_state(group, p, name))
+
+
+def fresh_layout_state(group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str, Any]:
+    """A new Muon parameter's state besides its momentum: what ``magma`` and the ``rule``
+    add (Magma's scores at one, NorMuon's row moments at zero)."""
+    device = local(p).device
+    entry = {}
+    if group["magma"]:
+        entry["magma_score"] = torch.ones(matrix_count(group, p, name), device=device)
+    for key, shape in rule_of(group).state_shapes(matrix_views(p.shape, group, name)).items():
+        entry[key] = torch.zeros(shape, device=device)
+    return entry
 
 
 def saved_copies(saved: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +108,10 @@ def checked_load(
     state_dict: dict[str, Any], groups: list[dict[str, Any]], defaults: Defaults
 ) -> dict[str, Any]:
     """``state_dict`` arranged in this optimizer's order by name, every part checked as the
-    constructor checks its groups, every state entry and tensor checked."""
+    constructor checks its groups, every state entry and tensor checked; a group saved
+    under another ``rule`` or ``magma`` is converted to this optimizer's
+    (:func:`layout_converted`)."""
+    state_dict, converted = layout_converted(state_dict, groups)
     check_saved_routing(state_dict, groups)
     loaded = by_name(state_dict, groups)
     for index, (saved, group) in enumerate(zip(loaded["param_groups"], groups, strict=True)):
@@ -107,7 +122,56 @@ def checked_load(
         options = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
         validate_group({**group, **options}, index)
     check_saved_state(loaded, groups)
+    for line in converted:
+        logger.warning("muon_dist.Muon.load_state_dict: %s", line)
     return loaded
+
+
+def layout_converted(
+    state_dict: dict[str, Any], groups: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[str]]:
+    """``state_dict`` with every Muon group saved under another ``rule`` or ``magma`` than
+    this optimizer's group at its index converted to this one's, and a line saying so per
+    group. Both are fixed once an optimizer is built, so changing one is building a new
+    optimizer with it and loading the old state: the momenta carry over, the state the new
+    value adds starts as in a new optimizer (NorMuon's row moments at zero, Magma's scores
+    at one), and the state it does not keep is dropped. Nothing of ``state_dict`` changes
+    in place; what does not fit otherwise is refused by the checks that follow."""
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, list):
+        return state_dict, []
+    state = dict(state_dict.get("state", {}))
+    converted: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=False)):
+        muon = isinstance(saved, dict) and saved.get("algorithm") == group["algorithm"] == "muon"
+        filled = missing_filled(saved, "muon") if muon else {}
+        changed = {k: filled[k] for k in LAYOUT_STATE if muon and filled[k] != group[k]}
+        if not changed:
+            converted.append(saved)
+            continue
+        check_options(filled, f"load_state_dict: saved param group {index} (muon)", False)
+        before = {**group, **changed}
+        names = saved.get("param_names") or group_param_names(group, index)
+        current = dict(zip(group_param_names(group, index), group["params"], strict=True))
+        for name, key in zip(names, saved.get("params", []), strict=False):
+            p = current.get(name)
+            if p is None or key not in state:
+                continue
+            old = fresh_layout_state(before, p, name)
+            entry = {k: v for k, v in state[key].items() if k not in old}
+            state[key] = {**fresh_layout_state(group, p, name), **entry}
+        converted.append({**saved, **{k: group[k] for k in changed}})
+        lines.append(
+            f"param group {index} was saved with "
+            + ", ".join(f"{k}={v!r}" for k, v in changed.items())
+            + " and is loaded as this optimizer's "
+            + ", ".join(f"{k}={group[k]!r}" for k in changed)
+            + ": its momenta carry over, the state the new value adds starts as in a new "
+            "optimizer, the state it does not keep is dropped"
+        )
+    converted += saved_groups[len(converted) :]
+    return {**state_dict, "state": state, "param_groups": converted}, lines
 
 
 def held_before_load(

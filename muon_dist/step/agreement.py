@@ -34,7 +34,7 @@ import torch.distributed as dist
 from muon_dist.comm.groups import Peers
 from muon_dist.options.schema import OPTIONS
 from muon_dist.step.report import NONFINITE, TOO_LARGE, Compared, Report
-from muon_dist.step.scalars import Layout, StepInputs
+from muon_dist.step.scalars import Segments, StepInputs
 
 # Group entries that are no option and are compared as numbers: the step counts.
 _COUNTS = ("steps", "skipped_steps")
@@ -117,10 +117,10 @@ class Agreement:
         # All-reduced (MAX) together. The host stages ``values`` to ``digests`` (the step
         # values, negated, and one options digest slot per rank); ``verdict`` to ``failed``
         # decide found_inf; ``values`` to the end is compared across ranks.
-        self._compared_layout = Layout.of(
+        self._compared_layout = Segments.of(
             values=k, negated=k, digests=slots, norms=r, negated_norms=r
         )
-        self._layout = Layout.of(
+        self._layout = Segments.of(
             present=count,  # 1.0 where a rank has the gradient
             verdict=count,  # TOO_LARGE or NONFINITE per gradient
             failed=1,  # a rank that refused its inputs: rank + 1

@@ -9,24 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from muon_dist.comm.groups import Peers
+from muon_dist.comm.exchange import Exchanges
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import LocalSlices
 from muon_dist.step.failures import Failures
 from muon_dist.step.orthogonalizer import Orthogonalizer
 from muon_dist.step.piece_io import PieceIO
 from muon_dist.step.transaction import SkipTransaction
-
-
-@dataclass(frozen=True)
-class Exchanges:
-    """How this rank's bucket all-to-alls run: among ``peers``, in ``dtype``, on ``device``
-    (``world_size`` ranks in all)."""
-
-    peers: Peers
-    dtype: torch.dtype
-    device: torch.device
-    world_size: int
 
 
 @dataclass

@@ -14,15 +14,21 @@ A step binds its plan, views and state to the groups as they were when it was bu
 
 Ranks must agree on a rebuilt plan before its collectives run; the caller checks that
 (:meth:`muon_dist.step.runner.StepRunner.run`, ``previous``).
+
+A refused step still runs its collectives, so the other ranks learn of the refusal; it runs
+them on the option values the step was built from (:meth:`BuiltFrom.restored`), never on
+the values it refused: a NaN read into a masked update is NaN however it is masked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from muon_dist.options.schema import layout_keys, plan_keys
+from muon_dist.options.schema import LAYOUT_STATE, OPTIONS, layout_keys, plan_keys
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,27 @@ class BuiltFrom:
 
     def __init__(self, groups: Sequence[dict[str, Any]]) -> None:
         self._groups = [_Group.of(g) for g in groups]
+        # Each group dict with copies of its option values (checked before the build).
+        self._values = [
+            (g, {o.key: copy.deepcopy(g[o.key]) for o in OPTIONS[g["algorithm"]]}) for g in groups
+        ]
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """The groups' options set to the values the step was built from, and back to the
+        user's (the same objects, a removed key removed again) on leaving."""
+        edited = [{k: group[k] for k in values if k in group} for group, values in self._values]
+        try:
+            for group, values in self._values:
+                group.update(copy.deepcopy(values))
+            yield
+        finally:
+            for (group, values), own in zip(self._values, edited, strict=True):
+                for key in values:
+                    if key in own:
+                        group[key] = own[key]
+                    else:
+                        del group[key]
 
     def refused(self, groups: Sequence[dict[str, Any]]) -> str | None:
         """Why ``groups`` cannot be stepped with this state, or None."""
@@ -82,14 +109,12 @@ class BuiltFrom:
 
 def _refused_change(index: int, built: _Group, group: dict[str, Any]) -> str | None:
     where = f"param group {index}"
-    rebuild = (
-        "build a new muon_dist.Muon with it and load this one's state into it "
-        "(new.load_state_dict(opt.state_dict())), or set it back"
-    )
     if group.get("algorithm") != built.algorithm:
         return (
             f"{where} algorithm changed from {built.algorithm!r} to {group.get('algorithm')!r} "
-            f"since the optimizer was built; the state is the algorithm's: {rebuild}"
+            "since the optimizer was built; the state is the algorithm's: set it back, or "
+            "build a new muon_dist.Muon with the groups you want (its state starts fresh: "
+            "load_state_dict refuses a state whose parameters changed algorithm)"
         )
     params = group["params"]
     if tuple(id(p) for p in params) != built.params:
@@ -99,8 +124,8 @@ def _refused_change(index: int, built: _Group, group: dict[str, Any]) -> str | N
         return (
             f"{where} 'params' changed since the optimizer was built ({added} added, "
             f"{removed} removed, or reordered); the step and the state are bound to them: "
-            "add parameters with opt.add_param_group(...), or build a new muon_dist.Muon "
-            "over the parameters you want, or set the list back"
+            "set the list back, then add parameters with opt.add_param_group(...), or "
+            "build a new muon_dist.Muon over the parameters you want"
         )
     names = group.get("param_names")
     if (None if names is None else tuple(names)) != built.names:
@@ -113,6 +138,14 @@ def _refused_change(index: int, built: _Group, group: dict[str, Any]) -> str | N
         if value != before:
             return (
                 f"{where} {key} changed from {before} to {value} since the optimizer was built; "
-                f"{key} decides the matrix views or the state's layout: {rebuild}"
+                f"{key} decides the matrix views or the state's layout: set it back, then "
+                + (
+                    f"build a new muon_dist.Muon with {key}={value} and load this one's state "
+                    "into it (new.load_state_dict(opt.state_dict())): the momenta carry over "
+                    f"and the state {key} adds starts fresh"
+                    if key in LAYOUT_STATE
+                    else f"build a new muon_dist.Muon with {key}={value}, whose state starts "
+                    "fresh (a state saved under other matrix views is refused)"
+                )
             )
     return None

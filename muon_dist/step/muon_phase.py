@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from muon_dist.comm.exchange import Exchanges
 from muon_dist.comm.groups import CommGroups, Peers
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import BucketMap, bucket_map
@@ -42,16 +43,18 @@ from muon_dist.rules.ops import decay_
 from muon_dist.rules.registry import rule_of
 from muon_dist.runtime import Task, run_tasks
 from muon_dist.state.muon_state import MuonState
-from muon_dist.state.row_moments import row_moments
+from muon_dist.state.normuon_moments import row_moments
 from muon_dist.state.tensors import local
 from muon_dist.step.agreement import Agreement
-from muon_dist.step.bucket_io import BucketIO, BucketTools, Exchanges
+from muon_dist.step.bucket_io import BucketIO, BucketTools
 from muon_dist.step.bucket_task import bucket_task
+from muon_dist.step.dion2_bucket import Dion2Buckets, selected_bucket_task
 from muon_dist.step.failures import Failures
 from muon_dist.step.orthogonalizer import Orthogonalizer
 from muon_dist.step.piece_io import LocalGrads, PieceForms, PieceIO
+from muon_dist.step.rule_parts import group_parts, row_moment_tensors
 from muon_dist.step.scalars import MuonScalars, StepInputs
-from muon_dist.step.selected_bucket import Dion2Buckets, selected_bucket_task
+from muon_dist.step.shard_io import format_shard_io_table, shard_io
 from muon_dist.step.transaction import SkipTransaction
 
 
@@ -113,7 +116,7 @@ def _dion2_buckets(
     selects = {
         i: (float(e.group["dion2_fraction"]), e.view.part_split(e.group["adjust_lr"]))
         for i, e in enumerate(entries)
-        if rule_of(e.group).selects_slices
+        if group_parts(e.group).chosen_slices
     }
     return Dion2Buckets(
         plan,
@@ -230,6 +233,7 @@ class MuonPhase:
             [_primary_owner(e, comm, settings.replica_mode) for e in entries],
             self.views_of,
             self.groups,
+            row_moment_tensors(self.groups),
             [(b, m.stacks) for b, m in zip(plan.buckets, self.maps, strict=True)],
             comm.holders,
             self.device,
@@ -269,6 +273,11 @@ class MuonPhase:
         """The first exception this rank's own work raised in the last run (raised by
         ``step()`` once the other ranks know, through the result flags)."""
         return self.failures.error
+
+    def shard_io_table(self) -> str:
+        """Where each view's shard read, write, momentum, decay and Dion2's feedback
+        happen, as printable text (:mod:`muon_dist.step.shard_io`)."""
+        return format_shard_io_table(self.pieces.forms.io)
 
     # -- plan time ----------------------------------------------------------------------
 
@@ -361,10 +370,10 @@ class MuonPhase:
     def _advance_state(self, store_all: bool) -> None:
         """Momentum (one foreach pass per coefficient; with ``store_all`` also of the
         tensors whose fused read advances it otherwise), Magma and the unfused decay."""
-        scalars, grads, fused_reads = self.scalars, self.grads, self.pieces.forms.fused_reads
+        scalars, grads, io = self.scalars, self.grads, self.pieces.forms.io
         by_beta: dict[float, list[int]] = {}
         for j, group in enumerate(self.groups):
-            if store_all or self.views_of[j][0] not in fused_reads:
+            if store_all or not io[self.views_of[j][0]].fused_read:
                 by_beta.setdefault(rule_of(group).momentum_carry(group), []).append(j)
         self.state.advance_momenta(by_beta, grads.tensors, grads.local, scalars.ok, scalars.keep_of)
         if self.state.magma:
@@ -379,8 +388,8 @@ class MuonPhase:
         group; the others by their own, which depends on the other ranks' gradients."""
         by_group: dict[int, list[int]] = {}
         alone: list[int] = []
-        for j, group in enumerate(self.groups):
-            if group["cautious_wd"] or self.views_of[j][0] in self.pieces.forms.fused_writes:
+        for j, views in enumerate(self.views_of):
+            if not self.pieces.forms.io[views[0]].decays_tensor:
                 continue
             if self.grads.local[j]:
                 by_group.setdefault(self._group_of[j], []).append(j)
@@ -416,21 +425,26 @@ def _scalars_and_forms(
         device=phase.device,
     )
     tensor_of = [e.tensor_index for e in entries]
+    parts = [group_parts(e.group) for e in entries]
     backend, momenta = phase.settings.backend, phase.state.momenta
     fused_reads = _fused(phase.fusable_reads, tensor_of, phase.shards, momenta, backend)
     fused_writes = _fused(phase.fusable_writes, tensor_of, phase.shards, momenta, backend)
-    plain = frozenset(
-        i
-        for i, e in enumerate(entries)
-        if i not in fused_writes and not e.group["cautious_wd"] and not e.group["magma"]
-    )
     forms = PieceForms(
         tensor_of=tuple(tensor_of),
         group_of=tuple(e.group_index for e in entries),
         groups=tuple(e.group for e in entries),
         class_of=class_of,
-        fused_reads=fused_reads,
-        fused_writes=fused_writes,
-        plain_writes=plain,
+        write_parts=tuple(p.write for p in parts),
+        io=tuple(
+            shard_io(
+                e.view.label(e.name),
+                fused_read=i in fused_reads,
+                fused_write=i in fused_writes,
+                cautious=bool(e.group["cautious_wd"]),
+                magma=bool(e.group["magma"]),
+                feedback=parts[i].write is not None,
+            )
+            for i, e in enumerate(entries)
+        ),
     )
     return scalars, forms

@@ -13,11 +13,12 @@ from muon_dist.kernels.graphs import GraphCache
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import StackSpec
 from muon_dist.plan.indices import TensorIndex
+from muon_dist.rules.base import RulePart
 from muon_dist.rules.ops import mask_stack_
-from muon_dist.rules.registry import RULES
-from muon_dist.rules.slices import selected_orthogonalize
-from muon_dist.state.row_moments import RowMoments
+from muon_dist.state.normuon_moments import RowMoments
 from muon_dist.step.failures import Failures
+from muon_dist.step.owner_part import OwnerPart
+from muon_dist.step.rule_parts import recipe_parts
 
 
 class Orthogonalizer:
@@ -46,6 +47,16 @@ class Orthogonalizer:
         self._sums_of_stack = self._sums.split_with_sizes(list(stack_sizes))
         self._dropped_of_stack = dropped.split_with_sizes(list(stack_sizes))
         self.graphs = GraphCache()  # freed with this step (the optimizer)
+        self._owners: dict[int, OwnerPart] = {}  # per stack, made on its first step
+
+    def _owner(self, stack: int, recipe: RulePart) -> OwnerPart:
+        """The rule's owner part for a stack (:mod:`muon_dist.step.rule_parts`)."""
+        owner = self._owners.get(stack)
+        if owner is None:
+            owner = self._owners[stack] = recipe_parts(recipe).owner(
+                recipe, stack, self._row_moments, self._settings.backend
+            )
+        return owner
 
     def finite(self) -> torch.Tensor:
         """Per matrix of every stack: whether its last result was finite (a new tensor)."""
@@ -61,12 +72,9 @@ class Orthogonalizer:
         recipe = spec.recipe
         if recipe is None:
             raise RuntimeError(f"muon_dist: stack {spec.index} has no recipe; this is a bug")
-        rows = self._row_moments.stacks.get(spec.index)
-        selected = recipe.rule if RULES[recipe.rule.name].selects_slices else None
+        owner = self._owner(spec.index, recipe.rule)
 
         def orthogonalize(x: torch.Tensor) -> torch.Tensor:
-            # Dion2's stacks, a share of the slices, replay from graphs whatever their size:
-            # launching their Newton–Schulz costs the host more than the GPU's work.
             return newton_schulz(
                 x,
                 steps=recipe.iterations,
@@ -75,19 +83,11 @@ class Orthogonalizer:
                 backend=settings.backend,
                 method=recipe.method,
                 graphs=self.graphs,
-                graphed=selected is not None,
+                graphed=owner.graphed,
             )
 
         def run(x: torch.Tensor, part: int | None = None) -> torch.Tensor:
-            if selected is not None and selected.fraction is not None:
-                # A part is handed over by output rows, whatever the storage.
-                transposed = bool(selected.transposed) and part is None
-                index = None if chosen is None else chosen[part or 0]
-                return selected_orthogonalize(
-                    x, orthogonalize, selected.fraction, transposed, settings.backend, index
-                )
-            result = orthogonalize(x)
-            return result if rows is None else self._row_moments.normalize(result, rows, part)
+            return owner.run(x, orthogonalize, part, chosen)
 
         try:
             result = run(stack) if recipe.parts is None else recipe.parts.orthogonalize(stack, run)

@@ -17,21 +17,23 @@ import torch
 
 from muon_dist.plan.bucket_map import LocalSlices
 from muon_dist.plan.build import Slices, is_whole
-from muon_dist.plan.packing import Runs, flat_views, runs_numel, shape_runs
+from muon_dist.plan.packing import shape_runs
 from muon_dist.rules.ops import (
-    drop_unkept,
-    error_feedback_,
-    fused_updates_,
     nesterov_mix,
     ns_inputs_,
-    post_orthogonalize_,
     pre_orthogonalize_,
-    shared_step_updates_,
-    updates_,
 )
 from muon_dist.rules.registry import rule_of
 from muon_dist.state.muon_state import MuonState
+from muon_dist.step.dion2_feedback import ErrorFeedback, Feedback
+from muon_dist.step.piece_writes import Batch, BatchedWrite, FusedWrite, SingleWrite, Write
 from muon_dist.step.scalars import MuonScalars
+from muon_dist.step.shard_io import (
+    DECAY_CAUTIOUS,
+    WRITE_FUSED,
+    WRITE_SINGLE,
+    ShardIO,
+)
 
 
 class LocalGrads:
@@ -86,45 +88,16 @@ class _Reads:
 
 
 @dataclass(frozen=True)
-class _ClassWrites:
-    """Plain pieces of one step class and parameter dtype, written with shared launches;
-    their scaled updates lie in one flat buffer in ``runs``."""
-
-    step_class: int
-    dtype: torch.dtype
-    positions: tuple[int, ...]
-    targets: tuple[torch.Tensor, ...]
-    runs: Runs
-
-
-@dataclass(frozen=True)
-class _Writes:
-    """How one tuple of pieces is written (see :meth:`PieceIO.write`); ``masked`` are the
-    positions whose unchecked updates are selected one by one."""
-
-    masked: tuple[int, ...]
-    feedback: tuple[int, ...]  # Dion2's pieces whose error feedback is not in their write
-    fused: tuple[int, ...]  # fused writes with one step and no cautious decay: one launch
-    alone: tuple[int, ...]
-    loose: tuple[int, ...]
-    loose_targets: tuple[torch.Tensor, ...]
-    loose_steps: tuple[torch.Tensor, ...]
-    classes: tuple[_ClassWrites, ...]
-
-
-@dataclass(frozen=True)
 class PieceForms:
-    """Per piece (plan view index): its tensor, group, step class, and which pieces take
-    the fused form in reads and in writes, and which write a plain ``param += step·update``
-    (their decay ran over the whole tensor before)."""
+    """Per piece (plan view index): its tensor, group, step class, and where its shard I/O
+    happens (:mod:`muon_dist.step.shard_io`, decided at bind time)."""
 
     tensor_of: tuple[int, ...]
     group_of: tuple[int, ...]
     groups: tuple[dict[str, Any], ...]  # per piece
     class_of: tuple[int, ...]
-    fused_reads: frozenset[int]
-    fused_writes: frozenset[int]
-    plain_writes: frozenset[int]
+    io: tuple[ShardIO, ...]
+    write_parts: tuple[ErrorFeedback | None, ...]  # the rule's (:mod:`muon_dist.step.rule_parts`)
 
 
 class PieceIO:
@@ -145,17 +118,18 @@ class PieceIO:
         self._state = state
         self._grads = grads
         self._scalars = scalars
-        self._cautious = [g["cautious_wd"] for g in forms.groups]
         # How each of the bucket maps' piece tuples is read and written, decided on its
         # first step; writes depend on which tensors have a local gradient, so they are
         # decided again when that changes (:meth:`forget_writes`).
         self._reads: dict[tuple[int, bool], _Reads] = {}
-        self._writes: dict[Hashable, _Writes] = {}
+        self._writes: dict[Hashable, tuple[Write, ...]] = {}
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bind(self) -> None:
-        """Forget the views of momenta (after a state load, which replaces them)."""
+        """Forget the views of momenta and the writes holding them (after a state load,
+        which replaces them)."""
         self._views = {}
+        self._writes.clear()
 
     def forget_writes(self) -> None:
         self._writes.clear()
@@ -215,7 +189,7 @@ class PieceIO:
         for i, (index, _) in enumerate(pieces):
             g = self.forms.group_of[index]
             groups[g] = self.forms.groups[index]
-            fused = index in self.forms.fused_reads
+            fused = self.forms.io[index].fused_read
             if not store or fused:
                 advancing.setdefault((fused, g), []).append(i)
             else:
@@ -234,133 +208,93 @@ class PieceIO:
         key: Hashable = None,
         unchecked: bool = False,
     ) -> None:
-        """Write updates; plain pieces (torch form, no Magma or cautious decay) batched.
-
-        A plain piece of a tensor with a local gradient has the step of its class (group
-        and lr scale), so each class takes three multi-tensor launches: cast the updates to
-        the parameters' dtype, scale them, add them. Other plain pieces take one foreach
-        ``addcmul`` with their own steps; the rest go one by one. ``unchecked`` updates (a
+        """Write updates, each piece in the form its record names (:class:`FusedWrite`,
+        :class:`BatchedWrite`, :class:`SingleWrite`). ``unchecked`` updates (a
         transactional step's) may be non-finite where ``keep`` is false, and a zero step
-        does not cancel them: they are selected away, for a class in one pass over its
-        scaled updates, since its tensors are kept exactly when the step is. ``key``
-        names ``pieces`` across steps (by default the tuple itself, one of the maps').
-        """
+        does not cancel them: each form selects them away. ``key`` names ``pieces`` across
+        steps (by default the tuple itself, one of the maps')."""
         key = id(pieces) if key is None else key
         writes = self._writes.get(key)
         if writes is None:
             writes = self._writes[key] = self._plan_writes(pieces)
-        scalars = self._scalars
-        if unchecked:
-            updates = list(updates)
-            for i in writes.masked:
-                j = self.forms.tensor_of[pieces[i][0]]
-                updates[i] = drop_unkept(updates[i], scalars.keep_of[j])
-        for i in writes.feedback:
-            index, slices = pieces[i]
-            error_feedback_(
-                self._pieces(index, slices)[1],
-                updates[i],
-                self.forms.groups[index]["momentum"],
-                scalars.keep_of[self.forms.tensor_of[index]],
-                self._backend,
-            )
-        if writes.fused:
-            self._write_fused([pieces[i] for i in writes.fused], [updates[i] for i in writes.fused])
-        for i in writes.alone:
-            self._write_one(*pieces[i], updates[i])
-        if writes.loose:
-            updates_(writes.loose_targets, [updates[i] for i in writes.loose], writes.loose_steps)
-        for cls in writes.classes:
-            device = cls.targets[0].device
-            scratch = torch.empty(runs_numel(cls.runs), dtype=cls.dtype, device=device)
-            shared_step_updates_(
-                cls.targets,
-                [updates[i] for i in cls.positions],
-                scalars.class_step_of[cls.step_class],
-                scratch,
-                flat_views(scratch, cls.runs),
-                scalars.ok if unchecked else None,
-            )
+        for batch in writes:
+            batch.write(updates, self._scalars, unchecked)
 
-    def _plan_writes(self, pieces: Sequence[LocalSlices]) -> _Writes:
-        forms = self.forms
-        alone: list[int] = []
-        loose: list[int] = []
+    def _plan_writes(self, pieces: Sequence[LocalSlices]) -> tuple[Write, ...]:
+        """The tuple's writes: its fused pieces in one batch, its batched pieces per step
+        class and dtype (tensors with a local gradient) or in one batch (without), each
+        single piece alone. Which tensors have a local gradient may change between steps:
+        :meth:`forget_writes` makes them planned again."""
+        forms, scalars = self.forms, self._scalars
+        fused: list[int] = []
+        own: list[int] = []
+        singles: list[Write] = []
         classes: dict[int, dict[torch.dtype, list[int]]] = {}
         for i, (index, slices) in enumerate(pieces):
-            if index not in forms.plain_writes:
-                alone.append(i)
-            elif self._grads.local[forms.tensor_of[index]]:
+            write, j = forms.io[index].write, forms.tensor_of[index]
+            if write == WRITE_FUSED:
+                fused.append(i)
+            elif write == WRITE_SINGLE:
+                singles.append(
+                    SingleWrite(
+                        i,
+                        index,
+                        slices[0],
+                        self._pieces(index, slices)[0],
+                        scalars.step_of[index],
+                        scalars.keep_of[j],
+                        scalars.cautious_of[j] if forms.io[index].decay == DECAY_CAUTIOUS else None,
+                        self._feedback(index, slices),
+                    )
+                )
+            elif self._grads.local[j]:
                 dtype = self._pieces(index, slices)[0].dtype
                 classes.setdefault(forms.class_of[index], {}).setdefault(dtype, []).append(i)
             else:
-                loose.append(i)
-        targets = [self._pieces(*piece)[0] for piece in pieces]
-        fused = [
-            i
-            for i in alone
-            if pieces[i][0] in forms.fused_writes
-            and not forms.groups[pieces[i][0]]["cautious_wd"]
-            and not forms.groups[pieces[i][0]]["magma"]
-        ]
-        return _Writes(
-            tuple(i for i in alone + loose if pieces[i][0] not in forms.fused_writes),
-            tuple(
-                i
-                for i, (j, _) in enumerate(pieces)
-                if rule_of(forms.groups[j]).selects_slices and i not in alone
-            ),
-            tuple(fused),
-            tuple(i for i in alone if i not in fused),
-            tuple(loose),
-            tuple(targets[i] for i in loose),
-            tuple(self._scalars.step_of[pieces[i][0]] for i in loose),
-            tuple(
-                _ClassWrites(
-                    cls,
-                    dtype,
-                    tuple(positions),
-                    tuple(targets[i] for i in positions),
-                    shape_runs(tuple(targets[i].shape) for i in positions),
+                own.append(i)
+        writes: list[Write] = []
+        if fused:
+            writes.append(
+                FusedWrite(
+                    self._batch(pieces, fused),
+                    tuple(scalars.decay_of[forms.tensor_of[pieces[i][0]]] for i in fused),
+                    tuple(scalars.step_of[pieces[i][0]] for i in fused),
                 )
-                for cls, by_dtype in classes.items()
-                for dtype, positions in by_dtype.items()
-            ),
+            )
+        writes += singles
+        if own:
+            writes.append(
+                BatchedWrite(
+                    self._batch(pieces, own),
+                    self._backend,
+                    steps=tuple(scalars.step_of[pieces[i][0]] for i in own),
+                )
+            )
+        for cls, by_dtype in classes.items():
+            for dtype, positions in by_dtype.items():
+                batch = self._batch(pieces, positions)
+                writes.append(
+                    BatchedWrite(
+                        batch,
+                        self._backend,
+                        shared=cls,
+                        dtype=dtype,
+                        runs=shape_runs(tuple(t.shape) for t in batch.targets),
+                    )
+                )
+        return tuple(writes)
+
+    def _batch(self, pieces: Sequence[LocalSlices], positions: Sequence[int]) -> Batch:
+        return Batch(
+            tuple(positions),
+            tuple(self._pieces(*pieces[i])[0] for i in positions),
+            tuple(self._scalars.keep_of[self.forms.tensor_of[pieces[i][0]]] for i in positions),
+            tuple(self._feedback(*pieces[i]) for i in positions),
         )
 
-    def _write_fused(self, pieces: Sequence[LocalSlices], updates: Sequence[torch.Tensor]) -> None:
-        """Fused writes with a one-element step and no cautious decay, in one launch."""
-        scalars, forms = self._scalars, self.forms
-        fused_updates_(
-            [self._pieces(*piece)[0] for piece in pieces],
-            updates,
-            decays=[scalars.decay_of[forms.tensor_of[index]] for index, _ in pieces],
-            steps=[scalars.step_of[index] for index, _ in pieces],
-            keeps=[scalars.keep_of[forms.tensor_of[index]] for index, _ in pieces],
-            feedbacks=[self._feedback(*piece) for piece in pieces],
-        )
-
-    def _feedback(self, index: int, slices: Slices) -> tuple[torch.Tensor, float] | None:
-        """Dion2's error feedback of a piece written with its update: momentum and β."""
-        group = self.forms.groups[index]
-        if not rule_of(group).selects_slices:
+    def _feedback(self, index: int, slices: Slices) -> Feedback | None:
+        """The feedback of a piece whose rule has a write part (Dion2's)."""
+        part = self.forms.write_parts[index]
+        if part is None:
             return None
-        return self._pieces(index, slices)[1], group["momentum"]
-
-    def _write_one(self, index: int, slices: Slices, update: torch.Tensor) -> None:
-        j = self.forms.tensor_of[index]
-        target, _ = self._pieces(index, slices)
-        scalars = self._scalars
-        magma_step = scalars.magma_step_of.get(index)
-        step = magma_step[slices[0]] if magma_step is not None else scalars.step_of[index]
-        fused = index in self.forms.fused_writes
-        post_orthogonalize_(
-            target,
-            update,
-            step=step,
-            keep=scalars.keep_of[j],
-            decay=scalars.decay_of[j] if fused else None,
-            cautious=scalars.cautious_of[j] if self._cautious[index] else None,
-            fused=fused,
-            feedback=self._feedback(index, slices),
-        )
+        return part.of_piece(self._pieces(index, slices)[1], self.forms.groups[index])

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from muon_dist.step.scalars import NS_NORM_LIMIT, Layout
+from muon_dist.step.scalars import NS_NORM_LIMIT, Segments
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Report:
         entries: Sequence[Compared],
         replicated_names: Sequence[str],
         ranks: Sequence[int],
-        compared: Layout,
+        compared: Segments,
         device: torch.device,
     ) -> None:
         self.names, self.muon_names, self.entries = list(names), list(muon_names), list(entries)
@@ -67,7 +67,7 @@ class Report:
         self._replicated_names = list(replicated_names)
         self._ranks = list(ranks)
         self._compared_layout = compared
-        self.layout = Layout.of(
+        self.layout = Segments.of(
             verdict=len(names),
             bad_results=len(muon_names),
             crashed=1,

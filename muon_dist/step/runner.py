@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.comm.groups import CommGroups
 from muon_dist.options.settings import ExecutionSettings
@@ -24,13 +23,15 @@ from muon_dist.plan.indices import GroupIndex, TensorIndex
 from muon_dist.plan.recipes import StackRecipe
 from muon_dist.plan.views import MatrixView, matrix_views, named_params
 from muon_dist.rules.registry import rule_of
-from muon_dist.state.checks import check_grad
 from muon_dist.state.tensors import local, storage
+from muon_dist.step.adamw_phase import AdamWPhase
 from muon_dist.step.agreement import Agreement
 from muon_dist.step.backward import BackwardStart
 from muon_dist.step.changes import BuiltFrom
 from muon_dist.step.cuda_graph import StepGraph
+from muon_dist.step.grad_check import check_grad
 from muon_dist.step.muon_phase import MuonEntry, MuonPhase
+from muon_dist.step.report import Outcome
 from muon_dist.step.scalars import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -123,14 +124,15 @@ class StepRunner:
             else None
         )
         self._muon_index = {id(self.params[i]): j for j, i in enumerate(self.muon_positions)}
-        # Per AdamW group, its parameters' positions; their local tensors, set by bind_state.
-        self._adamw_members: dict[int, list[int]] = {}
-        for position, (_, group, _) in enumerate(named):
-            if group["algorithm"] == "adamw":
-                self._adamw_members.setdefault(group_index[id(group)], []).append(position)
         self.inputs = StepInputs.allocate(
             len(groups), len(self.params), self.agreement.stage_size, self.device
         )
+        # Per AdamW group, its parameters' positions.
+        members: dict[int, list[int]] = {}
+        for position, (_, group, _) in enumerate(named):
+            if group["algorithm"] == "adamw":
+                members.setdefault(group_index[id(group)], []).append(position)
+        self.adamw = AdamWPhase(members, self.params, self.inputs, self.agreement)
         self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
         self._grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
             (None, None) for _ in self.params
@@ -184,24 +186,7 @@ class StepRunner:
 
     def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
         """Point at the state tensors (again after a state load, which replaces them)."""
-        self._adamw_tensors = {
-            i: (
-                local(p),
-                local(state[p]["exp_avg"]),
-                local(state[p]["exp_avg_sq"]),
-                state[p]["step"],
-            )
-            for members in self._adamw_members.values()
-            for i in members
-            for p in (self.params[i],)
-        }
-        # Parameters that are strided views (a slice, a transpose): the fused kernel reads a
-        # parameter and its moments as one dense layout, so they take contiguous copies.
-        self._adamw_strided = {
-            i
-            for i, tensors in self._adamw_tensors.items()
-            if not all(t.is_contiguous() for t in tensors[:3])
-        }
+        self.adamw.bind_state(state)
         if self.muon is not None:
             self.muon.bind_state(state)
         if self.graph is not None:
@@ -272,9 +257,13 @@ class StepRunner:
             None if failure is None else self.rank,
             [] if failure is not None else self.agreement.stage(groups, self.rank),
         )
-        if self.graph is None or failure is not None or self.previous is not None:
-            self._body(groups, grads, overlap, refused=failure is not None)
-            return failure or self.crash()
+        if failure is not None:
+            with self.built.restored():
+                self._body(groups, grads, overlap, refused=True)
+            return failure
+        if self.graph is None or self.previous is not None:
+            self._body(groups, grads, overlap)
+            return self.crash()
 
         def body() -> None:
             self._body(groups, grads, overlap)
@@ -284,18 +273,55 @@ class StepRunner:
         return self.crash()
 
     def mirror(
-        self, muon_grads: Sequence[torch.Tensor | None], *, transactional: bool, overlap: bool
+        self,
+        muon_grads: Sequence[torch.Tensor | None],
+        *,
+        transactional: bool,
+        overlap: bool,
+        redo: bool,
     ) -> None:
         """Run this step's Muon collectives, keeping nothing: a rank whose rebuilt plan the
-        other ranks do not share joins theirs, and the step fails on every rank."""
+        other ranks do not share joins theirs (starting its buckets again where they all
+        do, ``redo``), and the step fails on every rank."""
         early = self.early if overlap else None
         self.agreement.refuse_all(keep_results=early is not None)
-        self._muon_phase_of_step(early, muon_grads, transactional, redo=False)
+        self._muon_phase_of_step(early, muon_grads, transactional, redo=redo)
+
+    def _redo(
+        self, early: BackwardStart, muon_grads: Sequence[torch.Tensor | None], refused: bool
+    ) -> torch.Tensor | None:
+        """This rank's ask that every rank start the buckets the hooks started again: what
+        they read changed (:meth:`BackwardStart.changed`), this rank refused the step (they
+        read the values it refused), or they are the replaced step's, which this rank drops
+        while the other ranks, not rebuilt, would finish theirs."""
+        replaced = None if self.previous is None else self.previous.early
+        if refused or (replaced is not None and replaced.started):
+            return torch.ones((), device=self.device)
+        return early.changed(muon_grads)
 
     def abandon(self) -> None:
         """Drop the buckets this step started from hooks: a rebuilt step replaces it."""
         if self.early is not None:
             self.early.abandon()
+
+    def queued(self, step: int, failure: Exception | None) -> bool:
+        """The step just run is ``step``: its outcome's host copy is queued, or dropped where
+        it failed (``failure`` is raised instead). Whether that copy is already on the host
+        (CPU), to be read at once."""
+        report = self.agreement.report
+        report.queued(step)
+        if failure is not None:
+            report.discard()
+        return report.on_host
+
+    def outcome(self) -> Outcome | None:
+        """The last queued step's outcome, read once (on CUDA, waiting for that step)."""
+        return self.agreement.report.read()
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """1.0 on the device where the last step kept nothing."""
+        return self.agreement.found_inf
 
     def crash(self) -> Exception | None:
         """The exception this rank's own Muon work raised in the step just queued."""
@@ -316,21 +342,22 @@ class StepRunner:
             grads,
             self.inputs,
             keep_results=early is not None,
-            redo=None if early is None else early.changed(muon_grads),
+            redo=None if early is None else self._redo(early, muon_grads, refused),
         )
+        redo = early is not None and self.agreement.redo_asked()
         transactional = self.settings.nonfinite == "skip_step"
         if self.previous is not None:
             if self.agreement.ranks_differ():
-                self.previous.mirror(muon_grads, transactional=transactional, overlap=overlap)
+                self.previous.mirror(
+                    muon_grads, transactional=transactional, overlap=overlap, redo=redo
+                )
                 self.agreement.publish()
                 return
             self.previous.abandon()
             self.previous = None
-        redo = early is not None and self.agreement.redo_asked()
         self._muon_phase_of_step(early, muon_grads, transactional, redo=redo)
         if not refused:
-            for index in self._adamw_members:
-                self._adamw(groups[index], index, grads)
+            self.adamw.run(groups, grads)
         self.agreement.publish()
 
     def _muon_phase_of_step(
@@ -350,72 +377,6 @@ class StepRunner:
         elif self.muon is not None:
             self.abandon()
             self.muon.run(muon_grads, self.inputs, transactional=transactional)
-
-    def _adamw(
-        self, group: dict[str, Any], index: int, grads: Sequence[torch.Tensor | None]
-    ) -> None:
-        """AdamW for one group. A parameter without a local gradient takes a zero one where
-        another rank has a gradient, as a Muon parameter does, so replicas and step counts
-        stay equal: one launch each, skipped on the device where no rank has a gradient."""
-        members = self._adamw_members[index]
-        present = [i for i in members if grads[i] is not None]
-        if present:
-            self._adamw_launch(group, index, present, grads, self.agreement.found_inf)
-        for i in members:
-            if grads[i] is None:
-                skip = torch.maximum(self.agreement.found_inf, 1.0 - self.agreement.present[i])
-                zero = torch.zeros_like(self._adamw_tensors[i][0])
-                self._adamw_launch(group, index, [i], {i: zero}, skip)
-
-    def _adamw_launch(
-        self,
-        group: dict[str, Any],
-        index: int,
-        members: Sequence[int],
-        grads: Sequence[torch.Tensor | None] | dict[int, torch.Tensor],
-        found_inf: torch.Tensor,
-    ) -> None:
-        tensors = self._adamw_tensors
-        beta1, beta2 = group["betas"]
-        cuda = self.device.type == "cuda"
-        params = [tensors[i][0] for i in members]
-        grad_list = [cast(torch.Tensor, grads[i]) for i in members]
-        exp_avgs = [tensors[i][1] for i in members]
-        exp_avg_sqs = [tensors[i][2] for i in members]
-        # A strided parameter (or gradient) is updated in contiguous copies, written back
-        # after the update (unchanged where the step skips it).
-        moved = [
-            k
-            for k, i in enumerate(members)
-            if i in self._adamw_strided or not grad_list[k].is_contiguous()
-        ]
-        originals = [(params[k], exp_avgs[k], exp_avg_sqs[k]) for k in moved]
-        for k in moved:
-            params[k], grad_list[k], exp_avgs[k], exp_avg_sqs[k] = (
-                x.contiguous() for x in (params[k], grad_list[k], exp_avgs[k], exp_avg_sqs[k])
-            )
-        adamw_update(
-            params,
-            grad_list,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            [tensors[i][3] for i in members],
-            fused=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            # AdamW reads its lr from device memory on CUDA (fused AdamW takes a tensor lr).
-            lr=self.inputs.lr_of_group[index] if cuda else group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-            found_inf=found_inf,
-        )
-        for k, (param, exp_avg, exp_avg_sq) in zip(moved, originals, strict=True):
-            param.copy_(params[k])
-            exp_avg.copy_(exp_avgs[k])
-            exp_avg_sq.copy_(exp_avg_sqs[k])
 
 
 def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:

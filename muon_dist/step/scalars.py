@@ -37,14 +37,14 @@ Sliceable = TypeVar("Sliceable", torch.Tensor, "np.ndarray[Any, Any]")
 
 
 @dataclass(frozen=True)
-class Layout:
+class Segments:
     """Named consecutive segments of one flat vector, sized once: views by name, and the
     slice from one segment's start to another's end, so no offset is computed by hand."""
 
     sizes: tuple[tuple[str, int], ...]
 
     @classmethod
-    def of(cls, **sizes: int) -> Layout:
+    def of(cls, **sizes: int) -> Segments:
         return cls(tuple(sizes.items()))
 
     @property
@@ -86,7 +86,7 @@ class StepInputs:
 
     @classmethod
     def allocate(cls, groups: int, params: int, compared: int, device: torch.device) -> StepInputs:
-        layout = Layout.of(
+        layout = Segments.of(
             lr=groups,
             weight_decay=groups,
             present=params,

@@ -1,0 +1,47 @@
+"""benchmarks/train_table.py refuses bad input before it spends time: arguments that give no
+table fail before the first launch, and ``--from-json`` names the file and what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_train_table_slow import TINY, launch
+
+
+@pytest.mark.parametrize(
+    ("own", "training", "named"),
+    [
+        (["--skip", "10"], ["--steps", "4"], ["--skip 10", "--steps 4"]),
+        (["--nproc", "2"], ["--batch-size", "1"], ["--batch-size 1", "--nproc 2"]),
+    ],
+)
+def test_arguments_that_give_no_table_fail_before_the_first_launch(
+    tmp_path: Path, own: list[str], training: list[str], named: list[str]
+) -> None:
+    logs = tmp_path / "logs"
+    proc = launch("--model", "tiny", "--logs", str(logs), *own, "--", *TINY[:-2], *training)
+    assert proc.returncode != 0
+    for flag in named:
+        assert flag in proc.stderr, proc.stderr
+    assert not logs.exists() or not any(logs.iterdir()), "a run was launched"
+
+
+def test_from_json_names_the_file_and_what_is_wrong(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text('{"model": "tiny", "runs": [')
+    sweep_json = tmp_path / "sweep.json"
+    sweep_json.write_text(
+        json.dumps({"model": "tiny", "flags": [], "tokens_per_run": 1, "runs": []})
+    )
+    cases = [
+        (truncated, "not valid JSON"),
+        (sweep_json, "lacks nproc"),
+        (tmp_path / "missing.json", "cannot be read"),
+    ]
+    for path, problem in cases:
+        proc = launch("--from-json", str(path))
+        assert proc.returncode != 0
+        assert f"--from-json {path}: " in proc.stderr and problem in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
