@@ -10,10 +10,18 @@ pixels sized by its config for a vision model, and for a model with
 ``get_image_features`` (a vision-language model) that call too. A forward that cannot
 run on meta (data-dependent shapes) is tried once more in bfloat16 (grouped expert
 kernels take only that), then given up: the caller routes without observation.
+
+Repeated blocks (the members of one ``ModuleList`` of one class, parameter shapes and
+settings: 80 decoder layers) are observed once: a product entering a member is not
+followed inside it, so every member is observed alike. The first member called is traced;
+the others run untraced, take what it showed inside (renumbered to their own parameters)
+and hand on the codes its outputs held, so what follows them is observed as if every
+member were traced. Observation costs the same at any depth.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import re
@@ -30,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from muon_dist.routing.names import normalize_fqn
 from muon_dist.routing.observed import Observation, observation
-from muon_dist.routing.trace import Tracer
+from muon_dist.routing.trace import Record, Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +54,11 @@ class Observed:
     error: str | None = None
 
 
-def observe(model: nn.Module, example_inputs: Any = None) -> Observed:
+def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True) -> Observed:
     """Observe ``model``'s forward on ``example_inputs`` (a dict of keyword arguments, a
-    tuple of positional ones or one tensor) or, where None, on the model's own."""
+    tuple of positional ones or one tensor) or, where None, on the model's own; ``twins``:
+    repeated blocks are traced once (False traces every member, for the test that both
+    agree)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile: the module it wraps
     calls = _calls(model, example_inputs)
     if not calls:
@@ -57,11 +67,13 @@ def observe(model: nn.Module, example_inputs: Any = None) -> Observed:
     error = ""
     for dtype in (None, torch.bfloat16):
         tracer = Tracer(len(named))
+        blocks = _Twins(model, tracer, twins)
         try:
-            _run(model, calls, tracer, dtype)
+            _run(model, calls, tracer, dtype, blocks)
         except Exception as e:
             error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
+        blocks.fill()
         by_name = {}
         for index, (name, p) in enumerate(named):
             seen = observation(tracer.records[index], tuple(p.shape), index in tracer.outputs)
@@ -69,6 +81,111 @@ def observe(model: nn.Module, example_inputs: Any = None) -> Observed:
                 by_name[name] = seen
         return Observed(by_name)
     return Observed(error=f"its forward does not run on the meta device ({error})")
+
+
+class _Twins:
+    """The repeated blocks of one observation: hooks that give each member fresh inputs,
+    trace the first member called of each group and run the others untraced."""
+
+    def __init__(self, model: nn.Module, tracer: Tracer, skip: bool) -> None:
+        self.tracer = tracer
+        self.skip = skip
+        index = {id(p): i for i, (_, p) in enumerate(_unique_parameters(model))}
+        self.prefix = {m: name for name, m in model.named_modules()}
+        self.group: dict[nn.Module, int] = {}
+        self.indices: dict[nn.Module, list[int]] = {}
+        for g, members in enumerate(_repeated_blocks(model)):
+            for m in members:
+                self.group[m] = g
+                self.indices[m] = [
+                    index[id(p)] for _, p in m.named_parameters(remove_duplicate=False)
+                ]
+        self.traced: dict[int, nn.Module] = {}  # group -> its member that is traced
+        self.carried: dict[int, list[Any]] = {}  # group -> what its traced outputs held
+        self.inside: dict[int, list[Record]] = {}  # group -> its traced member's records
+        self.untraced: set[nn.Module] = set()
+        self.pausing: list[nn.Module] = []  # the untraced members running now
+
+    def hook(self) -> None:
+        """Hooks on every member (called inside :func:`_hooks_off`, which drops them)."""
+        for member in self.group:
+            member.register_forward_pre_hook(self._enter, with_kwargs=True)
+            member.register_forward_hook(self._leave, with_kwargs=True)
+
+    def _enter(self, member: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self.tracer.paused:
+            return None
+        if self.skip and self.traced.setdefault(self.group[member], member) is not member:
+            self.untraced.add(member)
+            self.pausing.append(member)
+            self.tracer.paused += 1
+            return None
+        return self.tracer.fresh((args, kwargs))
+
+    def _leave(self, member: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        g = self.group[member]
+        if self.pausing and self.pausing[-1] is member:
+            self.pausing.pop()
+            self.tracer.paused -= 1
+            if not self.tracer.paused and g in self.carried:
+                remap = dict(zip(self.indices[self.traced[g]], self.indices[member], strict=True))
+                self.tracer.carry(out, self.carried[g], remap)
+        elif self.skip and not self.tracer.paused:
+            self.carried[g] = self.tracer.carried(out)
+            self.inside[g] = [copy.deepcopy(self.tracer.records[i]) for i in self.indices[member]]
+
+    def fill(self) -> None:
+        """Each untraced member's records get what its traced twin's forward showed inside
+        it (renumbered); what followed the member is in its records already."""
+        for member in self.untraced:
+            g = self.group[member]
+            for i, inside in zip(self.indices[member], self.inside.get(g, []), strict=False):
+                self.tracer.records[i].absorb(inside)
+
+
+def _repeated_blocks(model: nn.Module) -> list[list[nn.Module]]:
+    """The groups of two or more members of one ``ModuleList`` that are twins: the same
+    class, parameter and buffer names, shapes and dtypes, and settings (every plain
+    attribute of every submodule, but one that is each member's own position: a layer
+    index)."""
+    found: list[list[nn.Module]] = []
+    for holder in model.modules():
+        if not isinstance(holder, nn.ModuleList) or len({id(m) for m in holder}) < len(holder):
+            continue  # one module called twice is itself, not a twin
+        kinds: dict[tuple[Any, ...], list[tuple[int, nn.Module, dict[str, Any]]]] = {}
+        for position, member in enumerate(holder):
+            tensors, settings = _signature(member)
+            kinds.setdefault((type(member), tensors, tuple(settings)), []).append(
+                (position, member, settings)
+            )
+        for kind in kinds.values():
+            index = {
+                key
+                for key in kind[0][2]
+                if all(type(s[key]) is int and s[key] == at for at, _, s in kind)
+            }
+            groups: dict[str, list[nn.Module]] = {}
+            for _, member, settings in kind:
+                rest = {k: v for k, v in settings.items() if k not in index}
+                groups.setdefault(repr(rest), []).append(member)
+            found += [group for group in groups.values() if len(group) > 1]
+    return found
+
+
+def _signature(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The module's tensors (names, types, shapes, dtypes) and plain settings by name."""
+    tensors: list[tuple[Any, ...]] = [
+        (n, type(t), tuple(t.shape), t.dtype) for n, t in module.named_parameters()
+    ]
+    tensors += [(n, type(t), tuple(t.shape), t.dtype) for n, t in module.named_buffers()]
+    settings = {
+        f"{prefix}:{key}": value
+        for prefix, sub in module.named_modules()
+        for key, value in vars(sub).items()
+        if not key.startswith("_")
+        and (value is None or isinstance(value, (bool, int, float, str, tuple)))
+    }
+    return tuple(tensors), settings
 
 
 def _unique_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -155,9 +272,16 @@ def _meta(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.empty(tuple(t.shape), dtype=cast, device="meta")
 
 
-def _run(model: nn.Module, calls: list[Call], tracer: Tracer, dtype: torch.dtype | None) -> None:
+def _run(
+    model: nn.Module,
+    calls: list[Call],
+    tracer: Tracer,
+    dtype: torch.dtype | None,
+    blocks: _Twins,
+) -> None:
     """Each call on meta stand-ins for the parameters (the tracer's, in order) and
-    buffers; the parameters whose products reach a prediction output are noted."""
+    buffers; the parameters whose products reach a prediction output are noted. The
+    repeated ``blocks`` are hooked."""
     params = {id(p): i for i, (_, p) in enumerate(_unique_parameters(model))}
     stand_ins = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -169,6 +293,7 @@ def _run(model: nn.Module, calls: list[Call], tracer: Tracer, dtype: torch.dtype
         return _meta(a, dtype) if isinstance(a, torch.Tensor) else a
 
     with torch.no_grad(), _hooks_off(model), tracer:
+        blocks.hook()
         for method, args, kwargs in calls:
             args, kwargs = tree_map(to_meta, (args, kwargs))
             with _reparametrize_module(model, stand_ins):

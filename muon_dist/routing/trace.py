@@ -164,6 +164,13 @@ class Record:
     cuts: dict[int, tuple[frozenset[int], list[frozenset[int]]]] = field(default_factory=dict)
     joins: list[frozenset[int]] = field(default_factory=list)
 
+    def absorb(self, other: Record) -> None:
+        """Add what ``other`` recorded (a twin's forward inside its block) to this."""
+        self.uses |= other.uses
+        self.merged |= other.merged
+        self.cuts.update(other.cuts)
+        self.joins += other.joins
+
 
 @dataclass(frozen=True)
 class _Alias:
@@ -194,6 +201,54 @@ class Tracer(TorchFunctionMode):
         self._stacks: dict[int, int] = {}
         self._kept: list[torch.Tensor] = []
         self.outputs: set[int] = set()
+        self.paused = 0  # > 0: ops run unobserved (a twin's forward, see observe.py)
+
+    def fresh(self, inputs: Any) -> Any:
+        """``inputs`` with each product swapped for an alias that holds no codes: a product
+        entering a repeated block is not followed inside it, so that every instance of the
+        block is observed alike (and one can stand for its twins)."""
+        self.paused += 1
+        try:
+            return tree_map(
+                lambda a: (
+                    a.view(a.shape) if isinstance(a, torch.Tensor) and a in self._codes else a
+                ),
+                inputs,
+            )
+        finally:
+            self.paused -= 1
+
+    def carried(self, out: Any) -> list[tuple[torch.Tensor, frozenset[int]] | None]:
+        """The codes and parameters that each tensor of ``out`` holds (None: nothing)."""
+        return [
+            self._codes[t][1:] if isinstance(t, torch.Tensor) and t in self._codes else None
+            for t in tree_flatten(out)[0]
+        ]
+
+    def carry(
+        self,
+        out: Any,
+        carried: list[tuple[torch.Tensor, frozenset[int]] | None],
+        remap: dict[int, int],
+    ) -> None:
+        """Give the tensors of ``out`` (a twin's outputs) what a traced twin's held, its
+        parameters renumbered by ``remap``; a tensor of another shape gets nothing."""
+        lookup = torch.arange(len(self.records))
+        lookup[list(remap)] = torch.tensor(list(remap.values()), dtype=torch.long)
+        for tensor, held in zip(tree_flatten(out)[0], carried, strict=False):
+            if held is None or not isinstance(tensor, torch.Tensor):
+                continue
+            codes, params = held
+            if tuple(codes.shape) != tuple(tensor.shape):
+                continue
+            small = _compact(codes)
+            owner = lookup[(small >> _PARAM).clamp(min=0)]
+            renumbered = torch.where(
+                small >= 0, owner << _PARAM | small & ((1 << _PARAM) - 1), small
+            )
+            self._track(
+                tensor, renumbered.expand(codes.shape), frozenset(remap.get(p, p) for p in params)
+            )
 
     def param(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Follow ``tensor`` as parameter ``index`` (its meta stand-in); returns it."""
@@ -208,6 +263,8 @@ class Tracer(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         name = _name(func)
         flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         aliases = [a for a in flat if a in self._aliases]

@@ -878,6 +878,21 @@ OBSERVED: dict[str, Case] = {
     ),
 }
 
+# Tiny configs with runs of three or more layers of one kind (repeated blocks).
+DEEP: dict[str, tuple[Callable[[dict[str, Any]], nn.Module], dict[str, Any]]] = {
+    "llama": (_causal("LlamaConfig", "LlamaForCausalLM"), _HYBRID_TINY | {"num_hidden_layers": 4}),
+    "bamba": (
+        OBSERVED["bamba"].build,
+        _BAMBA_TINY | {"num_hidden_layers": 5, "attn_layer_indices": [2]},
+    ),
+    "lfm2": (
+        OBSERVED["lfm2"].build,
+        OBSERVED["lfm2"].tiny
+        | {"num_hidden_layers": 4, "layer_types": ["conv", "conv", "conv", "full_attention"]},
+    ),
+    "mpt": (OBSERVED["mpt"].build, OBSERVED["mpt"].tiny | {"n_layers": 4}),
+}
+
 
 def _aya(c: dict[str, Any]) -> Expected:  # x, gate = linear_1(x).chunk(2, dim=-1)
     half = c["alignment_intermediate_size"] // 2

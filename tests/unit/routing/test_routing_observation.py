@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import torch
 from forward_provenance import Provenance, part_codes
-from routing_cases import OBSERVED, Case
+from routing_cases import DEEP, OBSERVED, Case
 from torch import nn
 
 import muon_dist
+from muon_dist.routing.observe import _repeated_blocks, observe
 from muon_dist.routing.param_groups import route_model
 
 
@@ -49,6 +50,24 @@ def test_family_no_class_names_is_routed_as_its_forward_cuts_it(
             assert dict(route.options) == want, (name, route.reason)
             assert "observed" in route.reason
     assert "guessed" not in caplog.text
+
+
+@pytest.mark.parametrize("family", sorted(DEEP))
+def test_repeated_blocks_observed_once_equal_every_block_traced(family: str) -> None:
+    """The middle layers run untraced and take the first layer's observation: the same,
+    for every parameter, as tracing every layer; a layer of another kind is no twin."""
+    pytest.importorskip("transformers")
+    build, kwargs = DEEP[family]
+    torch.manual_seed(0)
+    built = build(kwargs)
+    groups = _repeated_blocks(built)
+    assert max(len(g) for g in groups) >= 3  # some layers really run untraced
+    assert all(len({type(m) for m in g}) == 1 for g in groups)
+    every, once = observe(built, twins=False), observe(built)
+    assert every.error is None and once.error is None
+    assert list(once.by_name) == list(every.by_name)
+    for name, seen in every.by_name.items():
+        assert once.by_name[name] == seen, name
 
 
 def _tensor_warning(model: nn.Module, caplog: pytest.LogCaptureFixture) -> str:
