@@ -98,3 +98,19 @@ def tensor_route(name: str, shape: tuple[int, ...], seen: Observation | None) ->
         f"param_groups, and its forward will say how it is read"
     )
     return Route("adamw", f"unknown {reason}", guess=guess)
+
+
+def unobserved(name: str, shape: tuple[int, ...], transposed: bool, why: str, ran: bool) -> str:
+    """The warning for a Muon matrix that neither its forward (``why`` it said nothing;
+    ``ran``: it ran on meta, other inputs may reach it) nor a module class settles: a
+    clean log must not hide a table, a head or a fusion."""
+    regex = name_regex(name)
+    rows = shape[1] if transposed else shape[0]
+    reach = "pass example_inputs= that reach it to param_groups, or " if ran else ""
+    return (
+        f"{regex} ({shape_text(shape)}) was not observed ({why}) and no module class says "
+        f"how it is applied: orthogonalized as one whole matrix. To settle it, {reach}pass "
+        f"fused={{{regex!r}: {{'split_sizes': [{rows}]}}}} if it is one linear map (its "
+        f"parts' sizes instead if its forward cuts it), or overrides={{{regex!r}: 'adamw'}} "
+        f"if it is a table or a head"
+    )

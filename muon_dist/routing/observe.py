@@ -48,10 +48,12 @@ _NOT_PREDICTION = re.compile(r"hidden_state|attention|past_key_values|cache|rout
 
 @dataclass(frozen=True)
 class Observed:
-    """Observations by normalised parameter name; ``error`` says why none were made."""
+    """Observations by normalised parameter name; ``error`` says why none were made;
+    ``ran``: whether a forward was tried (there were inputs and observation was on)."""
 
     by_name: Mapping[str, Observation] = field(default_factory=dict)
     error: str | None = None
+    ran: bool = True
 
 
 def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True) -> Observed:
@@ -62,7 +64,7 @@ def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True)
     model = getattr(model, "_orig_mod", model)  # torch.compile: the module it wraps
     calls = _calls(model, example_inputs)
     if not calls:
-        return Observed(error="no example_inputs and the model has no dummy inputs")
+        return Observed(error="no example_inputs and the model has no dummy inputs", ran=False)
     named = list(_unique_parameters(model))
     error = ""
     for dtype in (None, torch.bfloat16):

@@ -212,8 +212,11 @@ def route_model(
     modules = {normalize_fqn(n): m for n, m in model.named_modules()}
     embeddings, heads = embedding_and_head_ids(model, head_patterns, embedding_patterns)
     observed = (
-        observe_forward(model, example_inputs) if observe else Observed(error="observe=False")
+        observe_forward(model, example_inputs)
+        if observe
+        else Observed(error="observe=False", ran=False)
     )
+    why = observed.error or "its forward on the inputs given did not reach it"
     router = Router(
         model,
         modules,
@@ -226,6 +229,7 @@ def route_model(
         embedding_ids=embeddings,
         head_ids=heads,
         observed=observed.by_name,
+        unobserved=(why, observed.error is None) if observed.ran else None,
     )
     routes: dict[str, tuple[torch.Tensor, Route]] = {}
     seen: set[int] = set()

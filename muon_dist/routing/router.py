@@ -62,6 +62,7 @@ class Router:
         embedding_ids: set[int],
         head_ids: set[int],
         observed: Mapping[str, Observation],
+        unobserved: tuple[str, bool] | None,
     ) -> None:
         if conv not in CONV_CHOICES:
             raise ValueError(
@@ -91,6 +92,8 @@ class Router:
         self.embedding_ids = embedding_ids
         self.head_ids = head_ids
         self.observed = observed
+        # Why the forward said nothing of a parameter, and whether it ran; None: not tried.
+        self.unobserved = unobserved
         self._stacks: dict[str, Stacks] = {}
 
     # -- the decision ---------------------------------------------------------------------
@@ -255,6 +258,10 @@ class Router:
             if proposal is not None:
                 reasons.append(proposal[0])
                 guess = guess or proposal[1]
+            if guess is None and seen is None and self.unobserved is not None:
+                guess = evidence.unobserved(
+                    name, shape, bool(options.get("transposed")), *self.unobserved
+                )
         route = Route("muon", "; ".join(reasons), frozen(options), guess=guess)
         return self._checked(name, shape, route)
 

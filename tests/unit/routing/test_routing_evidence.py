@@ -98,7 +98,9 @@ def test_escape_hatches_never_raise_on_a_proposed_route(caplog: pytest.LogCaptur
     ernie, _ = _build(CASES["ernie4_5_moe"], "tiny")
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         routes = muon_dist.param_groups(  # what the audit proposes for shared experts
-            ernie, fused={r"shared_experts\.(gate|up)_proj\.weight$": {"split_sizes": [12, 12]}}
+            ernie,
+            fused={r"shared_experts\.(gate|up)_proj\.weight$": {"split_sizes": [12, 12]}},
+            observe=False,  # its grouped kernel does not run on meta at tiny sizes: warned
         )
     assert caplog.text == ""
 

@@ -21,8 +21,10 @@ from routing_cases import DEEP, OBSERVED, Case
 from torch import nn
 
 import muon_dist
+from muon_dist.routing.names import name_regex
 from muon_dist.routing.observe import _repeated_blocks, observe
 from muon_dist.routing.param_groups import route_model
+from muon_dist.routing.route import shape_text
 
 
 def _build(case: Case, size: str) -> tuple[nn.Module, dict[str, Any]]:
@@ -208,3 +210,92 @@ def test_without_example_inputs_the_class_routes_and_the_log_says_so(
         routes = route_model(model)
     assert "split_sizes" not in dict(routes["proj.weight"][1].options)
     assert "not observed (no example_inputs" in caplog.text and r"proj\.weight$" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------
+# A clean log means a right route: a Muon matrix neither observed nor settled by a class
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_mllama_table_the_inputs_do_not_reach_is_warned_with_both_fixes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Mllama's dummy inputs never reach the vision tower: its positional table
+    (added to the patches, not a linear map) is named in a warning with the inputs that
+    would reach it and the override that puts a table on AdamW."""
+    hf = pytest.importorskip("transformers")
+    vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}
+    vision |= {"num_global_layers": 1, "attention_heads": 4, "image_size": 32}
+    vision |= {"patch_size": 8, "max_num_tiles": 2, "intermediate_layers_indices": [0]}
+    vision |= {"vision_output_dim": 64, "supported_aspect_ratios": [[1, 1], [1, 2]]}
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48}
+    text |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    text |= {"cross_attention_layers": [1], "pad_token_id": 0}
+    config = hf.MllamaConfig(vision_config=vision, text_config=text)
+    model = hf.MllamaForConditionalGeneration(config)
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        muon_dist.param_groups(model)
+    lines = [line for line in _warnings(caplog).splitlines() if "gated_positional" in line]
+    assert len(lines) == 1, lines
+    regex = r"model\\.vision_model\\.gated_positional_embedding\\.embedding$"
+    assert "example_inputs= that reach it" in lines[0]
+    assert f"overrides={{'{regex}': 'adamw'}}" in lines[0]
+    assert r"language_model\.layers\.\d+\.self_attn" not in _warnings(caplog)  # observed
+
+
+def test_rt_detr_forward_off_meta_warns_each_unsettled_matrix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """RT-DETR's forward calls ``.item()``: no observation. Every Muon matrix no class
+    settles is warned once, with the ``fused=`` that pins it whole or the override for a
+    head (no ``example_inputs=``: no input makes that forward run on meta)."""
+    hf = pytest.importorskip("transformers")
+    backbone = hf.RTDetrResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 128],
+        depths=[1, 1, 1, 1],
+        out_features=["stage2", "stage3", "stage4"],
+    )
+    config = hf.RTDetrConfig(
+        backbone_config=backbone,
+        d_model=32,
+        encoder_hidden_dim=32,
+        encoder_in_channels=[32, 64, 128],
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        decoder_layers=2,
+        num_queries=10,
+        num_labels=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        image_size=64,
+        decoder_in_channels=[32, 32, 32],
+    )
+    model = hf.RTDetrForObjectDetection(config)
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        routes = route_model(model)
+        muon_dist.param_groups(model)
+    warned = _warnings(caplog)
+    assert "does not run on the meta device" in warned
+    assert "example_inputs=" not in warned
+    for name, (p, route) in routes.items():
+        if route.algorithm == "muon" and p.ndim == 2 and "observed" not in route.reason:
+            regex = name_regex(name)
+            assert warned.count(f"- {regex} ({shape_text(p.shape)})") == 1, name
+            assert f"overrides={{{regex!r}: 'adamw'}}" in warned
+
+
+def test_lfm2_unobserved_in_proj_is_never_called_q_k_v(caplog: pytest.LogCaptureFixture) -> None:
+    """Where LFM2's forward says nothing (inputs it rejects), ``conv.in_proj`` (B, C, x)
+    is warned as unobserved, and neither the warning nor the audit calls its parts q, k,
+    v, even where the config's head sizes add up to its outputs."""
+    pytest.importorskip("transformers")
+    kwargs = OBSERVED["lfm2"].tiny | {"num_key_value_heads": 4}  # q + k + v = 3 * hidden
+    model = OBSERVED["lfm2"].build(kwargs)
+    with caplog.at_level(logging.INFO, logger="muon_dist"):
+        muon_dist.param_groups(model, example_inputs={"no_such_input": torch.zeros(1)})
+    assert r"conv\.in_proj\.weight$ (96x32) was not observed" in _warnings(caplog)
+    assert "q 32 + k 32" not in caplog.text and "q/k/v" not in caplog.text
