@@ -25,14 +25,10 @@ from muon_dist.comm.groups import CommGroups
 from muon_dist.options.schema import OPTIONS, SETTINGS, args_section, group_defaults
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.options.validation import check_step_values, validate_group
-from muon_dist.plan.views import (
-    format_routing_table,
-    named_params,
-    param_list,
-    routing_entries,
-)
+from muon_dist.plan.views import named_params, param_list
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, qk_clipper
 from muon_dist.routing.param_groups import UnlabelledRouting
+from muon_dist.routing.table import format_routing_table, routing_entries
 from muon_dist.state.group_state import (
     checked_group,
     checked_load,

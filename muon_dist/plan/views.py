@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,17 +23,6 @@ Box = tuple[tuple[int, int], ...]
 
 MUON_MODES = ("2d", "flat", "slice")
 ALGORITHMS = ("muon", "adamw")
-
-# Parts that wrappers (torch.compile, activation checkpointing, FSDP1, DDP) insert into names.
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-
-
-def normalize_fqn(name: str) -> str:
-    """Strip wrapper-inserted name parts so routing patterns see the model's own names."""
-    parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
-    if parts and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
 
 
 @dataclass(frozen=True)
@@ -320,46 +309,6 @@ def _row_blocks(
     return views
 
 
-@dataclass(frozen=True)
-class RouteEntry:
-    """One row of the routing table; ``lr_scales`` has one entry per part of the view."""
-
-    name: str
-    shape: tuple[int, ...]
-    algorithm: str
-    view: str
-    lr_scales: tuple[float, ...]
-    numel: int
-    reason: str = ""
-
-    @property
-    def scale_text(self) -> str:
-        return "/".join(f"{s:.3f}" for s in self.lr_scales) if self.algorithm == "muon" else "-"
-
-
-def format_routing_table(entries: Iterable[RouteEntry]) -> str:
-    """Render routing rows as an aligned text table with per-algorithm totals in millions;
-    a reason column where the rows carry reasons (param_groups' audit)."""
-    entries = list(entries)
-    reasons = any(e.reason for e in entries)
-    header = ("name", "shape", "algorithm", "matrix view", "lr scale", "params (M)")
-    rows: list[tuple[str, ...]] = [header + (("reason",) if reasons else ())]
-    totals: dict[str, int] = {}
-    for e in entries:
-        shape = "x".join(str(s) for s in e.shape) or "scalar"
-        row = (e.name, shape, e.algorithm, e.view, e.scale_text, f"{e.numel / 1e6:.2f}")
-        rows.append(row + ((e.reason,) if reasons else ()))
-        totals[e.algorithm] = totals.get(e.algorithm, 0) + e.numel
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    summary = ", ".join(f"{alg}: {n / 1e6:.2f}M" for alg, n in sorted(totals.items()))
-    lines.append(f"total {summary}")
-    return "\n".join(lines)
-
-
 def group_param_names(group: dict[str, Any], index: int) -> list[str]:
     """Names for error messages and tables: the group's own, else positional ones."""
     return group.get("param_names") or [
@@ -387,28 +336,3 @@ def named_params(groups: Sequence[dict[str, Any]]) -> Iterator[tuple[str, dict[s
     for index, group in enumerate(groups):
         for name, p in zip(group_param_names(group, index), group["params"], strict=True):
             yield name, group, p
-
-
-def routing_entries(
-    groups: Sequence[dict[str, Any]], reasons: Mapping[str, str] | None = None
-) -> list[RouteEntry]:
-    """Routing rows for param groups, one per matrix view, with each view validated;
-    ``reasons`` (by parameter name) fills the reason column."""
-    reasons = reasons or {}
-    entries = []
-    for name, group, p in named_params(groups):
-        shape = tuple(p.shape)
-        why = reasons.get(name, "")
-        if group.get("algorithm", "muon") != "muon":
-            entries.append(RouteEntry(name, shape, "adamw", "-", (), p.numel(), why))
-            continue
-        adjust_lr = group.get("adjust_lr", "spectral_norm")
-        for view in matrix_views(shape, group, name):
-            parts = view.part_split(adjust_lr)
-            scales = parts.scales if parts is not None else (view.lr_scale(adjust_lr),)
-            entries.append(
-                RouteEntry(
-                    view.label(name), shape, "muon", view.describe(), scales, view.numel, why
-                )
-            )
-    return entries

@@ -93,15 +93,28 @@ def declared_experts(owner: nn.Module, leaf: str, shape: tuple[int, ...]) -> Lay
 _LATENT = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
-def latent_attention(owner: nn.Module, tail: list[str]) -> Layout | None:
+def latent_attention(owner: nn.Module, tail: list[str], rows: int) -> Layout | None:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi, Mistral 4): its projections are
-    each one map (per head, the rotary and the other part of one query or key), whatever
-    their widths add up to."""
+    each one map (per head, the rotary and the other part of one query, joined again),
+    whatever their widths add up to, but for ``kv_a_proj_with_mqa``, whose forward splits
+    the latent kv from the rotary key, and ``kv_b_proj``, whose heads each split into a key
+    part and a value: parts that never meet again."""
     if len(tail) != 2 or tail[1] != "weight" or tail[0] not in _LATENT:
         return None
-    if size(owner, "kv_lora_rank") is None or size(owner, "qk_rope_head_dim") is None:
+    latent, rope = size(owner, "kv_lora_rank"), size(owner, "qk_rope_head_dim")
+    if latent is None or rope is None:
         return None
+    if tail[0] == "kv_a_proj_with_mqa":  # split([kv_lora_rank, rope]): latent kv, rope key
+        return parts([latent, rope], rows, f"{type(owner).__name__}: latent kv, rope key")
+    nope, value = size(owner, "qk_nope_head_dim"), size(owner, "v_head_dim")
+    if tail[0] == "kv_b_proj" and nope is not None and value is not None:  # per head k, v
+        found = interleaved([nope, value], rows, "per head: k (no rope), v")
+        return _credit(found, owner) if found else None
     return Layout({}, f"{type(owner).__name__}: latent attention, one map per projection")
+
+
+def _credit(layout: Layout, owner: nn.Module) -> Layout:
+    return Layout(layout.options, f"{type(owner).__name__}: {layout.reason}")
 
 
 def titan_layout(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from muon_dist.plan.views import normalize_fqn
+from muon_dist.routing.names import normalize_fqn
 from muon_dist.routing.structure import is_transposed_linear
 
 HEAD_NAMES = (r"(^|\.)(lm_head|output|head|classifier)$",)

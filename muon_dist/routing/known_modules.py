@@ -258,7 +258,7 @@ _LEVEL_TABLES = (
 _ATTENTION_GATED_Q = ("Qwen3NextAttention", "Qwen3_5Attention", "Qwen3_5MoeAttention")
 _MAMBA = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 
-RULES: Mapping[str, Mapping[str, ModuleRule]] = {
+FAMILY_RULES: Mapping[str, Mapping[str, ModuleRule]] = {
     **{cls: {r"c_attn\.weight": _gpt2_c_attn} for cls in _GPT2_COPIES},
     "GPTBigCodeAttention": {r"c_attn\.weight": _bigcode_c_attn},
     "Phi3Attention": {r"qkv_proj\.weight": _phi3_qkv},
@@ -357,13 +357,13 @@ def module_layout(
     for depth in range(1, min(_DEPTH, len(path)) + 1):
         module = modules.get(".".join(path[:-depth]))
         relative = ".".join(path[-depth:])
-        cls = next((c.__name__ for c in type(module).__mro__ if c.__name__ in RULES), None)
-        for pattern, rule in RULES.get(cls or "", {}).items():
+        cls = next((c.__name__ for c in type(module).__mro__ if c.__name__ in FAMILY_RULES), None)
+        for pattern, rule in FAMILY_RULES.get(cls or "", {}).items():
             if module is not None and re.fullmatch(pattern, relative):
                 return _credited(rule(module, shape), type(module).__name__)
     owner = modules.get(".".join(path[:-1]))
     attention = modules.get(".".join(path[:-2])) if len(path) > 1 else None
-    if attention is not None and (found := latent_attention(attention, path[-2:])):
+    if attention is not None and (found := latent_attention(attention, path[-2:], shape[0])):
         return found
     if owner is None:
         return None

@@ -17,15 +17,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from muon_dist.plan.views import ALGORITHMS, format_routing_table, normalize_fqn, routing_entries
+from muon_dist.plan.views import ALGORITHMS
 from muon_dist.routing.heads import HEAD_NAMES, embedding_and_head_ids
-from muon_dist.routing.router import Route, Router
+from muon_dist.routing.names import name_regex, normalize_fqn
+from muon_dist.routing.observe import Observed
+from muon_dist.routing.observe import observe as observe_forward
+from muon_dist.routing.route import Route
+from muon_dist.routing.router import Router
 from muon_dist.routing.structure import STATE_SPACE_NAMES
+from muon_dist.routing.table import format_routing_table, routing_entries
 
 logger = logging.getLogger(__name__)
 
 Override = Callable[[str, torch.Tensor], str | None] | Mapping[str, str]
-"""Routing overrides: ``(name, param) -> "muon" | "adamw" | None``, or name regex -> algorithm."""
+"""Routing overrides: ``(name, param) -> choice | None``, or name regex -> choice."""
+
+OVERRIDE_CHOICES = (*ALGORITHMS, "muon:flat", "muon:slice")
+"""``"muon:flat"`` / ``"muon:slice"``: Muon with this parameter's own ``muon_mode``."""
 
 FUSED_KEYS = ("split_sizes", "num_heads", "split_groups", "transposed", "num_experts")
 EXPERT_KEYS = ("experts", "routed_experts")
@@ -42,9 +50,9 @@ class _Overrides:
         self.fn = overrides if callable(overrides) else None
         self.patterns = dict(overrides) if isinstance(overrides, Mapping) else {}
         for pattern, algorithm in self.patterns.items():
-            if algorithm not in ALGORITHMS:
+            if algorithm not in OVERRIDE_CHOICES:
                 raise ValueError(
-                    f"overrides[{pattern!r}]={algorithm!r}; choose one of {list(ALGORITHMS)}"
+                    f"overrides[{pattern!r}]={algorithm!r}; choose one of {list(OVERRIDE_CHOICES)}"
                 )
         self.hits: set[str] = set()
 
@@ -58,12 +66,12 @@ class _Overrides:
                     self.hits.add(pattern)
                     forced = algorithm
                     break
-        if forced not in (*ALGORITHMS, None):
+        if forced not in (*OVERRIDE_CHOICES, None):
             raise ValueError(
-                f"overrides returned {forced!r} for {name}; return one of {list(ALGORITHMS)} "
-                "or None (default routing)"
+                f"overrides returned {forced!r} for {name}; return one of "
+                f"{list(OVERRIDE_CHOICES)} or None (default routing)"
             )
-        if forced == "muon" and p.ndim < 2:
+        if forced is not None and forced.startswith("muon") and p.ndim < 2:
             raise ValueError(
                 f"overrides routed {name} (shape {tuple(p.shape)}) to 'muon', but Muon needs "
                 ">= 2-D parameters"
@@ -114,14 +122,18 @@ def param_groups(
     known_layouts: bool = True,
     conv: str = "adamw",
     min_matrix_side: int = MIN_MATRIX_SIDE,
+    example_inputs: Any = None,
+    observe: bool = True,
     report: bool = False,
     **muon_options: Any,
 ) -> list[dict[str, Any]]:
     """Split a model's parameters into Muon and AdamW groups for :class:`muon_dist.Muon`.
 
     Hidden matrices go to Muon, each seen as its module applies it: parts, orientation,
-    expert stacks and tables only on evidence (the owning module's class, the family
-    table of :mod:`muon_dist.routing.known_modules`, layouts a module declares); embeddings
+    expert stacks and tables only on evidence (the model's forward, run once on the meta
+    device on ``example_inputs`` or the model's own dummy inputs where ``observe``; the
+    owning module's class, the family table of :mod:`muon_dist.routing.known_modules`,
+    layouts a module declares); embeddings
     and heads by the model's API and structure; biases, vectors, state-space parameters,
     tables, convolutions (``conv="muon"`` flattens them), small matrices and other >2-D
     tensors go to AdamW. A config sum or a name never splits: it only proposes, in the
@@ -144,6 +156,8 @@ def param_groups(
         conv=conv,
         min_matrix_side=min_matrix_side,
         muon_mode=muon_options.get("muon_mode", "2d"),
+        example_inputs=example_inputs,
+        observe=observe,
     )
     buckets: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]] = {}
     for name, (p, route) in routes.items():
@@ -188,6 +202,8 @@ def route_model(
     conv: str = "adamw",
     min_matrix_side: int = MIN_MATRIX_SIDE,
     muon_mode: str = "2d",
+    example_inputs: Any = None,
+    observe: bool = True,
 ) -> dict[str, tuple[torch.Tensor, Route]]:
     """Every trainable parameter of ``model`` by normalised name (a tied one under its first
     name), with its route; the arguments are :func:`param_groups`' routing arguments."""
@@ -195,6 +211,12 @@ def route_model(
     declared = _Declared(fused)
     modules = {normalize_fqn(n): m for n, m in model.named_modules()}
     embeddings, heads = embedding_and_head_ids(model, head_patterns, embedding_patterns)
+    observed = (
+        observe_forward(model, example_inputs)
+        if observe
+        else Observed(error="observe=False", ran=False)
+    )
+    why = observed.error or "its forward on the inputs given did not reach it"
     router = Router(
         model,
         modules,
@@ -206,6 +228,8 @@ def route_model(
         muon_mode=muon_mode,
         embedding_ids=embeddings,
         head_ids=heads,
+        observed=observed.by_name,
+        unobserved=(why, observed.error is None) if observed.ran else None,
     )
     routes: dict[str, tuple[torch.Tensor, Route]] = {}
     seen: set[int] = set()
@@ -217,7 +241,26 @@ def route_model(
         forced = route_of(name, p)
         routes[name] = (p, router.route(name, p, forced, declared(name) if p.ndim >= 2 else None))
     _check_matched(route_of, declared, {name: route for name, (_, route) in routes.items()})
+    _log_unobserved(routes, observed)
     return routes
+
+
+def _log_unobserved(routes: Mapping[str, tuple[torch.Tensor, Route]], observed: Observed) -> None:
+    """Say which Muon matrices the forward did not reach, and why (routed by classes)."""
+    missed = [
+        n for n, (p, r) in routes.items() if r.algorithm == "muon" and n not in observed.by_name
+    ]
+    if not missed:
+        return
+    why = observed.error or "the forward did not reach them"
+    patterns = list(dict.fromkeys(name_regex(n) for n in missed))
+    logger.info(
+        "muon_dist.param_groups: %d Muon parameter(s) not observed (%s); routed by module "
+        "class and structure: %s",
+        len(missed),
+        why,
+        ", ".join(patterns),
+    )
 
 
 def _groups(

@@ -17,14 +17,15 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from muon_dist.routing import evidence, guesses
 from muon_dist.routing.families import Layout, titan_layout
 from muon_dist.routing.known_modules import module_layout
+from muon_dist.routing.observed import Observation
+from muon_dist.routing.route import Route, frozen, shape_text
 from muon_dist.routing.structure import (
     STATE_SPACE_NAMES,
     ConfigDims,
@@ -36,37 +37,9 @@ from muon_dist.routing.structure import (
     is_transposed_linear,
     linear_shape,
     matrix_sides,
-    named_parts,
-    suggests_fusion,
 )
 
 CONV_CHOICES = ("adamw", "muon")
-
-
-@dataclass(frozen=True)
-class Route:
-    """The decision for one parameter. ``options`` are Muon group options of its view;
-    AdamW parameters with ``decay=False`` (vectors, biases, state-space parameters) never
-    take weight decay. ``guess`` says what was guessed and which option settles it."""
-
-    algorithm: str
-    reason: str
-    options: tuple[tuple[str, Any], ...] = ()
-    decay: bool = True
-    guess: str | None = None
-
-    def group_key(self) -> tuple[Any, ...]:
-        if self.algorithm == "muon":
-            return ("muon", self.options)
-        return ("adamw_decay",) if self.decay else ("adamw_no_decay",)
-
-
-def _frozen(options: ViewOptions) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
-
-
-def _shape_text(shape: Sequence[int]) -> str:
-    return "x".join(str(s) for s in shape)
 
 
 class Router:
@@ -88,6 +61,8 @@ class Router:
         muon_mode: str,
         embedding_ids: set[int],
         head_ids: set[int],
+        observed: Mapping[str, Observation],
+        unobserved: tuple[str, bool] | None,
     ) -> None:
         if conv not in CONV_CHOICES:
             raise ValueError(
@@ -116,6 +91,9 @@ class Router:
         self.muon_mode = muon_mode
         self.embedding_ids = embedding_ids
         self.head_ids = head_ids
+        self.observed = observed
+        # Why the forward said nothing of a parameter, and whether it ran; None: not tried.
+        self.unobserved = unobserved
         self._stacks: dict[str, Stacks] = {}
 
     # -- the decision ---------------------------------------------------------------------
@@ -138,11 +116,14 @@ class Router:
             role = self._non_matrix(name, leaf, owner, p, shape)
             if role is not None:
                 return role
+        if forced in ("muon:flat", "muon:slice"):
+            mode = forced.partition(":")[2]
+            return Route("muon", f"override, muon_mode={mode!r}", frozen({"muon_mode": mode}))
         if forced == "muon" and owner is not None and is_conv(owner):
             return Route(
                 "muon",
                 "override; convolution flattened [out, in*k]",
-                _frozen({"muon_mode": "flat"}),
+                frozen({"muon_mode": "flat"}),
             )
         route = self._muon_view(name, owner, p, shape, declared)
         if forced == "muon":
@@ -171,9 +152,13 @@ class Router:
         if owner is not None and is_conv(owner):
             return self._conv(owner, shape)
         if sum(s > 1 for s in shape) < 2 and self._raw(owner):  # [1, 1, H]: a gain
-            return Route("adamw", f"vector stored {_shape_text(shape)}", decay=False)
+            return Route("adamw", f"vector stored {shape_text(shape)}", decay=False)
+        seen = self.observed.get(name)
+        observed = evidence.non_matrix(seen)
+        if observed is not None:
+            return observed
         layout = self._layout(name, owner, shape)
-        if layout is not None and layout.table:
+        if layout is not None and layout.table and evidence.settled(seen) is None:
             return Route("adamw", layout.reason)
         if self._expert(name) and p.ndim == 2 and owner is not None:
             stacks = [s for s in owner.parameters(recurse=False) if s.ndim == 3]
@@ -181,15 +166,10 @@ class Router:
                 return Route("adamw", "per-expert vector beside an expert stack", decay=False)
         if p.ndim > 2 and not self._stacked(name, shape, layout):
             if shape[0] == 1:  # a leading broadcast dimension: added to activations
-                return Route("adamw", f"broadcast tensor {_shape_text(shape)}, not a linear map")
+                return Route("adamw", f"broadcast tensor {shape_text(shape)}, not a linear map")
             if self.muon_mode != "2d":
                 return None
-            guess = (
-                f"{_regex(name)} ({_shape_text(shape)}) is neither a convolution nor an expert "
-                f"stack: it goes to AdamW; if it is a stack of matrices, pass overrides="
-                f"{{{_regex(name)!r}: 'muon'}} with muon_mode='flat' or 'slice'"
-            )
-            return Route("adamw", f"unknown {p.ndim}-D tensor", guess=guess)
+            return evidence.tensor_route(name, shape, seen)
         return None
 
     def _conv(self, owner: nn.Module, shape: tuple[int, ...]) -> Route:
@@ -205,10 +185,10 @@ class Router:
         if min(flat) < self.min_side:
             return Route("adamw", self._small(flat))
         reason = f"{kind} (conv='muon'), flattened [out, in*k]"
-        return Route("muon", reason, _frozen({"muon_mode": "flat"}))
+        return Route("muon", reason, frozen({"muon_mode": "flat"}))
 
     def _small(self, matrix: tuple[int, int]) -> str:
-        return f"small matrix {_shape_text(matrix)} (side < min_matrix_side={self.min_side})"
+        return f"small matrix {shape_text(matrix)} (side < min_matrix_side={self.min_side})"
 
     def _muon_view(
         self,
@@ -231,7 +211,11 @@ class Router:
             if transposed:
                 options["transposed"] = True
             if layout is None and self._raw(owner) and self._expert(name):
-                fused = self._fused_experts(name, shape)
+                fused = (
+                    ({}, "one numbered expert")
+                    if self._one_expert(name)
+                    else guesses.fused_experts(name, shape, self.num_experts, self.dims.experts)
+                )
                 if isinstance(fused, str):
                     guess = fused
                 else:
@@ -241,24 +225,44 @@ class Router:
             options["experts"] = True
             if layout is None:
                 reasons.append("expert stack (module named experts), read [E, out, in]")
-                guess = self._stack_guess(name, owner, shape)
+                stacks = self._stacks_of(name.rpartition(".")[0], owner)
+                guess = guesses.stack_guess(stacks, name, owner, shape)
         elif p.ndim > 2:
             reasons.append(f"{p.ndim}-D tensor, muon_mode={self.muon_mode!r}")
-        if layout is not None:
+        if layout is not None and not layout.table:
             options.update(layout.options)
             reasons.append(layout.reason)
             if p.ndim == 2 and options.get("transposed"):  # the module class, not the type
                 reasons[0] = reasons[0].replace("[out, in]", "[in, out]")
+        seen = self.observed.get(name) if p.ndim == 2 else None
+        if evidence.settled(seen) is not None and seen is not None:  # the forward wins
+            if layout is not None:
+                guess = evidence.disagreement(name, shape, layout, seen)
+            kept = {k: v for k, v in options.items() if k not in evidence.OBSERVED_KEYS}
+            if {**kept, **seen.options} != options:  # the audit says what the forward added
+                options = {**kept, **seen.options}
+                reasons = [reasons[0].split(" [")[0], seen.reason, *reasons[1:]]
         if declared is not None:  # the caller's layout replaces parts and expert counts
             kept = {k: v for k, v in options.items() if k in ("experts", "transposed")}
-            route = Route("muon", "fused= declared", _frozen({**kept, **declared}))
+            route = Route("muon", "fused= declared", frozen({**kept, **declared}))
             return self._checked(name, shape, route)
-        if layout is None and p.ndim == 2 and "num_experts" not in options:
-            proposal = self._proposal(name, shape, options.get("transposed", False))
+        if seen is not None and seen.kind == "untraceable" and layout is None:
+            guess = evidence.untraceable(name, shape, seen)
+        elif (
+            layout is None
+            and evidence.settled(seen) is None
+            and p.ndim == 2
+            and "num_experts" not in options
+        ):
+            proposal = guesses.proposal(self.dims, name, shape, options.get("transposed", False))
             if proposal is not None:
                 reasons.append(proposal[0])
                 guess = guess or proposal[1]
-        route = Route("muon", "; ".join(reasons), _frozen(options), guess=guess)
+            if guess is None and seen is None and self.unobserved is not None:
+                guess = evidence.unobserved(
+                    name, shape, bool(options.get("transposed")), *self.unobserved
+                )
+        route = Route("muon", "; ".join(reasons), frozen(options), guess=guess)
         return self._checked(name, shape, route)
 
     def _layout(self, name: str, owner: nn.Module | None, shape: tuple[int, ...]) -> Layout | None:
@@ -278,65 +282,6 @@ class Router:
             rows = shape[1] if len(shape) == 3 else shape[0]
             found = titan_layout(owner, grandparent, name, rows)
         return found
-
-    def _proposal(
-        self, name: str, shape: tuple[int, ...], transposed: bool
-    ) -> tuple[str, str | None] | None:
-        """Without evidence a matrix stays whole. Where the config's sizes add up to its
-        outputs, or its name says how many parts it has, the audit proposes the ``fused=``
-        that would split it; where its name suggests fusion, so does a warning."""
-        rows, cols = (shape[1], shape[0]) if transposed else shape
-        found = self.dims.fused_split(name, rows, cols)
-        named = named_parts(name, rows)
-        if found is not None:
-            sizes, source = found
-        elif named is not None:
-            sizes, source = named, "its name"
-        else:
-            return None
-        regex = _regex(name)
-        audit = f"whole: no module class says it is fused ({source} would cut it {sizes})"
-        if not suggests_fusion(name):
-            return audit, None
-        guess = (
-            f"{regex} ({_shape_text(shape)}) is named like fused matrices and {source} would "
-            f"cut it {sizes}, but no module class says how its forward cuts it: orthogonalized "
-            f"whole. If it is fused, pass fused={{{regex!r}: {{'split_sizes': {sizes}}}}} (add "
-            f"'split_groups' for parts interleaved per head); to keep it whole and silence "
-            f"this, pass fused={{{regex!r}: {{'split_sizes': [{rows}]}}}}"
-        )
-        return audit, guess
-
-    def _stack_guess(
-        self, name: str, owner: nn.Module | None, shape: tuple[int, ...]
-    ) -> str | None:
-        """A stack without evidence is read ``[E, out, in]``, whole per expert; where its
-        container's shapes suggest otherwise (the hidden size first, a gate+up twice the
-        down projection's width) or cannot tell, the warning proposes the ``fused=``."""
-        stacks = self._stacks_of(name.rpartition(".")[0], owner)
-        leaf = name.rpartition(".")[2]
-        regex = _regex(name)
-        proposed: ViewOptions = {}
-        if stacks.in_out:
-            proposed["transposed"] = True
-        if leaf in stacks.fused:
-            rows = shape[2] if stacks.in_out else shape[1]
-            proposed["split_sizes"] = [rows // 2, rows // 2]
-        if proposed:
-            return (
-                f"{regex} ({_shape_text(shape)}): its container's shapes suggest "
-                f"{'[E, in, out]' if stacks.in_out else '[E, out, in]'}"
-                f"{' with gate and up halves' if 'split_sizes' in proposed else ''}, but no "
-                f"module class says so: read [E, out, in], whole per expert. If its forward "
-                f"reads it so, pass fused={{{regex!r}: {proposed}}}"
-            )
-        if stacks.in_out is None and shape[1] != shape[2] and self._siblings(owner) > 1:
-            return (
-                f"{regex} ({_shape_text(shape)}): its container's shapes do not tell "
-                f"[E, out, in] from [E, in, out]; read as [E, out, in]; pass fused="
-                f"{{{regex!r}: {{'transposed': True}}}} if it is applied as x @ W[e]"
-            )
-        return None
 
     def _checked(self, name: str, shape: tuple[int, ...], route: Route) -> Route:
         """AdamW instead for a matrix (per expert for stacks) with a side below
@@ -373,38 +318,12 @@ class Router:
             return False
         return self._expert(name) or (layout is not None and bool(layout.options.get("experts")))
 
-    def _fused_experts(self, name: str, shape: tuple[int, ...]) -> tuple[ViewOptions, str] | str:
-        """A raw 2-D weight ``[E*m, n]`` under an expert module: E experts where the caller
-        says ``num_experts=E``; else one matrix, and a guess proposing E."""
-        if self._one_expert(name):
-            return {}, "one numbered expert"
-        experts = self.num_experts
-        if experts is not None and shape[0] % experts == 0:
-            return {"num_experts": experts}, f"{experts} fused experts [E*m, n] (num_experts)"
-        count = self.dims.experts
-        hint = (
-            f"; the config has {count} experts: num_experts={count}"
-            if count is not None and shape[0] % count == 0
-            else ""
-        )
-        return (
-            f"{_regex(name)} ({_shape_text(shape)}) is a 2-D weight under an expert module, "
-            f"orthogonalized as one matrix; pass num_experts=E if it stacks E experts [E*m, n]"
-            f"{hint}"
-        )
-
     def _stacks_of(self, module_name: str, owner: nn.Module | None) -> Stacks:
         if module_name not in self._stacks:
             params = list(owner.named_parameters(recurse=False)) if owner is not None else []
             params = [(n, p) for n, p in params if "bias" not in re.split(r"[_\W]+", n)]
             self._stacks[module_name] = Stacks.of(params, self.dims.hidden)
         return self._stacks[module_name]
-
-    @staticmethod
-    def _siblings(owner: nn.Module | None) -> int:
-        if owner is None:
-            return 0
-        return sum(1 for p in owner.parameters(recurse=False) if p.ndim == 3)
 
 
 def _owner_path(name: str) -> tuple[str, str]:
@@ -415,8 +334,3 @@ def _owner_path(name: str) -> tuple[str, str]:
         return base, rest.split(".")[0]
     module, _, leaf = name.rpartition(".")
     return module, leaf
-
-
-def _regex(name: str) -> str:
-    """A regex matching ``name`` at the end of a parameter name, layer numbers generalised."""
-    return re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name)) + "$"

@@ -54,7 +54,7 @@ _SUB_CONFIGS = ("attn_config", "ffn_config", "text_config")
 STATE_SPACE_NAMES = frozenset({"A_log", "D", "dt_bias"})
 # Path parts that say which of two equally good config matches a projection is.
 _ATTENTION_PATH = re.compile(r"attn|attention", re.IGNORECASE)
-_MLP_PATH = re.compile(r"mlp|ffn|feed_forward", re.IGNORECASE)
+_MLP_PATH = re.compile(r"mlp|ffn|feed_forward|expert", re.IGNORECASE)
 
 
 def hf_config(model: nn.Module) -> Any:
@@ -111,21 +111,22 @@ class ConfigDims:
         config: a proposal for the audit, never a split (an MLA ``q_proj`` or two shared
         experts add up by coincidence).
 
-        Its outputs could be fused when they add up to q, k and v heads or to twice an MLP
-        width (gate and up), and are neither the hidden size nor a width of their own. When
+        Its outputs could be fused when they add up to q, k and v heads on an attention
+        path or to twice an MLP width (gate and up) on an MLP path (LFM2's conv ``in_proj``
+        is B, C, x: neither), and are neither the hidden size nor a width of their own. When
         both sums match, the module path (attention or MLP) decides; when it cannot, None.
         """
         if in_dim not in self.hidden or out_dim in self.hidden or out_dim in self.widths:
             return None
         found: dict[str, tuple[list[int], str]] = {}
-        for q, k, v in self.qkv:
+        path = name.rsplit(".", 1)[0]
+        for q, k, v in self.qkv if _ATTENTION_PATH.search(path) else ():  # LFM2's B, C, x
             if q + k + v == out_dim:
                 found["attention"] = ([q, k, v], f"q {q} + k {k} + v {v}")
-        for width in sorted(self.widths):
+        for width in sorted(self.widths) if _MLP_PATH.search(path) else ():
             if 2 * width == out_dim:
                 found["mlp"] = ([width, width], f"gate {width} + up {width}")
         if len(found) == 2:
-            path = name.rsplit(".", 1)[0]
             attention, mlp = bool(_ATTENTION_PATH.search(path)), bool(_MLP_PATH.search(path))
             if attention == mlp:
                 return None

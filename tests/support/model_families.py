@@ -288,9 +288,10 @@ _LAYER_ROWS: dict[str, dict[str, str]] = {
         "self_attn.q_a_proj.weight": "matrix 16x32 | 1.000",
         "self_attn.q_a_layernorm.weight": "adamw",
         "self_attn.q_b_proj.weight": "matrix 32x16 | 1.414",
-        "self_attn.kv_a_proj_with_mqa.weight": "matrix 12x32 | 1.000",
+        "self_attn.kv_a_proj_with_mqa.weight[0:8]": "matrix 8x32 | 1.000",  # latent kv
+        "self_attn.kv_a_proj_with_mqa.weight[8:12]": "matrix 4x32 | 1.000",  # rope key
         "self_attn.kv_a_layernorm.weight": "adamw",
-        "self_attn.kv_b_proj.weight": "matrix 48x8 | 2.449",
+        "self_attn.kv_b_proj.weight": "matrix 48x8 parts 4+8 x4 interleaved | 1.414/2.000",
         "self_attn.o_proj.weight": "matrix 32x32 | 1.000",
         **_MOE_EXPERTS,
         "mlp.shared_experts.gate_proj.weight": "matrix 24x32 | 1.000",
@@ -670,7 +671,7 @@ def routing(groups: list[dict[str, Any]]) -> dict[str, str]:
     the rest; rows inside layers are keyed by their name within the layer (all layers that
     hold it must agree), the rest by their full name."""
     out: dict[str, str] = {}
-    for e in muon_dist.plan.views.routing_entries(groups):
+    for e in muon_dist.routing.table.routing_entries(groups):
         name = _LAYER.sub("", e.name)
         row = "adamw" if e.algorithm == "adamw" else f"{e.view} | {e.scale_text}"
         out[name] = row if out.get(name, row) == row else f"layers disagree: {out[name]}, {row}"
@@ -728,6 +729,12 @@ _TRUE_LAYOUTS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
         # per key head: q (dk), k (dk), v (nv/nk * dv), z (nv/nk * dv); b, a (nv/nk each)
         ("in_proj_qkvz.weight", {"split_sizes": [8, 8, 16, 16], "split_groups": 2}),
         ("in_proj_ba.weight", {"split_sizes": [2, 2], "split_groups": 2}),
+    ),
+    # split([kv_lora_rank, qk_rope_head_dim]): the latent kv and the rope key
+    "deepseek_v3": (
+        ("kv_a_proj_with_mqa.weight", {"split_sizes": [8, 4]}),
+        # kv_b_proj(x).view(..., heads, nope + v).split([nope, v]): per head k, v
+        ("kv_b_proj.weight", {"split_sizes": [4, 8], "split_groups": HEADS}),
     ),
     # gate (I), x (I), B (G N), C (G N), dt (heads)
     "mamba2": (("mixer.in_proj.weight", {"split_sizes": [64, 64, 16, 16, 8]}),),
@@ -942,7 +949,9 @@ def family_rows(family: str) -> list[str]:
 
     routes = route_model(model, **options(family))
     rows: dict[str, str] = {}
-    for e in muon_dist.plan.views.routing_entries(muon_dist.param_groups(model, **options(family))):
+    for e in muon_dist.routing.table.routing_entries(
+        muon_dist.param_groups(model, **options(family))
+    ):
         base = e.name.split("[")[0]
         reason = routes[base][1].reason
         if reason in _PLAIN[e.algorithm]:
@@ -953,7 +962,7 @@ def family_rows(family: str) -> list[str]:
             if e.name != base:  # row blocks of a split 2-D weight: list them once
                 blocks = [
                     f.view.split(" ", 1)[1]
-                    for f in muon_dist.plan.views.routing_entries(
+                    for f in muon_dist.routing.table.routing_entries(
                         muon_dist.param_groups(model, **options(family))
                     )
                     if f.name.split("[")[0] == base

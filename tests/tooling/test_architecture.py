@@ -119,11 +119,6 @@ def _top_level_public_names(path: Path) -> list[str]:
     return [name for name in names if not name.startswith("_")]
 
 
-# Issue 46 renames routing/known_modules.py's family table, which shares a name with the
-# rule registry's RULES; until then it is the one name allowed twice.
-DEFINED_TWICE_FOR_NOW = {"RULES"}
-
-
 def test_no_public_class_or_constant_is_defined_twice() -> None:
     """One name, one meaning: a public class or module constant has one definition."""
     where: dict[str, list[str]] = {}
@@ -131,7 +126,7 @@ def test_no_public_class_or_constant_is_defined_twice() -> None:
         for name in _top_level_public_names(path):
             where.setdefault(name, []).append(module)
     twice = {name: modules for name, modules in where.items() if len(modules) > 1}
-    assert set(twice) <= DEFINED_TWICE_FOR_NOW, twice
+    assert twice == {}
 
 
 def _docstring_lines(cls: ast.ClassDef) -> int:
@@ -170,9 +165,6 @@ def _attributes(cls: ast.ClassDef) -> set[str]:
 
 
 MAX_CLASS_LINES, MAX_CLASS_ATTRIBUTES = 300, 25
-# Issues 45 (Muon, StepRunner) and 46 (Router) slim these now; take them off once merged.
-GROWN_FOR_NOW = {"muon_dist.optimizer.Muon", "muon_dist.step.runner.StepRunner"}
-GROWN_FOR_NOW |= {"muon_dist.routing.router.Router"}
 
 
 def test_no_class_grew_back() -> None:
@@ -180,7 +172,7 @@ def test_no_class_grew_back() -> None:
     grown = []
     for module, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ClassDef) or f"{module}.{node.name}" in GROWN_FOR_NOW:
+            if not isinstance(node, ast.ClassDef):
                 continue
             assert node.end_lineno is not None
             lines = node.end_lineno - node.lineno + 1 - _docstring_lines(node)

@@ -6,7 +6,8 @@ A :class:`Provenance` mode follows one parameter through a forward. Where the pa
 outputs; ``matmul``, ``bmm``, ``addmm`` its columns), the result gets a code per output
 feature: the row index, or ``COLUMN`` plus the column index. Data movement (views,
 reshapes, splits, chunks, indexing, transposes) and one-input ops that keep the shape
-(activations, masks, scales) carry the codes along. A split the routing makes is confirmed
+(activations, masks, scales) and a depthwise convolution (one filter per channel: Mamba's
+``conv1d`` over x, B, C) carry the codes along. A split the routing makes is confirmed
 when every part's codes are exactly those of some tensor of the forward: the forward
 itself cut the output there.
 """
@@ -79,9 +80,19 @@ class Provenance(TorchFunctionMode):
             self._weight_op(name, func, args, weights[0], out)
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         tracked = [a for a in tensors if id(a) in self.codes]
-        if len(tracked) == 1 or (name in _JOINS and tracked and len(tracked) == len(tensors)):
+        if name == "conv1d" and len(tracked) == 1 and tracked[0] is args[0]:
+            self._depthwise(args, kwargs, out)
+        elif len(tracked) == 1 or (name in _JOINS and tracked and len(tracked) == len(tensors)):
             self._carry(name, func, args, kwargs, tracked, out)
         return out
+
+    def _depthwise(self, args: Any, kwargs: Any, out: Any) -> None:
+        """A convolution with one filter per channel keeps each channel: ``[b, C, L]``."""
+        x = args[0]
+        weight = args[1] if len(args) > 1 else kwargs["weight"]
+        groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+        if isinstance(out, torch.Tensor) and groups == x.shape[1] == weight.shape[0]:
+            self._track(out, self.codes[id(x)][:, :, :1].expand(out.shape))
 
     def _weight_op(
         self, name: str, func: Any, args: Any, weight: torch.Tensor, out: torch.Tensor

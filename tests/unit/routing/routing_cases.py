@@ -71,14 +71,28 @@ def _uninitialized(config: str, model: str) -> Callable[[dict[str, Any]], nn.Mod
     return build
 
 
+def _kv_b(c: dict[str, Any]) -> dict[str, Any]:
+    """kv_b_proj(x).view(..., heads, nope + v).split([nope, v]): per head k, v."""
+    return {
+        "split_sizes": (c["qk_nope_head_dim"], c["v_head_dim"]),
+        "split_groups": c["num_attention_heads"],
+    }
+
+
+def _latent_kv(c: dict[str, Any]) -> dict[str, Any]:
+    """kv_a_proj_with_mqa(x).split([kv_lora_rank, rope]): the latent kv, the rope key."""
+    return {"split_sizes": (c["kv_lora_rank"], c["qk_rope_head_dim"])}
+
+
 def _mla(c: dict[str, Any]) -> Expected:
-    """Latent attention: q_proj is per head [nope + rope] of one query (q_lora_rank None),
-    kv_a and kv_b one map each; shared experts are plain Linears of n_shared * width."""
+    """Latent attention: q_proj is per head [nope + rope] of one query (q_lora_rank None,
+    split and joined again), kv_a split into the latent kv and the rope key, kv_b per
+    head into k and v; shared experts are plain Linears of n_shared * width."""
     whole: dict[str, Any] = {}
     return {
         r"self_attn\.q_proj\.weight$": whole,
-        r"self_attn\.kv_a_proj_with_mqa\.weight$": whole,
-        r"self_attn\.kv_b_proj\.weight$": whole,
+        r"self_attn\.kv_a_proj_with_mqa\.weight$": _latent_kv(c),
+        r"self_attn\.kv_b_proj\.weight$": _kv_b(c),
         r"shared_experts\.(gate|up)_proj\.weight$": whole,
         r"mlp\.experts\.gate_up_proj$": {
             "experts": True,
@@ -213,6 +227,8 @@ def _mistral4(c: dict[str, Any]) -> Expected:
         },
         r"experts\.down_proj$": {"experts": True},
         r"self_attn\.q_b_proj\.weight$": {},
+        r"self_attn\.kv_a_proj_with_mqa\.weight$": _latent_kv(c),
+        r"self_attn\.kv_b_proj\.weight$": _kv_b(c),
     }
 
 
@@ -280,7 +296,11 @@ def _zamba2(c: dict[str, Any]) -> Expected:
     # adapter's second Linear writes the same gate and up halves; q, k, v adapters and the
     # adapters' first Linear (to adapter_rank) are one map each
     halves = {"split_sizes": (c["intermediate_size"],) * 2}
+    # the mamba mixer: in_proj(x).split([I, I + 2 G N, H]), then x, B, C after the conv
+    inner = c.get("mamba_expand", 2) * c["hidden_size"]
+    bc = c.get("mamba_ngroups", 1) * c["mamba_d_state"]
     return {
+        r"mamba\.in_proj\.weight$": {"split_sizes": (inner, inner, bc, bc, c["n_mamba_heads"])},
         r"feed_forward\.gate_up_proj\.weight$": halves,
         r"feed_forward\.gate_up_proj_adapter_list\.\d+\.1\.weight$": halves,
         r"adapter_list\.\d+\.0\.weight$": {},
@@ -759,3 +779,150 @@ CASES: dict[str, Case] = {
         _DEFORMABLE_DETR | _TWO_STAGE,
     ),
 }
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 46: families no class rule names, settled by observing their forward on meta
+
+
+def _mamba2_copy(prefix: str, heads: str, head_dim: str, state: str, groups: str) -> Any:
+    """Mamba2 mixers under new class names: in_proj(x).split([I, conv, H]) into z, xBC,
+    dt; after the depthwise conv, xBC.split([I, G N, G N]) into x, B, C."""
+
+    def expected(c: dict[str, Any]) -> Expected:
+        inner = c[heads] * c[head_dim]
+        bc = c[groups] * c[state]
+        return {prefix + r"\.in_proj\.weight$": {"split_sizes": (inner, inner, bc, bc, c[heads])}}
+
+    return expected
+
+
+def _gate_up(pattern: str, width: str) -> Any:
+    def expected(c: dict[str, Any]) -> Expected:  # gate_up(x).chunk(2): gate, up
+        return {pattern: {"split_sizes": (c[width],) * 2}}
+
+    return expected
+
+
+def _mpt(c: dict[str, Any]) -> Expected:  # Wqkv(x).chunk(3, dim=2): q, k, v
+    return {r"attn\.Wqkv\.weight$": {"split_sizes": (c["d_model"],) * 3}}
+
+
+def _lfm2(c: dict[str, Any]) -> Expected:  # in_proj(x).transpose.chunk(3, dim=-2): B, C, x
+    return {r"conv\.in_proj\.weight$": {"split_sizes": (c["hidden_size"],) * 3}}
+
+
+_HYBRID_TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "pad_token_id": 0}
+_HYBRID_TINY |= {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+_BAMBA_TINY = _HYBRID_TINY | {"attn_layer_indices": [1], "mamba_n_heads": 4}
+_BAMBA_TINY |= {"mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_expand": 2}
+_NEMOTRON_H_TINY = _HYBRID_TINY | {"hybrid_override_pattern": "M*", "mamba_num_heads": 4}
+_NEMOTRON_H_TINY |= {"mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 2, "expand": 2}
+_GRANITE_H_TINY = _HYBRID_TINY | {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4}
+_GRANITE_H_TINY |= {"mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1}
+_GRANITE_H_TINY |= {"num_local_experts": 4, "num_experts_per_tok": 2, "mamba_expand": 2}
+_GRANITE_H_TINY |= {"shared_intermediate_size": 48}
+_PUBLISHED_HYBRID = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336}
+_PUBLISHED_HYBRID |= {"num_attention_heads": 32, "num_key_value_heads": 8}
+
+OBSERVED: dict[str, Case] = {
+    "bamba": Case(  # ibm-ai-platform/Bamba-9B
+        _causal("BambaConfig", "BambaForCausalLM"),
+        _mamba2_copy(r"mamba", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups"),
+        _BAMBA_TINY,
+        _BAMBA_TINY
+        | _PUBLISHED_HYBRID
+        | {"mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128},
+    ),
+    "nemotron_h": Case(  # nvidia/Nemotron-H-8B-Base-8K
+        _causal("NemotronHConfig", "NemotronHForCausalLM"),
+        _mamba2_copy(r"mixer", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups"),
+        _NEMOTRON_H_TINY,
+        _NEMOTRON_H_TINY
+        | _PUBLISHED_HYBRID
+        | {"vocab_size": 131072, "intermediate_size": 21504, "mamba_num_heads": 128}
+        | {"mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8},
+    ),
+    "granitemoehybrid": Case(  # ibm-granite/granite-4.0-h-tiny
+        _causal("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+        _mamba2_copy(r"mamba", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups"),
+        _GRANITE_H_TINY,
+        _GRANITE_H_TINY
+        | {"vocab_size": 100352, "hidden_size": 1536, "intermediate_size": 512}
+        | {"num_attention_heads": 12, "num_key_value_heads": 4, "mamba_n_heads": 48}
+        | {"mamba_d_head": 64, "mamba_d_state": 128, "num_local_experts": 64}
+        | {"num_experts_per_tok": 6, "shared_intermediate_size": 1024},
+    ),
+    "glm4": Case(  # THUDM/GLM-4-9B-0414
+        _causal("Glm4Config", "Glm4ForCausalLM"),
+        _gate_up(r"mlp\.gate_up_proj\.weight$", "intermediate_size"),
+        _HYBRID_TINY,
+        _HYBRID_TINY
+        | {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696}
+        | {"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128},
+    ),
+    "mpt": Case(  # mosaicml/mpt-7b
+        _causal("MptConfig", "MptForCausalLM"),
+        _mpt,
+        {"vocab_size": 64, "d_model": 32, "n_heads": 4, "n_layers": 2},
+        {"vocab_size": 50432, "d_model": 4096, "n_heads": 32, "n_layers": 2},
+    ),
+    "lfm2": Case(  # LiquidAI/LFM2-1.2B
+        _causal("Lfm2Config", "Lfm2ForCausalLM"),
+        _lfm2,
+        _HYBRID_TINY | {"layer_types": ["conv", "full_attention"]},
+        _HYBRID_TINY
+        | {"layer_types": ["conv", "full_attention"], "vocab_size": 65536}
+        | {"hidden_size": 2048, "intermediate_size": 12288, "num_attention_heads": 32}
+        | {"num_key_value_heads": 8},
+    ),
+}
+
+# Tiny configs with runs of three or more layers of one kind (repeated blocks).
+DEEP: dict[str, tuple[Callable[[dict[str, Any]], nn.Module], dict[str, Any]]] = {
+    "llama": (_causal("LlamaConfig", "LlamaForCausalLM"), _HYBRID_TINY | {"num_hidden_layers": 4}),
+    "bamba": (
+        OBSERVED["bamba"].build,
+        _BAMBA_TINY | {"num_hidden_layers": 5, "attn_layer_indices": [2]},
+    ),
+    "lfm2": (
+        OBSERVED["lfm2"].build,
+        OBSERVED["lfm2"].tiny
+        | {"num_hidden_layers": 4, "layer_types": ["conv", "conv", "conv", "full_attention"]},
+    ),
+    "mpt": (OBSERVED["mpt"].build, OBSERVED["mpt"].tiny | {"n_layers": 4}),
+}
+
+
+def _aya(c: dict[str, Any]) -> Expected:  # x, gate = linear_1(x).chunk(2, dim=-1)
+    half = c["alignment_intermediate_size"] // 2
+    return {r"multi_modal_projector\.linear_1\.weight$": {"split_sizes": (half, half)}}
+
+
+_AYA_TINY = {
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32}
+    | {"intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4}
+    | {"image_size": 32, "patch_size": 8},
+    "text_config": {"model_type": "cohere2", "vocab_size": 64, "hidden_size": 32}
+    | {"intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4}
+    | {"num_key_value_heads": 2, "pad_token_id": 0},
+    "alignment_intermediate_size": 64,
+    "downsample_factor": 2,
+    "image_token_index": 5,
+}
+OBSERVED["aya_vision"] = Case(  # CohereForAI/aya-vision-8b, one layer per tower
+    _causal("AyaVisionConfig", "AyaVisionForConditionalGeneration"),
+    _aya,
+    _AYA_TINY,
+    _AYA_TINY
+    | {
+        "vision_config": _AYA_TINY["vision_config"]
+        | {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16}
+        | {"image_size": 364, "patch_size": 14},
+        "text_config": _AYA_TINY["text_config"]
+        | {"vocab_size": 256000, "hidden_size": 4096, "intermediate_size": 14336}
+        | {"num_attention_heads": 32, "num_key_value_heads": 8},
+        "alignment_intermediate_size": 28672,
+        "image_token_index": 255036,
+    },
+)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import muon_dist
-from muon_dist.plan.views import normalize_fqn
+from muon_dist.routing.names import normalize_fqn
 
 
 class Experts(nn.Module):
@@ -105,7 +105,10 @@ def test_overrides_move_parameters_between_muon_and_adamw() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"proj": "sgd"}, r"overrides\['proj'\]='sgd'; choose one of \['muon', 'adamw'\]"),
+        (
+            {"proj": "sgd"},
+            r"overrides\['proj'\]='sgd'; choose one of \['muon', 'adamw', 'muon:flat'",
+        ),
         (lambda n, p: "lion", "overrides returned 'lion' for wqkv.weight"),
         ({"norm": "muon"}, r"routed norm.weight \(shape \(6,\)\) to 'muon'"),
     ],
@@ -250,7 +253,7 @@ TITAN_TRUE_LAYOUT = {
 def _views(groups: list[dict[str, object]]) -> dict[str, str]:
     return {
         e.name: e.view if e.algorithm == "muon" else "adamw"
-        for e in muon_dist.plan.views.routing_entries(groups)
+        for e in muon_dist.routing.table.routing_entries(groups)
     }
 
 
@@ -325,7 +328,7 @@ def test_declared_layouts_split_expert_stacks_and_read_storage_orientation() -> 
             r"experts\.down_proj$": {"transposed": True},
         },
     )
-    rows = {e.name: e for e in muon_dist.plan.views.routing_entries(groups)}
+    rows = {e.name: e for e in muon_dist.routing.table.routing_entries(groups)}
     assert rows["experts.gate_up_proj"].view == "expert_stack 4x[12x8] parts 6+6"
     assert rows["experts.gate_up_proj_bias"].algorithm == "adamw"
     # [E, in, out] = [4, 6, 12]: 12 outputs from 6 inputs, the same scale as [4, 12, 6]
@@ -410,7 +413,7 @@ def test_structure_sends_non_matrices_to_adamw_and_says_why(
     assert "matrix 16x16" in attn and attn.endswith("nn.MultiheadAttention: q, k, v blocks")
     # The one guess, with the option that settles it.
     assert "blob$ (4x4x4) is neither a convolution nor an expert stack" in caplog.text
-    assert "overrides={'blob$': 'muon'} with muon_mode='flat'" in caplog.text
+    assert "Pass example_inputs= that reach it" in caplog.text
 
 
 def test_conv_muon_flattens_filters_and_small_matrices_follow_the_threshold(

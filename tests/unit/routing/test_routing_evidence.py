@@ -92,13 +92,15 @@ def test_escape_hatches_never_raise_on_a_proposed_route(caplog: pytest.LogCaptur
         },
         overrides={r"mlp\.router\.layer\.weight$": "adamw"},
     )
-    views = {e.name: e.view for e in muon_dist.plan.views.routing_entries(routes)}
+    views = {e.name: e.view for e in muon_dist.routing.table.routing_entries(routes)}
     assert views["model.layers.0.mlp.input_linear.weight"] == "expert_stack 4x[96x32] parts 96"
     assert views["model.layers.0.self_attention.kv_proj.weight"].startswith("fused_experts 2x")
     ernie, _ = _build(CASES["ernie4_5_moe"], "tiny")
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         routes = muon_dist.param_groups(  # what the audit proposes for shared experts
-            ernie, fused={r"shared_experts\.(gate|up)_proj\.weight$": {"split_sizes": [12, 12]}}
+            ernie,
+            fused={r"shared_experts\.(gate|up)_proj\.weight$": {"split_sizes": [12, 12]}},
+            observe=False,  # its grouped kernel does not run on meta at tiny sizes: warned
         )
     assert caplog.text == ""
 

@@ -1,0 +1,59 @@
+"""What observing the forward adds to ``param_groups``: a 70B-parameter Llama config
+(Llama-3-70B: hidden 8192, 80 layers, 64 heads, 8 key-value heads, MLP 28672) built on the
+meta device, routed with ``observe=False`` and with the default (one meta forward on the
+model's dummy inputs), interleaved after one warm-up call; the median of each and their
+difference.
+
+Run: ``python benchmarks/bench_observe.py [--repeats 3] [--layers 80]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import muon_dist
+
+
+def build(layers: int) -> torch.nn.Module:
+    import transformers as hf
+
+    config = hf.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=layers,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    )
+    with torch.device("meta"):
+        return hf.LlamaForCausalLM(config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=80)
+    args = parser.parse_args()
+    model = build(args.layers)
+    count = sum(p.numel() for p in model.parameters())
+    times: dict[bool, list[float]] = {False: [], True: []}
+    muon_dist.param_groups(model)  # warm-up: meta kernels' first calls
+    for _ in range(args.repeats):
+        for observe in (False, True):
+            start = time.perf_counter()
+            muon_dist.param_groups(model, observe=observe)
+            times[observe].append(time.perf_counter() - start)
+    plain, observed = statistics.median(times[False]), statistics.median(times[True])
+    print(f"{count / 1e9:.1f}B parameters, {args.layers} layers, meta device")
+    print(f"param_groups observe=False: {plain:.2f} s (runs {times[False]})")
+    print(f"param_groups observe=True:  {observed:.2f} s (runs {times[True]})")
+    print(f"observation adds {observed - plain:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

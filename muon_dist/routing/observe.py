@@ -1,0 +1,319 @@
+"""Run a model's forward once on the meta device and observe every parameter's use.
+
+Nothing is allocated: each parameter and buffer is swapped for a meta tensor of its full
+shape (``torch.func.functional_call``; a DTensor's global shape), the inputs are moved to
+meta, and the module hooks (FSDP2's all-gathers among them) are off for the call, so no
+collective runs and every rank observes the same. Inputs are the caller's
+``example_inputs`` or the model's own: a transformers model's ``dummy_inputs`` (token ids;
+the first sequence, since every product's codes are held per token),
+pixels sized by its config for a vision model, and for a model with
+``get_image_features`` (a vision-language model) that call too. A forward that cannot
+run on meta (data-dependent shapes) is tried once more in bfloat16 (grouped expert
+kernels take only that), then given up: the caller routes without observation.
+
+Repeated blocks (the members of one ``ModuleList`` of one class, parameter shapes and
+settings: 80 decoder layers) are observed once: a product entering a member is not
+followed inside it, so every member is observed alike. The first member called is traced;
+the others run untraced, take what it showed inside (renumbered to their own parameters)
+and hand on the codes its outputs held, so what follows them is observed as if every
+member were traced. Observation costs the same at any depth.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map
+
+from muon_dist.routing.names import normalize_fqn
+from muon_dist.routing.observed import Observation, observation
+from muon_dist.routing.trace import Record, Tracer
+
+logger = logging.getLogger(__name__)
+
+# Outputs that are not the model's prediction: states, attention maps, caches, routers.
+_NOT_PREDICTION = re.compile(r"hidden_state|attention|past_key_values|cache|router|aux")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Observations by normalised parameter name; ``error`` says why none were made;
+    ``ran``: whether a forward was tried (there were inputs and observation was on)."""
+
+    by_name: Mapping[str, Observation] = field(default_factory=dict)
+    error: str | None = None
+    ran: bool = True
+
+
+def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True) -> Observed:
+    """Observe ``model``'s forward on ``example_inputs`` (a dict of keyword arguments, a
+    tuple of positional ones or one tensor) or, where None, on the model's own; ``twins``:
+    repeated blocks are traced once (False traces every member, for the test that both
+    agree)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile: the module it wraps
+    calls = _calls(model, example_inputs)
+    if not calls:
+        return Observed(error="no example_inputs and the model has no dummy inputs", ran=False)
+    named = list(_unique_parameters(model))
+    error = ""
+    for dtype in (None, torch.bfloat16):
+        tracer = Tracer(len(named))
+        blocks = _Twins(model, tracer, twins)
+        try:
+            _run(model, calls, tracer, dtype, blocks)
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            continue
+        blocks.fill()
+        by_name = {}
+        for index, (name, p) in enumerate(named):
+            seen = observation(tracer.records[index], tuple(p.shape), index in tracer.outputs)
+            if seen is not None:
+                by_name[name] = seen
+        return Observed(by_name)
+    return Observed(error=f"its forward does not run on the meta device ({error})")
+
+
+class _Twins:
+    """The repeated blocks of one observation: hooks that give each member fresh inputs,
+    trace the first member called of each group and run the others untraced."""
+
+    def __init__(self, model: nn.Module, tracer: Tracer, skip: bool) -> None:
+        self.tracer = tracer
+        self.skip = skip
+        index = {id(p): i for i, (_, p) in enumerate(_unique_parameters(model))}
+        self.prefix = {m: name for name, m in model.named_modules()}
+        self.group: dict[nn.Module, int] = {}
+        self.indices: dict[nn.Module, list[int]] = {}
+        for g, members in enumerate(_repeated_blocks(model)):
+            for m in members:
+                self.group[m] = g
+                self.indices[m] = [
+                    index[id(p)] for _, p in m.named_parameters(remove_duplicate=False)
+                ]
+        self.traced: dict[int, nn.Module] = {}  # group -> its member that is traced
+        self.carried: dict[int, list[Any]] = {}  # group -> what its traced outputs held
+        self.inside: dict[int, list[Record]] = {}  # group -> its traced member's records
+        self.untraced: set[nn.Module] = set()
+        self.pausing: list[nn.Module] = []  # the untraced members running now
+
+    def hook(self) -> None:
+        """Hooks on every member (called inside :func:`_hooks_off`, which drops them)."""
+        for member in self.group:
+            member.register_forward_pre_hook(self._enter, with_kwargs=True)
+            member.register_forward_hook(self._leave, with_kwargs=True)
+
+    def _enter(self, member: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self.tracer.paused:
+            return None
+        if self.skip and self.traced.setdefault(self.group[member], member) is not member:
+            self.untraced.add(member)
+            self.pausing.append(member)
+            self.tracer.paused += 1
+            return None
+        return self.tracer.fresh((args, kwargs))
+
+    def _leave(self, member: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        g = self.group[member]
+        if self.pausing and self.pausing[-1] is member:
+            self.pausing.pop()
+            self.tracer.paused -= 1
+            if not self.tracer.paused and g in self.carried:
+                remap = dict(zip(self.indices[self.traced[g]], self.indices[member], strict=True))
+                self.tracer.carry(out, self.carried[g], remap)
+        elif self.skip and not self.tracer.paused:
+            self.carried[g] = self.tracer.carried(out)
+            self.inside[g] = [copy.deepcopy(self.tracer.records[i]) for i in self.indices[member]]
+
+    def fill(self) -> None:
+        """Each untraced member's records get what its traced twin's forward showed inside
+        it (renumbered); what followed the member is in its records already."""
+        for member in self.untraced:
+            g = self.group[member]
+            for i, inside in zip(self.indices[member], self.inside.get(g, []), strict=False):
+                self.tracer.records[i].absorb(inside)
+
+
+def _repeated_blocks(model: nn.Module) -> list[list[nn.Module]]:
+    """The groups of two or more members of one ``ModuleList`` that are twins: the same
+    class, parameter and buffer names, shapes and dtypes, and settings (every plain
+    attribute of every submodule, but one that is each member's own position: a layer
+    index)."""
+    found: list[list[nn.Module]] = []
+    for holder in model.modules():
+        if not isinstance(holder, nn.ModuleList) or len({id(m) for m in holder}) < len(holder):
+            continue  # one module called twice is itself, not a twin
+        kinds: dict[tuple[Any, ...], list[tuple[int, nn.Module, dict[str, Any]]]] = {}
+        for position, member in enumerate(holder):
+            tensors, settings = _signature(member)
+            kinds.setdefault((type(member), tensors, tuple(settings)), []).append(
+                (position, member, settings)
+            )
+        for kind in kinds.values():
+            index = {
+                key
+                for key in kind[0][2]
+                if all(type(s[key]) is int and s[key] == at for at, _, s in kind)
+            }
+            groups: dict[str, list[nn.Module]] = {}
+            for _, member, settings in kind:
+                rest = {k: v for k, v in settings.items() if k not in index}
+                groups.setdefault(repr(rest), []).append(member)
+            found += [group for group in groups.values() if len(group) > 1]
+    return found
+
+
+def _signature(module: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The module's tensors (names, types, shapes, dtypes) and plain settings by name."""
+    tensors: list[tuple[Any, ...]] = [
+        (n, type(t), tuple(t.shape), t.dtype) for n, t in module.named_parameters()
+    ]
+    tensors += [(n, type(t), tuple(t.shape), t.dtype) for n, t in module.named_buffers()]
+    settings = {
+        f"{prefix}:{key}": value
+        for prefix, sub in module.named_modules()
+        for key, value in vars(sub).items()
+        if not key.startswith("_")
+        and (value is None or isinstance(value, (bool, int, float, str, tuple)))
+    }
+    return tuple(tensors), settings
+
+
+def _unique_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield normalize_fqn(name), p
+
+
+Call = tuple[str | None, tuple[Any, ...], dict[str, Any]]
+"""``(method or None for the forward, args, kwargs)``."""
+
+
+def _calls(model: nn.Module, example_inputs: Any) -> list[Call]:
+    if example_inputs is not None:
+        if isinstance(example_inputs, Mapping):
+            return [(None, (), dict(example_inputs))]
+        if isinstance(example_inputs, tuple):
+            return [(None, example_inputs, {})]
+        return [(None, (example_inputs,), {})]
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", None)
+    pixels = _pixels(config)
+    if main == "pixel_values":
+        return [(None, (), {"pixel_values": pixels})] if pixels is not None else []
+    dummy = getattr(model, "dummy_inputs", None)
+    if main != "input_ids" or not isinstance(dummy, Mapping):
+        return []
+    first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in dummy.items()}
+    calls: list[Call] = [(None, (), {**first, **_with_cache(model)})]
+    vision = getattr(config, "vision_config", None)
+    if callable(getattr(model, "get_image_features", None)) and vision is not None:
+        image = _pixels(vision)
+        if image is not None:
+            calls.append(("get_image_features", (), {"pixel_values": image}))
+    return calls
+
+
+def _with_cache(model: nn.Module) -> dict[str, Any]:
+    """``use_cache=True`` where the forward takes it: without a cache, transformers reads
+    the position ids' values to find packed sequences, which meta tensors do not have
+    (the cache changes no op that touches a weight)."""
+    try:
+        accepted = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": True} if "use_cache" in accepted else {}
+
+
+def _pixels(config: Any) -> torch.Tensor | None:
+    """One image as the config (or its backbone's) sizes it (64 pixels square where it
+    names no size)."""
+    backbone = getattr(config, "backbone_config", None)
+    channels = getattr(config, "num_channels", getattr(backbone, "num_channels", None))
+    if not isinstance(channels, int):
+        return None
+    size = getattr(config, "image_size", 64)
+    side = size if isinstance(size, int) else None
+    if isinstance(size, (list, tuple)) and len(size) == 2:
+        return torch.zeros(1, channels, int(size[0]), int(size[1]))
+    if side is None:
+        return None
+    return torch.zeros(1, channels, side, side)
+
+
+@contextmanager
+def _hooks_off(model: nn.Module) -> Iterator[None]:
+    """No module hooks for the call (FSDP2 all-gathers, user hooks); restored after."""
+    saved = [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
+    for m, _, _ in saved:
+        m._forward_pre_hooks = OrderedDict()
+        m._forward_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks = pre
+            m._forward_hooks = post
+
+
+def _meta(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return torch.empty(tuple(t.shape), dtype=cast, device="meta")
+
+
+def _run(
+    model: nn.Module,
+    calls: list[Call],
+    tracer: Tracer,
+    dtype: torch.dtype | None,
+    blocks: _Twins,
+) -> None:
+    """Each call on meta stand-ins for the parameters (the tracer's, in order) and
+    buffers; the parameters whose products reach a prediction output are noted. The
+    repeated ``blocks`` are hooked."""
+    params = {id(p): i for i, (_, p) in enumerate(_unique_parameters(model))}
+    stand_ins = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        stand_ins[name] = tracer.param(params[id(p)], _meta(p, dtype))
+    for name, b in model.named_buffers(remove_duplicate=False):
+        stand_ins[name] = _meta(b, dtype)
+
+    def to_meta(a: Any) -> Any:
+        return _meta(a, dtype) if isinstance(a, torch.Tensor) else a
+
+    with torch.no_grad(), _hooks_off(model), tracer:
+        blocks.hook()
+        for method, args, kwargs in calls:
+            args, kwargs = tree_map(to_meta, (args, kwargs))
+            with _reparametrize_module(model, stand_ins):
+                out = getattr(model, method)(*args, **kwargs) if method else model(*args, **kwargs)
+            if method is None:
+                for key, value in _outputs(out):
+                    if not _NOT_PREDICTION.search(key):
+                        tracer.reached(value)
+
+
+def _outputs(out: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` of a model output (a ModelOutput or dict, a tuple, a tensor)."""
+    if isinstance(out, Mapping):
+        for key, value in out.items():
+            for tensor in tree_flatten(value)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    yield str(key), tensor
+    else:
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                yield "", tensor
