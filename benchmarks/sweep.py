@@ -663,7 +663,7 @@ def start(slot: Slot, nproc: int, config: Config, flags: Sequence[str], out: Pat
         argv += ["--nproc-per-node", str(nproc), str(SCRIPT)]
     else:
         argv = [sys.executable, str(SCRIPT)]
-    argv += [*flags, *config.flags(), "--out", str(out), "--no-progress"]
+    argv += [*flags, *config.flags(), "--out", str(out), "--no-progress", "--no-plot"]
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

@@ -76,7 +76,7 @@ def launch(nproc: int, flags: Sequence[str], out: Path) -> dict[str, Any]:
     """One torchrun run of the example into ``out``; its metrics, argv and wall time."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     argv += ["--nproc-per-node", str(nproc), str(SCRIPT), *flags]
-    argv += ["--out", str(out), "--no-progress"]
+    argv += ["--out", str(out), "--no-progress", "--no-plot"]
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

@@ -224,6 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "both modes over its first steps and keeps the faster",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="no loss.png (drawing it takes seconds of matplotlib; metrics.jsonl has the numbers)",
+    )
     args = p.parse_args(argv)
     swept = swept_for(args.data)
     if args.lr is None:
@@ -1052,7 +1057,9 @@ def main(argv: list[str] | None = None) -> None:
         results = {name: train(name, args, env, mesh, data) for name in names}
         for name, records in results.items():
             summarize(name, records, stats, env)
-        if env.is_main:
+        if env.is_main and args.no_plot:
+            log(env, f"metrics: {args.out / 'metrics.jsonl'}")
+        elif env.is_main:
             if args.data is None:
                 title = "Markov-chain language modelling: training loss"
             else:

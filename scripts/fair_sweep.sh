@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Issue 47 on one 4-GPU machine, in two calls of under 8.5 minutes each (corpus included;
+# Issue 47 on one 4-GPU machine, in calls of under 8.5 minutes each (corpus included;
 # every call starts on a fresh machine and caches nothing):
 #
-#   bash scripts/fair_sweep.sh search    # call 1: the ~150M and ~25M searches (lr x warmup
-#                                        # for AdamW and Muon), 2 GPUs each, side by side
-#   bash scripts/fair_sweep.sh confirm   # call 2: the data wait at ~1B (Markov chain, batch
-#                                        # 64, 4 GPUs), ~1B at the ~150M bests (4 GPUs a run),
-#                                        # then both searches finished and repeated at seed 1
+#   bash scripts/fair_sweep.sh search        # the ~150M and ~25M searches (lr x warmup for
+#                                            # AdamW and Muon), 2 GPUs each, side by side
+#   bash scripts/fair_sweep.sh confirm 1b    # ~1B at the ~150M bests, seeds 0 and 1, FSDP
+#                                            # over 4 GPUs a run
+#   bash scripts/fair_sweep.sh confirm small # both searches finished, bests again at seed 1
+#   bash scripts/fair_sweep.sh wait          # the data wait at ~1B (Markov chain, batch 64)
 #
-# Between the calls: copy call 1's $OUT/fair_150m.json and $OUT/fair_25m.json to
-# benchmarks/sweeps/ (call 2 reads them). After call 2, copy its fair_*.json and
-# wait_1b.json there too, then record (benchmarks/README.md, "Optimizers on real text"):
+# Each sweep resumes from benchmarks/sweeps/fair_NAME.json where it exists, so after every
+# call copy its $OUT/fair_*.json there (and wait_1b.json), then record (benchmarks/README.md,
+# "Optimizers on real text"):
 #
 #   python3 benchmarks/sweep.py --from-json benchmarks/sweeps/fair_150m.json --write-table \
 #       --plot docs/sweep_text_150m.png --write-defaults
@@ -52,8 +53,15 @@ GRID25=(--adamw-lrs 5e-4 2.5e-4 1e-3 --adamw-warmups 80 40 160
 
 build_corpus() {
     # Up to 200M tokens, so the ~25M runs' 52M tokens are drawn from more text than they read.
-    "$PYTHON" scripts/make_corpus.py --out "$CORPUS" --max-tokens 200000000 \
-        >"$OUT/corpus.txt" || exit 1
+    # A machine still warm from the last call keeps the corpus it built (the same files).
+    if [ -e "$CORPUS/built.txt" ]; then
+        cp "$CORPUS/built.txt" "$OUT/corpus.txt"
+    else
+        rm -rf "$CORPUS"
+        "$PYTHON" scripts/make_corpus.py --out "$CORPUS" --max-tokens 200000000 \
+            >"$OUT/corpus.txt" || exit 1
+        cp "$OUT/corpus.txt" "$CORPUS/built.txt"
+    fi
     tail -3 "$OUT/corpus.txt"
 }
 
@@ -98,14 +106,41 @@ case "$STAGE" in
         wait
         ;;
     confirm)
-        for name in 150m 25m; do
-            if [ ! -e "$SWEEPS/fair_$name.json" ]; then
-                echo "$SWEEPS/fair_$name.json is missing: copy call 1's \$OUT/fair_$name.json there" >&2
+        # Every sweep resumes from its record in benchmarks/sweeps/ (what earlier calls
+        # returned), so a call only adds the runs still missing: the ~1B runs at the ~150M
+        # bests, each search finished, and each optimizer's best again at seed 1.
+        PART="${2:?usage: bash scripts/fair_sweep.sh confirm 1b|small}"
+        for name in 150m 25m 1b; do
+            if [ -e "$SWEEPS/fair_$name.json" ]; then
+                cp "$SWEEPS/fair_$name.json" "/tmp/first_$name.json"
+            elif [ "$name" != 1b ]; then
+                echo "$SWEEPS/fair_$name.json is missing: run the search stage first" >&2
                 exit 2
             fi
-            cp "$SWEEPS/fair_$name.json" "/tmp/first_$name.json"
         done
         build_corpus
+        case "$PART" in
+            1b)
+                resume=()
+                [ -e /tmp/first_1b.json ] && resume=(--resume-from /tmp/first_1b.json)
+                sweep 1b 4 "$(($(left) - 10))" --nproc 4 --model "$N1B" --seeds 0 1 \
+                    --best-of /tmp/first_150m.json "${resume[@]}" -- "${DATA[@]}" "${M1B[@]}"
+                ;;
+            small)
+                budget=$(($(left) - 20))
+                CUDA_VISIBLE_DEVICES=0,1 sweep 150m 2 "$budget" --model "$N150" "${GRID150[@]}" \
+                    --seeds 0 1 --resume-from /tmp/first_150m.json -- "${DATA[@]}" "${M150[@]}" &
+                CUDA_VISIBLE_DEVICES=2,3 sweep 25m 2 "$budget" --model "$N25" "${GRID25[@]}" \
+                    --seeds 0 1 --resume-from /tmp/first_25m.json -- "${DATA[@]}" "${M25[@]}" &
+                wait
+                ;;
+            *)
+                echo "confirm $PART: 1b or small" >&2
+                exit 2
+                ;;
+        esac
+        ;;
+    wait)
         # The step's wait for its batch at ~1B, batch 64, 4 GPUs (Markov chain, vocab 8192).
         timeout 240 "$PYTHON" benchmarks/train_table.py --nproc 4 \
             --model "~1B dense (dim 2048, 20 layers)" --variants adamw muon --repeats 1 \
@@ -114,26 +149,6 @@ case "$STAGE" in
         echo "data wait table: exit $?, $(left) s left" >>"$OUT/stages.txt"
         cp /tmp/wait_1b/results.json "$OUT/wait_1b.json" 2>/dev/null
         cp /tmp/wait_1b/table.md "$OUT/table_wait_1b.md" 2>/dev/null
-        # ~1B at the ~150M search's bests, seed 0, one run at a time on all 4 GPUs; 140 s
-        # are kept for the searches' remainders and repeats.
-        sweep 1b 4 "$(($(left) - 140))" --nproc 4 --model "$N1B" \
-            --best-of "/tmp/first_150m.json" -- "${DATA[@]}" "${M1B[@]}"
-        budget=$(($(left) - 20))
-        CUDA_VISIBLE_DEVICES=0,1 sweep 150m 2 "$budget" --model "$N150" "${GRID150[@]}" \
-            --seeds 0 1 --resume-from /tmp/first_150m.json -- "${DATA[@]}" "${M150[@]}" &
-        CUDA_VISIBLE_DEVICES=2,3 sweep 25m 2 "$budget" --model "$N25" "${GRID25[@]}" \
-            --seeds 0 1 --resume-from /tmp/first_25m.json -- "${DATA[@]}" "${M25[@]}" &
-        wait
-        # A second ~1B seed only where the time allows both runs.
-        longest=$("$PYTHON" -c 'import json, sys
-print(round(max((r["wall_s"] for r in json.load(open(sys.argv[1]))["runs"]), default=1e9)))' \
-            "$OUT/fair_1b.json" 2>/dev/null || echo 1000000000)
-        if [ "$(left)" -gt $((2 * longest + 20)) ]; then
-            cp "$OUT/fair_1b.json" /tmp/first_1b.json
-            sweep 1b 4 "$(($(left) - 10))" --nproc 4 --model "$N1B" --seeds 0 1 \
-                --best-of "/tmp/first_150m.json" --resume-from /tmp/first_1b.json -- \
-                "${DATA[@]}" "${M1B[@]}"
-        fi
         ;;
     *)
         echo "stage $STAGE: search or confirm" >&2
