@@ -102,15 +102,20 @@ def tensor_route(name: str, shape: tuple[int, ...], seen: Observation | None) ->
 
 def unobserved(name: str, shape: tuple[int, ...], transposed: bool, why: str, ran: bool) -> str:
     """The warning for a Muon matrix that neither its forward (``why`` it said nothing;
-    ``ran``: it ran on meta, other inputs may reach it) nor a module class settles: a
-    clean log must not hide a table, a head or a fusion."""
+    ``ran``: it ran on meta, so other inputs may reach it) nor a module class settles: the
+    one ``fused=`` that pins the route taken (one whole matrix) and, where the forward ran,
+    the inputs that let it settle the route instead (a table or a head to AdamW, a cut
+    matrix in parts); a clean log must not hide a table, a head or a fusion."""
     regex = name_regex(name)
     rows = shape[1] if transposed else shape[0]
-    reach = "pass example_inputs= that reach it to param_groups, or " if ran else ""
+    settle = (
+        "; to have its forward settle the route instead, pass example_inputs= that reach it "
+        "to param_groups"
+        if ran
+        else ""
+    )
     return (
         f"{regex} ({shape_text(shape)}) was not observed ({why}) and no module class says "
-        f"how it is applied: orthogonalized as one whole matrix. To settle it, {reach}pass "
-        f"fused={{{regex!r}: {{'split_sizes': [{rows}]}}}} if it is one linear map (its "
-        f"parts' sizes instead if its forward cuts it), or overrides={{{regex!r}: 'adamw'}} "
-        f"if it is a table or a head"
+        f"how it is applied: orthogonalized on Muon as one whole matrix. To pin that route "
+        f"and silence this, pass fused={{{regex!r}: {{'split_sizes': [{rows}]}}}}{settle}"
     )

@@ -4,12 +4,12 @@ Nothing is allocated: each parameter and buffer is swapped for a meta tensor of 
 shape (``torch.func.functional_call``; a DTensor's global shape), the inputs are moved to
 meta, and the module hooks (FSDP2's all-gathers among them) are off for the call, so no
 collective runs and every rank observes the same. Inputs are the caller's
-``example_inputs`` or the model's own: a transformers model's ``dummy_inputs`` (token ids;
-the first sequence, since every product's codes are held per token),
-pixels sized by its config for a vision model, and for a model with
-``get_image_features`` (a vision-language model) that call too. A forward that cannot
-run on meta (data-dependent shapes) is tried once more in bfloat16 (grouped expert
-kernels take only that), then given up: the caller routes without observation.
+``example_inputs`` or the model's own (:mod:`muon_dist.routing.inputs`). A forward that
+cannot run on meta as the model stands is tried again in bfloat16 (grouped expert kernels
+take only that), then in eval mode where the model is in training mode (a training-only
+check that reads values: RT-DETR's encoder asks ``torch.isfinite(h).all()`` of its
+activations), each plan of inputs in turn, then given up: the caller routes without
+observation. Where a fallback observed the model, the INFO log says which.
 
 Repeated blocks (the members of one ``ModuleList`` of one class, parameter shapes and
 settings: 80 decoder layers) are observed once: a product entering a member is not
@@ -22,7 +22,6 @@ member were traced. Observation costs the same at any depth.
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import re
 from collections import OrderedDict
@@ -36,6 +35,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
+from muon_dist.routing.inputs import Call, plans
 from muon_dist.routing.names import normalize_fqn
 from muon_dist.routing.observed import Observation, observation
 from muon_dist.routing.trace import Record, Tracer
@@ -62,27 +62,74 @@ def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True)
     repeated blocks are traced once (False traces every member, for the test that both
     agree)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile: the module it wraps
-    calls = _calls(model, example_inputs)
-    if not calls:
+    tried = plans(model, example_inputs)
+    if not tried:
         return Observed(error="no example_inputs and the model has no dummy inputs", ran=False)
     named = list(_unique_parameters(model))
-    error = ""
-    for dtype in (None, torch.bfloat16):
-        tracer = Tracer(len(named))
-        blocks = _Twins(model, tracer, twins)
-        try:
-            _run(model, calls, tracer, dtype, blocks)
-        except Exception as e:
-            error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            continue
-        blocks.fill()
-        by_name = {}
-        for index, (name, p) in enumerate(named):
-            seen = observation(tracer.records[index], tuple(p.shape), index in tracer.outputs)
-            if seen is not None:
-                by_name[name] = seen
-        return Observed(by_name)
-    return Observed(error=f"its forward does not run on the meta device ({error})")
+    failed: list[tuple[str, str]] = []  # (the try, its error)
+    plainest = 0  # where the tries of the last plan (the plainest inputs) begin
+    for plan in tried:
+        plainest = len(failed)
+        for mode, dtype, evaluating in _modes(model):
+            tracer = Tracer(len(named))
+            blocks = _Twins(model, tracer, twins)
+            try:
+                with _eval(model, evaluating):
+                    _run(model, plan.calls, tracer, dtype, blocks)
+            except Exception as e:
+                text = str(e).splitlines()[0][:200] if str(e) else ""
+                failed.append((f"{mode} on {plan.label}", f"{type(e).__name__}: {text}"))
+                continue
+            if failed:
+                logger.info(
+                    "muon_dist.param_groups observed the forward %s on %s; on the meta device "
+                    "it does not run %s",
+                    mode,
+                    plan.label,
+                    "; ".join(f"{where} ({error})" for where, error in failed),
+                )
+            return Observed(_observations(tracer, named))
+    logger.info(
+        "muon_dist.param_groups: the forward does not run on the meta device %s",
+        "; ".join(f"{where} ({error})" for where, error in failed),
+    )
+    return Observed(error=f"its forward does not run on the meta device ({failed[plainest][1]})")
+
+
+def _observations(tracer: Tracer, named: list[tuple[str, torch.Tensor]]) -> dict[str, Observation]:
+    """What the traced forward says of each parameter it reached, by name."""
+    by_name = {}
+    for index, (name, p) in enumerate(named):
+        seen = observation(tracer.records[index], tuple(p.shape), index in tracer.outputs)
+        if seen is not None:
+            by_name[name] = seen
+    return by_name
+
+
+def _modes(model: nn.Module) -> list[tuple[str, torch.dtype | None, bool]]:
+    """``(words, dtype, eval)`` of each try: as the model stands, in bfloat16, and in eval
+    mode where some module is in training mode."""
+    tries: list[tuple[str, torch.dtype | None, bool]] = [
+        ("as it stands", None, False),
+        ("in bfloat16", torch.bfloat16, False),
+    ]
+    if any(m.training for m in model.modules()):
+        tries.append(("in eval mode", None, True))
+    return tries
+
+
+@contextmanager
+def _eval(model: nn.Module, evaluating: bool) -> Iterator[None]:
+    """The model in eval mode for the call where ``evaluating``; each module's own mode
+    restored after."""
+    saved = [(m, m.training) for m in model.modules()]
+    if evaluating:
+        model.eval()
+    try:
+        yield
+    finally:
+        for m, training in saved:
+            m.training = training
 
 
 class _Twins:
@@ -93,7 +140,6 @@ class _Twins:
         self.tracer = tracer
         self.skip = skip
         index = {id(p): i for i, (_, p) in enumerate(_unique_parameters(model))}
-        self.prefix = {m: name for name, m in model.named_modules()}
         self.group: dict[nn.Module, int] = {}
         self.indices: dict[nn.Module, list[int]] = {}
         for g, members in enumerate(_repeated_blocks(model)):
@@ -105,7 +151,6 @@ class _Twins:
         self.traced: dict[int, nn.Module] = {}  # group -> its member that is traced
         self.carried: dict[int, list[Any]] = {}  # group -> what its traced outputs held
         self.inside: dict[int, list[Record]] = {}  # group -> its traced member's records
-        self.untraced: set[nn.Module] = set()
         self.pausing: list[nn.Module] = []  # the untraced members running now
 
     def hook(self) -> None:
@@ -118,7 +163,6 @@ class _Twins:
         if self.tracer.paused:
             return None
         if self.skip and self.traced.setdefault(self.group[member], member) is not member:
-            self.untraced.add(member)
             self.pausing.append(member)
             self.tracer.paused += 1
             return None
@@ -132,17 +176,14 @@ class _Twins:
             if not self.tracer.paused and g in self.carried:
                 remap = dict(zip(self.indices[self.traced[g]], self.indices[member], strict=True))
                 self.tracer.carry(out, self.carried[g], remap)
+            # What its traced twin's forward showed inside it, renumbered; filled as it
+            # leaves, so that a twin nested in a traced member is whole when that member's
+            # records are taken (RT-DETR's box heads, each a list of twin layers).
+            for i, inside in zip(self.indices[member], self.inside.get(g, []), strict=False):
+                self.tracer.records[i].absorb(inside)
         elif self.skip and not self.tracer.paused:
             self.carried[g] = self.tracer.carried(out)
             self.inside[g] = [copy.deepcopy(self.tracer.records[i]) for i in self.indices[member]]
-
-    def fill(self) -> None:
-        """Each untraced member's records get what its traced twin's forward showed inside
-        it (renumbered); what followed the member is in its records already."""
-        for member in self.untraced:
-            g = self.group[member]
-            for i, inside in zip(self.indices[member], self.inside.get(g, []), strict=False):
-                self.tracer.records[i].absorb(inside)
 
 
 def _repeated_blocks(model: nn.Module) -> list[list[nn.Module]]:
@@ -196,62 +237,6 @@ def _unique_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if id(p) not in seen:
             seen.add(id(p))
             yield normalize_fqn(name), p
-
-
-Call = tuple[str | None, tuple[Any, ...], dict[str, Any]]
-"""``(method or None for the forward, args, kwargs)``."""
-
-
-def _calls(model: nn.Module, example_inputs: Any) -> list[Call]:
-    if example_inputs is not None:
-        if isinstance(example_inputs, Mapping):
-            return [(None, (), dict(example_inputs))]
-        if isinstance(example_inputs, tuple):
-            return [(None, example_inputs, {})]
-        return [(None, (example_inputs,), {})]
-    config = getattr(model, "config", None)
-    main = getattr(model, "main_input_name", None)
-    pixels = _pixels(config)
-    if main == "pixel_values":
-        return [(None, (), {"pixel_values": pixels})] if pixels is not None else []
-    dummy = getattr(model, "dummy_inputs", None)
-    if main != "input_ids" or not isinstance(dummy, Mapping):
-        return []
-    first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in dummy.items()}
-    calls: list[Call] = [(None, (), {**first, **_with_cache(model)})]
-    vision = getattr(config, "vision_config", None)
-    if callable(getattr(model, "get_image_features", None)) and vision is not None:
-        image = _pixels(vision)
-        if image is not None:
-            calls.append(("get_image_features", (), {"pixel_values": image}))
-    return calls
-
-
-def _with_cache(model: nn.Module) -> dict[str, Any]:
-    """``use_cache=True`` where the forward takes it: without a cache, transformers reads
-    the position ids' values to find packed sequences, which meta tensors do not have
-    (the cache changes no op that touches a weight)."""
-    try:
-        accepted = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"use_cache": True} if "use_cache" in accepted else {}
-
-
-def _pixels(config: Any) -> torch.Tensor | None:
-    """One image as the config (or its backbone's) sizes it (64 pixels square where it
-    names no size)."""
-    backbone = getattr(config, "backbone_config", None)
-    channels = getattr(config, "num_channels", getattr(backbone, "num_channels", None))
-    if not isinstance(channels, int):
-        return None
-    size = getattr(config, "image_size", 64)
-    side = size if isinstance(size, int) else None
-    if isinstance(size, (list, tuple)) and len(size) == 2:
-        return torch.zeros(1, channels, int(size[0]), int(size[1]))
-    if side is None:
-        return None
-    return torch.zeros(1, channels, side, side)
 
 
 @contextmanager

@@ -40,6 +40,8 @@ def observation(record: Record, shape: tuple[int, ...], head: bool) -> Observati
     if not uses:
         return None
     if len(shape) > 2:
+        if head and uses == {"slice"}:  # one head per leading index (Moshi's lm_heads)
+            return Observation("head", reason="observed: its product is the model's output")
         if len(uses) == 1 and uses <= {"slice", "flat"}:
             (use,) = uses
             return Observation(use, reason=f"observed: read as {_STACK_WORDS[use]}")
@@ -48,11 +50,11 @@ def observation(record: Record, shape: tuple[int, ...], head: bool) -> Observati
         return Observation("table", reason="observed: indexed or added, never multiplied")
     if len(uses) != 1 or not uses <= {"rows", "columns"}:
         return Observation("unsettled", reason=f"observed uses {sorted(uses)}")
+    if head:  # reached an output, even where it was added to another's later on
+        return Observation("head", reason="observed: its product is the model's output")
     if record.merged:
         return Observation("unsettled", reason="its product is added to another's")
     transposed = uses == {"columns"}
-    if head:
-        return Observation("head", reason="observed: its product is the model's output")
     outputs = shape[1] if transposed else shape[0]
     found = parts(record, outputs)
     options: ViewOptions = {"transposed": True} if transposed else {}

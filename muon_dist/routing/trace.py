@@ -15,6 +15,7 @@ else a parameter takes part in (indexed, added, expanded) makes it a table.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 _AXIS = 30
 _PARAM = 31
 _FEATURES = (1 << _AXIS) - 1
+# The codes of a stack's product: no feature is followed (a stack has no parts), only
+# which parameter it came from, so that a product reaching an output makes a head.
+_NO_FEATURE = torch.tensor(-1, dtype=torch.int64)
 
 _MOVES = frozenset(
     {
@@ -117,6 +121,26 @@ _MIXING = frozenset(
         "index_add",
     }
 )
+# Ops that keep a stack of matrices a stack of the same matrices: a selection along its
+# first dim (MoshiFlexibleLinear's ``index_select``), each matrix transposed, leading unit
+# dims, a cast or a copy.
+_STACK_MOVES = frozenset(
+    {
+        "index_select",
+        "__getitem__",
+        "transpose",
+        "swapaxes",
+        "mT",
+        "unsqueeze",
+        "contiguous",
+        "clone",
+        "to",
+        "type_as",
+        "float",
+        "half",
+        "bfloat16",
+    }
+)
 _CONVS = frozenset({"conv1d", "conv2d", "conv3d"})
 _BATCHED = frozenset({"bmm", "baddbmm"})
 _MATMULS = frozenset({"matmul", "__matmul__", "mm", "bmm"})
@@ -198,7 +222,8 @@ class Tracer(TorchFunctionMode):
         self._aliases: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._codes: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._serial = itertools.count()
-        self._stacks: dict[int, int] = {}
+        self._stacks: dict[int, int] = {}  # id of a >2-D parameter or a move of it -> index
+        self._stacked: set[int] = set()  # the indices of the >2-D parameters
         self._kept: list[torch.Tensor] = []
         self.outputs: set[int] = set()
         self.paused = 0  # > 0: ops run unobserved (a twin's forward, see observe.py)
@@ -257,6 +282,7 @@ class Tracer(TorchFunctionMode):
             self._aliases[tensor] = _Alias(index, code_of(index, 0, rows), code_of(index, 1, cols))
         elif tensor.ndim > 2:
             self._stacks[id(tensor)] = index
+            self._stacked.add(index)
             self._kept.append(tensor)  # keeps its id its own while the forward runs
         return tensor
 
@@ -329,8 +355,9 @@ class Tracer(TorchFunctionMode):
 
     def _stack(self, name: str, args: Any, stack: torch.Tensor, out: Any) -> None:
         """A >2-D parameter: indexed to one matrix then applied, or applied batched along
-        its first dim (``"slice"``); one einsum contracting its first dim or all the
-        others (``"flat"``); anything else (``"other"``)."""
+        its first dim (``"slice"``), also after moves that keep it a stack of its
+        matrices; one einsum contracting its first dim or all the others (``"flat"``);
+        anything else (``"other"``)."""
         index = self._stacks[id(stack)]
         record = self.records[index]
         if name == "__getitem__" and isinstance(args[1], int) and isinstance(out, torch.Tensor):
@@ -338,8 +365,15 @@ class Tracer(TorchFunctionMode):
                 rows, cols = torch.arange(out.shape[0]), torch.arange(out.shape[1])
                 self._aliases[out] = _Alias(index, rows, cols, stacked=True)
                 return
-        if name in _BATCHED or (name in _MATMULS and stack.ndim == 3):
+        moved = name in _STACK_MOVES and isinstance(out, torch.Tensor)
+        if moved and _same_stack(name, args, stack, out):
+            self._stacks[id(out)] = index
+            self._kept.append(out)
+            return
+        if name in _BATCHED or (name in _MATMULS and _one_stack(stack)):
             record.uses.add("slice")
+            if isinstance(out, torch.Tensor):
+                self._track(out, _NO_FEATURE.expand(out.shape), frozenset({index}))
         elif name == "einsum":
             record.uses.add(_einsum_use(args, stack))
         else:
@@ -351,8 +385,8 @@ class Tracer(TorchFunctionMode):
         """``out`` holds the outputs ``codes``: the parameter's rows or its columns."""
         axis = int(codes.flatten()[0]) >> _AXIS & 1 if codes.numel() else 0
         record.uses.add("slice" if alias.stacked else ("columns" if axis else "rows"))
-        if not alias.stacked:
-            self._track(out, codes.expand(out.shape), frozenset({alias.index}))
+        held = _NO_FEATURE if alias.stacked else codes
+        self._track(out, held.expand(out.shape), frozenset({alias.index}))
 
     # -- products -------------------------------------------------------------------------
 
@@ -379,6 +413,8 @@ class Tracer(TorchFunctionMode):
             self._join(func, args, kwargs, out)
         elif name not in _MIXING and isinstance(out, torch.Tensor):
             same = [t for t in tracked if t.shape == out.shape]
+            # A 2-D weight's product before a stack's: the sum follows the one with parts.
+            same.sort(key=lambda t: self._codes[t][2] <= self._stacked)
             if same:
                 _, kept, params = self._codes[same[0]]
                 self._track(out, kept, params)
@@ -465,6 +501,30 @@ def _depthwise(args: Any, kwargs: Any) -> bool:
     if not isinstance(weight, torch.Tensor) or not isinstance(x, torch.Tensor):
         return False
     return bool(groups > 1 and groups == x.shape[1] == weight.shape[0])
+
+
+def _one_stack(t: torch.Tensor) -> bool:
+    """``[n, a, b]`` with leading unit dims at most: one stack of matrices, which a matmul
+    applies one per index of its first dim (its batch dim)."""
+    return t.ndim >= 3 and math.prod(t.shape[:-3]) == 1
+
+
+def _same_stack(name: str, args: Any, stack: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out``, made from ``stack`` by the move ``name``, is a stack of the same
+    matrices: some of them (selected along the stack's dim), each transposed (its last
+    two dims swapped), or all of them with leading unit dims or another dtype."""
+    if not (_one_stack(stack) and _one_stack(out)):
+        return False
+    sides = tuple(stack.shape[-2:])
+    dims = {int(d) % stack.ndim for d in args[1:3] if isinstance(d, int)}  # positional dims
+    if name in ("transpose", "swapaxes"):
+        swapped = dims == {stack.ndim - 1, stack.ndim - 2}
+        return swapped and tuple(out.shape[-2:]) == sides[::-1]
+    if name == "mT":
+        return True
+    if name == "index_select":
+        return len(args) > 1 and dims == {stack.ndim - 3} and tuple(out.shape[-2:]) == sides
+    return tuple(out.shape[-2:]) == sides
 
 
 def _einsum_use(args: Any, stack: torch.Tensor) -> str:

@@ -21,10 +21,8 @@ from routing_cases import DEEP, OBSERVED, Case
 from torch import nn
 
 import muon_dist
-from muon_dist.routing.names import name_regex
 from muon_dist.routing.observe import _repeated_blocks, observe
 from muon_dist.routing.param_groups import route_model
-from muon_dist.routing.route import shape_text
 
 
 def _build(case: Case, size: str) -> tuple[nn.Module, dict[str, Any]]:
@@ -72,6 +70,44 @@ def test_repeated_blocks_observed_once_equal_every_block_traced(family: str) -> 
         assert once.by_name[name] == seen, name
 
 
+class _BoxHead(nn.Module):
+    """Two twin hidden layers and an output layer in one list (RT-DETR's box heads)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width), nn.Linear(width, width)])
+        self.layers.append(nn.Linear(width, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.relu(layer(x))
+        return self.layers[-1](x)
+
+
+class _Refiner(nn.Module):
+    """A list of twin box heads, each a list holding twins of its own."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(_BoxHead(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([head(x) for head in self.heads], dim=1)
+
+
+def test_twins_nested_in_twins_are_observed_as_when_every_block_is_traced() -> None:
+    """An untraced box head takes what its traced twin showed inside it, including the
+    layer that ran untraced inside that twin: every parameter is observed, the same as
+    tracing every block (the untraced inner layer was missing before)."""
+    model = _Refiner(width=8, depth=3)
+    x = torch.zeros(2, 8)
+    once, every = observe(model, x), observe(model, x, twins=False)
+    assert len(_repeated_blocks(model)) == 4  # the heads, and each head's hidden layers
+    assert sorted(once.by_name) == sorted(every.by_name)
+    assert len(once.by_name) == 9 and once.by_name == every.by_name
+    assert {s.kind for n, s in once.by_name.items() if "layers.2" in n} == {"head"}
+
+
 def _tensor_warning(model: nn.Module, caplog: pytest.LogCaptureFixture) -> str:
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         muon_dist.param_groups(model)
@@ -110,6 +146,64 @@ def test_recurrent_gemma_gates_are_offered_slice_alone(caplog: pytest.LogCapture
     text = _tensor_warning(hf.RecurrentGemmaForCausalLM(config), caplog)
     assert "input_gate_weight$': 'muon:slice'}" in text
     assert "muon:flat" not in text
+
+
+def test_moshi_depth_decoder_stacks_are_offered_slice_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Moshi's depth decoder holds one matrix per codebook in each ``[codebooks, out, in]``
+    weight (MoshiFlexibleLinear: ``index_select`` of the codebooks, each matrix
+    transposed, a ``matmul`` batched over the codebooks): the warning offers 'muon:slice'
+    alone, and passing it puts them on Muon in that mode; its audio heads ``lm_heads``
+    (one per codebook, feeding ``audio_logits``) go to AdamW as heads, unwarned. Only
+    text and audio labels make the forward reach the depth decoder, whose embedding loop
+    reads ``.item()`` of each codebook position, and the text decoder reads its position
+    ids' values without a cache: the inputs carry the depth embeddings and a cache."""
+    hf = pytest.importorskip("transformers")
+    mimi = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    mimi |= {"num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 32}
+    mimi |= {"codebook_size": 16, "codebook_dim": 8, "num_filters": 4, "upsample_groups": 16}
+    mimi |= {"upsampling_ratios": [2, 2], "num_quantizers": 4, "num_semantic_quantizers": 1}
+    mimi |= {"vector_quantization_hidden_dimension": 8, "sampling_rate": 400}
+    depth = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
+    depth |= {"num_key_value_heads": 2, "ffn_dim": 48, "input_size": 32, "vocab_size": 64}
+    depth |= {"audio_vocab_size": 16, "sliding_window": 8, "max_position_embeddings": 8}
+    config = hf.MoshiConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        ffn_dim=64,
+        num_codebooks=2,
+        audio_vocab_size=16,
+        max_position_embeddings=16,
+        sliding_window=16,
+        audio_encoder_config=mimi,
+        depth_decoder_config=depth,
+    )
+    with torch.device("meta"):
+        model = hf.MoshiForConditionalGeneration(config)
+    codes = torch.zeros(1, 2, 3, dtype=torch.long)
+    text = torch.zeros(1, 3, dtype=torch.long)
+    inputs = {"input_ids": text, "text_labels": text, "audio_labels": codes}
+    inputs |= {"user_audio_codes": codes, "moshi_audio_codes": codes}
+    inputs |= {"depth_decoder_inputs_embeds": torch.zeros(3, 2, 16)}
+    with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        cache = {"past_key_values": hf.DynamicCache(config=config)}
+        muon_dist.param_groups(model, example_inputs=inputs | cache)
+    stacks = [w for w in _warnings(caplog).splitlines() if w.startswith("- depth_decoder")]
+    assert len(stacks) == 7  # input_projections, q, k, v, o, fc1, fc2
+    assert all(w.endswith("\\.weight$': 'muon:slice'}") for w in stacks), stacks
+    assert "muon:flat" not in caplog.text and "lm_heads" not in caplog.text
+    slice_ = r"depth_decoder\.(input_projections|layers\.\d+\.(self_attn\.\w+\.linear|mlp\.fc\d))"
+    cache = {"past_key_values": hf.DynamicCache(config=config)}
+    overrides = {rf"{slice_}\.weight$": "muon:slice"}
+    groups = muon_dist.param_groups(model, example_inputs=inputs | cache, overrides=overrides)
+    mode = {n: (g["algorithm"], g.get("muon_mode")) for g in groups for n in g["param_names"]}
+    assert mode["depth_decoder.layers.1.mlp.fc2.weight"] == ("muon", "slice")
+    assert mode["depth_decoder.input_projections.weight"] == ("muon", "slice")
+    assert mode["depth_decoder.lm_heads.weight"] == ("adamw", None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,42 +311,78 @@ def test_without_example_inputs_the_class_routes_and_the_log_says_so(
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> str:
-    return "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    """muon_dist's warnings (not transformers' about its configs and backends)."""
+    return "\n".join(
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name.startswith("muon_dist")
+    )
 
 
-def test_mllama_table_the_inputs_do_not_reach_is_warned_with_both_fixes(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Mllama's dummy inputs never reach the vision tower: its positional table
-    (added to the patches, not a linear map) is named in a warning with the inputs that
-    would reach it and the override that puts a table on AdamW."""
+def _mllama(tiles: int) -> nn.Module:
+    """A tiny Mllama with ``tiles`` tiles per image (its image processor makes 4)."""
     hf = pytest.importorskip("transformers")
     vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}
     vision |= {"num_global_layers": 1, "attention_heads": 4, "image_size": 32}
-    vision |= {"patch_size": 8, "max_num_tiles": 2, "intermediate_layers_indices": [0]}
-    vision |= {"vision_output_dim": 64, "supported_aspect_ratios": [[1, 1], [1, 2]]}
+    vision |= {"patch_size": 8, "max_num_tiles": tiles, "intermediate_layers_indices": [0]}
+    vision |= {"vision_output_dim": 64}
+    if tiles != 4:  # the config's defaults are the published ones, for 4 tiles
+        vision |= {"supported_aspect_ratios": [[1, 1], [1, 2]]}
     text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48}
     text |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     text |= {"cross_attention_layers": [1], "pad_token_id": 0}
     config = hf.MllamaConfig(vision_config=vision, text_config=text)
-    model = hf.MllamaForConditionalGeneration(config)
+    return hf.MllamaForConditionalGeneration(config)
+
+
+def test_mllama_vision_tower_is_observed_on_its_image_processors_inputs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Mllama's forward takes tiled pixels, aspect ratio ids and a tile mask, which only
+    its image processor knows how to make: the default inputs add what that processor
+    makes of one blank image of the config's size, so the vision tower is observed and its
+    positional table (added to the patches, not a linear map) goes to AdamW unwarned."""
+    model = _mllama(tiles=4)
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
+        routes = route_model(model)
         muon_dist.param_groups(model)
+    table = routes["model.vision_model.gated_positional_embedding.embedding"][1]
+    assert table.algorithm == "adamw" and "lookup table (observed" in table.reason
+    assert _warnings(caplog) == ""
+    seen = observe(model).by_name  # the tower, the projector and the cross-attention
+    reached = ["vision_model.global_transformer.layers.0.mlp.fc1", "multi_modal_projector"]
+    reached.append("language_model.layers.1.cross_attn.k_proj")
+    assert all(f"model.{name}.weight" in seen for name in reached)
+
+
+def test_mllama_table_the_inputs_do_not_reach_is_warned_once_with_one_pin(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With 2 tiles the config disagrees with its image processor (4): the forward
+    rejects the processor's image, the text is observed without it (INFO says so), and
+    the positional table it no longer reaches is named in one warning with the one
+    ``fused=`` that pins the route taken and the inputs that let the forward settle it;
+    no second route is offered beside it."""
+    model = _mllama(tiles=2)
+    with caplog.at_level(logging.INFO, logger="muon_dist"):
+        muon_dist.param_groups(model)
+    assert "observed the forward as it stands on its dummy token ids;" in caplog.text
     lines = [line for line in _warnings(caplog).splitlines() if "gated_positional" in line]
     assert len(lines) == 1, lines
     regex = r"model\\.vision_model\\.gated_positional_embedding\\.embedding$"
-    assert "example_inputs= that reach it" in lines[0]
-    assert f"overrides={{'{regex}': 'adamw'}}" in lines[0]
+    pin = f"To pin that route and silence this, pass fused={{'{regex}': {{'split_sizes': [17]}}}}"
+    assert pin in lines[0]
+    settle = "; to have its forward settle the route instead, pass example_inputs= that reach it"
+    assert lines[0].endswith(f"{settle} to param_groups")
+    assert "'adamw'" not in lines[0] and " or " not in lines[0]
     assert r"language_model\.layers\.\d+\.self_attn" not in _warnings(caplog)  # observed
 
 
-def test_rt_detr_forward_off_meta_warns_each_unsettled_matrix(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """RT-DETR's forward calls ``.item()``: no observation. Every Muon matrix no class
-    settles is warned once, with the ``fused=`` that pins it whole or the override for a
-    head (no ``example_inputs=``: no input makes that forward run on meta)."""
+def _rt_detr(size: str) -> nn.Module:
     hf = pytest.importorskip("transformers")
+    if size == "real":
+        with torch.device("meta"):
+            return hf.RTDetrForObjectDetection(hf.RTDetrConfig())
     backbone = hf.RTDetrResNetConfig(
         embedding_size=16,
         hidden_sizes=[16, 32, 64, 128],
@@ -274,28 +404,60 @@ def test_rt_detr_forward_off_meta_warns_each_unsettled_matrix(
         image_size=64,
         decoder_in_channels=[32, 32, 32],
     )
-    model = hf.RTDetrForObjectDetection(config)
-    with caplog.at_level(logging.WARNING, logger="muon_dist"):
-        routes = route_model(model)
-        muon_dist.param_groups(model)
-    warned = _warnings(caplog)
-    assert "does not run on the meta device" in warned
-    assert "example_inputs=" not in warned
-    for name, (p, route) in routes.items():
-        if route.algorithm == "muon" and p.ndim == 2 and "observed" not in route.reason:
-            regex = name_regex(name)
-            assert warned.count(f"- {regex} ({shape_text(p.shape)})") == 1, name
-            assert f"overrides={{{regex!r}: 'adamw'}}" in warned
+    return hf.RTDetrForObjectDetection(config)
+
+
+_RT_DETR_HEADS = (
+    r"(class_embed\.\d+|bbox_embed\.\d+\.layers\.2|enc_score_head|enc_bbox_head\.layers\.2)"
+    r"\.weight$"
+)
+
+
+@pytest.mark.parametrize("size", ["tiny", "real"])
+def test_rt_detr_is_observed_in_eval_mode_and_its_heads_go_to_adamw(
+    size: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In training mode RT-DETR's encoder layer asks ``torch.isfinite(h).all()`` of its
+    activations (an overflow guard that reads values: ``.item()`` on meta, and on fake
+    tensors too); in eval mode its forward runs on meta, so observation takes that mode
+    (INFO says so) and gives the model its modes back. Its class and box heads feed the
+    outputs: AdamW as observed heads; every other matrix is observed, nothing is warned.
+    At its published size (built on meta, nothing allocated) its config names no image
+    size and the default 64 pixels make fewer anchors (84) than its 300 queries, so the
+    test passes a 160-pixel image (525)."""
+    model = _rt_detr(size)
+    image = {"pixel_values": torch.zeros(1, 3, 160, 160)} if size == "real" else None
+    with caplog.at_level(logging.INFO, logger="muon_dist"):
+        routes = route_model(model, example_inputs=image)
+    where = "example_inputs" if size == "real" else "one 64x64 image"
+    assert f"observed the forward in eval mode on {where};" in caplog.text
+    assert model.training and all(m.training for m in model.modules())
+    heads = [n for n in routes if re.search(_RT_DETR_HEADS, n)]
+    assert len(heads) == (2 * 6 + 2 if size == "real" else 2 * 2 + 2)
+    for name in heads:
+        route = routes[name][1]
+        assert (route.algorithm, route.reason) == (
+            "adamw",
+            "output head (observed: its product is the model's output)",
+        ), name
+    assert "not observed" not in caplog.text
+    assert [r.guess for _, r in routes.values() if r.guess] == []  # param_groups warns these
 
 
 def test_lfm2_unobserved_in_proj_is_never_called_q_k_v(caplog: pytest.LogCaptureFixture) -> None:
     """Where LFM2's forward says nothing (inputs it rejects), ``conv.in_proj`` (B, C, x)
-    is warned as unobserved, and neither the warning nor the audit calls its parts q, k,
-    v, even where the config's head sizes add up to its outputs."""
+    is warned as unobserved with the one ``fused=`` that pins the route taken (whole) and
+    no other route beside it; neither the warning nor the audit calls its parts q, k, v,
+    even where the config's head sizes add up to its outputs."""
     pytest.importorskip("transformers")
     kwargs = OBSERVED["lfm2"].tiny | {"num_key_value_heads": 4}  # q + k + v = 3 * hidden
     model = OBSERVED["lfm2"].build(kwargs)
     with caplog.at_level(logging.INFO, logger="muon_dist"):
         muon_dist.param_groups(model, example_inputs={"no_such_input": torch.zeros(1)})
-    assert r"conv\.in_proj\.weight$ (96x32) was not observed" in _warnings(caplog)
+    (line,) = [w for w in _warnings(caplog).splitlines() if "in_proj" in w]
+    assert line.startswith(r"- model\.layers\.\d+\.conv\.in_proj\.weight$ (96x32) was not observed")
+    regex = r"model\\.layers\\.\\d+\\.conv\\.in_proj\\.weight$"
+    assert line.endswith(f"silence this, pass fused={{'{regex}': {{'split_sizes': [96]}}}}")
+    advice = line.split("how it is applied: ")[1]  # after the forward's own error
+    assert " or " not in advice and "overrides=" not in advice
     assert "q 32 + k 32" not in caplog.text and "q/k/v" not in caplog.text
