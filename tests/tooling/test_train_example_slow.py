@@ -175,25 +175,13 @@ def test_moe_muon_beats_adamw(tmp_path: Path) -> None:
     assert muon_final < adamw_final, (muon_final, adamw_final)
 
 
-def test_qk_clip_flag_shrinks_query_and_key_heads(tmp_path: Path) -> None:
-    """``--qk-clip TAU`` with a tiny TAU clips every step: q/k weights end smaller than without."""
-    short = [*TINY, "--steps", "4"]
-    launch(
-        2, [*short, "--out", str(tmp_path / "plain"), "--save-final", str(tmp_path / "plain.pt")]
-    )
-    launch(
-        2,
-        [
-            *short,
-            "--out",
-            str(tmp_path / "clip"),
-            "--save-final",
-            str(tmp_path / "clip.pt"),
-            "--qk-clip",
-            "0.001",
-        ],
-    )
-    plain, clipped = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "clip.pt")
+def test_qk_clip_flag_shrinks_query_and_key_heads(resume_runs: dict[str, Path]) -> None:
+    """``--qk-clip TAU`` with a tiny TAU clips every step: q/k weights end smaller than in
+    the same run without it (the uninterrupted run of ``resume_runs``)."""
+    tmp = resume_runs["tmp"]
+    final = ["--save-final", str(tmp / "clip.pt")]
+    launch(2, [*TINY, "--out", str(tmp / "clip"), *final, "--qk-clip", "0.001"])
+    plain, clipped = torch.load(tmp / "full.pt"), torch.load(tmp / "clip.pt")
     for name in plain:
         if ".attention.wq." in name or ".attention.wk." in name:
             assert clipped[name].norm() < 0.9 * plain[name].norm(), name
@@ -218,9 +206,10 @@ def test_expert_parallel_matches_fsdp_experts(tmp_path: Path) -> None:
 
 
 def test_compare_runs_the_named_optimizers_on_the_same_data(tmp_path: Path) -> None:
-    """``--compare muon normuon``: both run from the same init and data, in one plot."""
+    """``--compare muon normuon``: both run from the same init and data, in one plot (one
+    process: the comparison is the script's, not the ranks')."""
     out = tmp_path / "cmp"
-    launch(2, drawn([*TINY, "--compare", "muon", "normuon", "--out", str(out)]))
+    launch(None, drawn([*TINY, "--compare", "muon", "normuon", "--out", str(out)]))
     muon, normuon = losses(out, "muon"), losses(out, "normuon")
     assert sorted(muon) == sorted(normuon) == list(range(1, 11))
     assert muon[1] == normuon[1], "same init and data for both optimizers"
