@@ -14,20 +14,25 @@ observation. Where a fallback observed the model, the INFO log says which.
 Repeated blocks (the members of one ``ModuleList`` of one class, parameter shapes and
 settings: 80 decoder layers) are observed once: a product entering a member is not
 followed inside it, so every member is observed alike. The first member called is traced;
-the others run untraced, take what it showed inside (renumbered to their own parameters)
-and hand on the codes its outputs held, so what follows them is observed as if every
-member were traced. Observation costs the same at any depth.
+the others take what it showed inside (renumbered to their own parameters) and hand on
+the codes its outputs held, so what follows them is observed as if every member were
+traced. Called as the traced member was (:mod:`muon_dist.routing.shortcut`), they do not
+run: they give fresh meta tensors laid out as its outputs; called otherwise, or where a
+hook inside them would miss their forward, they run untraced. Where the forward then
+fails, it is traced again with every member run: one that did not run left out what its
+forward does besides its outputs (a cache it fills), which later code may read.
+Observation costs about one member's forward at any depth.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from muon_dist.routing.inputs import Call, plans
 from muon_dist.routing.names import normalize_fqn
 from muon_dist.routing.observed import Observation, observation
+from muon_dist.routing.shortcut import Shown, watched
 from muon_dist.routing.trace import Record, Tracer
 
 logger = logging.getLogger(__name__)
@@ -71,11 +77,9 @@ def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True)
     for plan in tried:
         plainest = len(failed)
         for mode, dtype, evaluating in _modes(model):
-            tracer = Tracer(len(named))
-            blocks = _Twins(model, tracer, twins)
             try:
                 with _eval(model, evaluating):
-                    _run(model, plan.calls, tracer, dtype, blocks)
+                    tracer = _trace(model, plan.calls, len(named), dtype, twins)
             except Exception as e:
                 text = str(e).splitlines()[0][:200] if str(e) else ""
                 failed.append((f"{mode} on {plan.label}", f"{type(e).__name__}: {text}"))
@@ -94,6 +98,27 @@ def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True)
         "; ".join(f"{where} ({error})" for where, error in failed),
     )
     return Observed(error=f"its forward does not run on the meta device ({failed[plainest][1]})")
+
+
+def _trace(
+    model: nn.Module, calls: list[Call], count: int, dtype: torch.dtype | None, twins: bool
+) -> Tracer:
+    """The calls traced, the untraced twins answered for without running them; where that
+    fails, traced again with them run (see the module's docstring)."""
+    tracer = Tracer(count)
+    blocks = _Twins(model, tracer, twins, shortcut=True)
+    try:
+        _run(model, calls, tracer, dtype, blocks)
+        return tracer
+    except Exception as e:
+        if not blocks.answered:
+            raise
+        logger.debug(
+            "muon_dist.param_groups runs the untraced twins: not running them failed (%r)", e
+        )
+    tracer = Tracer(count)
+    _run(model, calls, tracer, dtype, _Twins(model, tracer, twins, shortcut=False))
+    return tracer
 
 
 def _observations(tracer: Tracer, named: list[tuple[str, torch.Tensor]]) -> dict[str, Observation]:
@@ -134,11 +159,13 @@ def _eval(model: nn.Module, evaluating: bool) -> Iterator[None]:
 
 class _Twins:
     """The repeated blocks of one observation: hooks that give each member fresh inputs,
-    trace the first member called of each group and run the others untraced."""
+    trace the first member called of each group and run the others untraced, or where
+    ``shortcut``, answer for them as their traced twin did (:mod:`.shortcut`)."""
 
-    def __init__(self, model: nn.Module, tracer: Tracer, skip: bool) -> None:
+    def __init__(self, model: nn.Module, tracer: Tracer, skip: bool, shortcut: bool) -> None:
         self.tracer = tracer
         self.skip = skip
+        self.shortcut = skip and shortcut
         index = {id(p): i for i, (_, p) in enumerate(_unique_parameters(model))}
         self.group: dict[nn.Module, int] = {}
         self.indices: dict[nn.Module, list[int]] = {}
@@ -152,12 +179,46 @@ class _Twins:
         self.carried: dict[int, list[Any]] = {}  # group -> what its traced outputs held
         self.inside: dict[int, list[Record]] = {}  # group -> its traced member's records
         self.pausing: list[nn.Module] = []  # the untraced members running now
+        self.shown: dict[int, Shown | None] = {}  # group -> its traced member's last call
+        self.answered = 0  # untraced calls answered without running
 
-    def hook(self) -> None:
-        """Hooks on every member (called inside :func:`_hooks_off`, which drops them)."""
+    @contextmanager
+    def hooked(self) -> Iterator[None]:
+        """Hooks on every member (inside :func:`_hooks_off`, which drops them) and, where
+        answering for the untraced, a forward of its own; the member's restored after."""
         for member in self.group:
             member.register_forward_pre_hook(self._enter, with_kwargs=True)
             member.register_forward_hook(self._leave, with_kwargs=True)
+        wrapped = [(m, m.__dict__.get("forward")) for m in self.group if self.shortcut]
+        for member, _ in wrapped:
+            member.__dict__["forward"] = partial(self._forward, member, member.forward)
+        try:
+            yield
+        finally:
+            for member, own in wrapped:
+                if own is None:
+                    del member.__dict__["forward"]
+                else:
+                    member.__dict__["forward"] = own
+
+    def _forward(
+        self, member: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """The traced member's call, noted; an untraced member's answered from it where
+        it was called alike and no hook inside would miss it, else run."""
+        g = self.group[member]
+        if self.pausing and self.pausing[-1] is member:
+            shown = self.shown.get(g)
+            given, spec = tree_flatten((args, kwargs))
+            if shown is not None and shown.fits(given, spec) and not watched(member, self):
+                self.answered += 1
+                return shown.answer(given)
+        elif not self.tracer.paused and self.traced.get(g) is member:
+            before = Shown.keys_of((args, kwargs))
+            out = forward(*args, **kwargs)
+            self.shown[g] = Shown.of(before, (args, kwargs), out, self.tracer.is_parameter)
+            return out
+        return forward(*args, **kwargs)
 
     def _enter(self, member: nn.Module, args: Any, kwargs: Any) -> Any:
         if self.tracer.paused:
@@ -183,7 +244,7 @@ class _Twins:
                 self.tracer.records[i].absorb(inside)
         elif self.skip and not self.tracer.paused:
             self.carried[g] = self.tracer.carried(out)
-            self.inside[g] = [copy.deepcopy(self.tracer.records[i]) for i in self.indices[member]]
+            self.inside[g] = [self.tracer.records[i].copy() for i in self.indices[member]]
 
 
 def _repeated_blocks(model: nn.Module) -> list[list[nn.Module]]:
@@ -279,8 +340,7 @@ def _run(
     def to_meta(a: Any) -> Any:
         return _meta(a, dtype) if isinstance(a, torch.Tensor) else a
 
-    with torch.no_grad(), _hooks_off(model), tracer:
-        blocks.hook()
+    with torch.no_grad(), _hooks_off(model), tracer, blocks.hooked():
         for method, args, kwargs in calls:
             args, kwargs = tree_map(to_meta, (args, kwargs))
             with _reparametrize_module(model, stand_ins):

@@ -188,6 +188,12 @@ class Record:
     cuts: dict[int, tuple[frozenset[int], list[frozenset[int]]]] = field(default_factory=dict)
     joins: list[frozenset[int]] = field(default_factory=list)
 
+    def copy(self) -> Record:
+        """A copy that what is recorded later leaves as it is (the feature sets are
+        frozen: shared)."""
+        cuts = {k: (held, list(pieces)) for k, (held, pieces) in self.cuts.items()}
+        return Record(set(self.uses), self.merged, cuts, list(self.joins))
+
     def absorb(self, other: Record) -> None:
         """Add what ``other`` recorded (a twin's forward inside its block) to this."""
         self.uses |= other.uses
@@ -257,23 +263,31 @@ class Tracer(TorchFunctionMode):
         remap: dict[int, int],
     ) -> None:
         """Give the tensors of ``out`` (a twin's outputs) what a traced twin's held, its
-        parameters renumbered by ``remap``; a tensor of another shape gets nothing."""
-        lookup = torch.arange(len(self.records))
-        lookup[list(remap)] = torch.tensor(list(remap.values()), dtype=torch.long)
-        for tensor, held in zip(tree_flatten(out)[0], carried, strict=False):
-            if held is None or not isinstance(tensor, torch.Tensor):
-                continue
-            codes, params = held
-            if tuple(codes.shape) != tuple(tensor.shape):
-                continue
-            small = _compact(codes)
-            owner = lookup[(small >> _PARAM).clamp(min=0)]
-            renumbered = torch.where(
-                small >= 0, owner << _PARAM | small & ((1 << _PARAM) - 1), small
-            )
-            self._track(
-                tensor, renumbered.expand(codes.shape), frozenset(remap.get(p, p) for p in params)
-            )
+        parameters renumbered by ``remap``; a tensor of another shape gets nothing. The
+        renumbering is not the model's: the mode is off for it (it would cost more)."""
+        with torch._C.DisableTorchFunction():
+            lookup = torch.arange(len(self.records))
+            lookup[list(remap)] = torch.tensor(list(remap.values()), dtype=torch.long)
+            for tensor, held in zip(tree_flatten(out)[0], carried, strict=False):
+                if held is None or not isinstance(tensor, torch.Tensor):
+                    continue
+                codes, params = held
+                if tuple(codes.shape) != tuple(tensor.shape):
+                    continue
+                small = _compact(codes)
+                owner = lookup[(small >> _PARAM).clamp(min=0)]
+                renumbered = torch.where(
+                    small >= 0, owner << _PARAM | small & ((1 << _PARAM) - 1), small
+                )
+                self._track(
+                    tensor,
+                    renumbered.expand(codes.shape),
+                    frozenset(remap.get(p, p) for p in params),
+                )
+
+    def is_parameter(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a parameter's stand-in or a view, cast or matrix of one."""
+        return tensor in self._aliases or id(tensor) in self._stacks
 
     def param(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Follow ``tensor`` as parameter ``index`` (its meta stand-in); returns it."""

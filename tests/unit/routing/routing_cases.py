@@ -879,6 +879,7 @@ OBSERVED: dict[str, Case] = {
 }
 
 # Tiny configs with runs of three or more layers of one kind (repeated blocks).
+_SLIDING = "sliding_attention"
 DEEP: dict[str, tuple[Callable[[dict[str, Any]], nn.Module], dict[str, Any]]] = {
     "llama": (_causal("LlamaConfig", "LlamaForCausalLM"), _HYBRID_TINY | {"num_hidden_layers": 4}),
     "bamba": (
@@ -891,6 +892,26 @@ DEEP: dict[str, tuple[Callable[[dict[str, Any]], nn.Module], dict[str, Any]]] = 
         | {"num_hidden_layers": 4, "layer_types": ["conv", "conv", "conv", "full_attention"]},
     ),
     "mpt": (OBSERVED["mpt"].build, OBSERVED["mpt"].tiny | {"n_layers": 4}),
+    # An encoder, Conv1D weights, twins apart (a full-attention layer between sliding
+    # ones), experts (observed in eval mode): untraced layers answered for all the same.
+    "bert": (
+        CASES["bert_mlm_untied"].build,
+        CASES["bert_mlm_untied"].tiny | {"num_hidden_layers": 4},
+    ),
+    "gpt2": (
+        _causal("GPT2Config", "GPT2LMHeadModel"),
+        {"vocab_size": 64, "n_embd": 32, "n_head": 4, "n_layer": 4},
+    ),
+    "gemma3": (
+        _causal("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        _HYBRID_TINY
+        | {"num_hidden_layers": 5, "head_dim": 8, "sliding_window": 4}
+        | {"layer_types": [_SLIDING, _SLIDING, "full_attention", _SLIDING, _SLIDING]},
+    ),
+    "mixtral": (
+        _causal("MixtralConfig", "MixtralForCausalLM"),
+        _HYBRID_TINY | {"num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
 }
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import random
 import re
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -53,9 +55,11 @@ def test_family_no_class_names_is_routed_as_its_forward_cuts_it(
 
 
 @pytest.mark.parametrize("family", sorted(DEEP))
-def test_repeated_blocks_observed_once_equal_every_block_traced(family: str) -> None:
-    """The middle layers run untraced and take the first layer's observation: the same,
-    for every parameter, as tracing every layer; a layer of another kind is no twin."""
+def test_repeated_blocks_observed_once_equal_every_block_traced(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The later layers do not run and take the first layer's observation: the same, for
+    every parameter, as tracing every layer; a layer of another kind is no twin."""
     pytest.importorskip("transformers")
     build, kwargs = DEEP[family]
     torch.manual_seed(0)
@@ -63,11 +67,24 @@ def test_repeated_blocks_observed_once_equal_every_block_traced(family: str) -> 
     groups = _repeated_blocks(built)
     assert max(len(g) for g in groups) >= 3  # some layers really run untraced
     assert all(len({type(m) for m in g}) == 1 for g in groups)
-    every, once = observe(built, twins=False), observe(built)
+    every = observe(built, twins=False)
+    ran: Counter[nn.Module] = Counter()
+    for kind in {type(m) for g in groups for m in g}:
+        monkeypatch.setattr(kind, "forward", _counted(kind.forward, ran))
+    once = observe(built)
     assert every.error is None and once.error is None
     assert list(once.by_name) == list(every.by_name)
     for name, seen in every.by_name.items():
         assert once.by_name[name] == seen, name
+    assert sum(not ran[m] for g in groups for m in g) >= 2  # answered for, never run
+
+
+def _counted(forward: Callable[..., Any], ran: Counter[nn.Module]) -> Callable[..., Any]:
+    def counting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        ran[self] += 1
+        return forward(self, *args, **kwargs)
+
+    return counting
 
 
 class _BoxHead(nn.Module):
@@ -106,6 +123,72 @@ def test_twins_nested_in_twins_are_observed_as_when_every_block_is_traced() -> N
     assert sorted(once.by_name) == sorted(every.by_name)
     assert len(once.by_name) == 9 and once.by_name == every.by_name
     assert {s.kind for n, s in once.by_name.items() if "layers.2" in n} == {"head"}
+
+
+class _Log:
+    """What blocks write as they run, read after them (a cache): an object, not a tree."""
+
+    def __init__(self) -> None:
+        self.items: list[torch.Tensor] = []
+
+
+class _Block(nn.Module):
+    """Hands back the ``bias`` it is given (T5's position bias); logs its input where given
+    a log; ``ran`` holds each block as it runs."""
+
+    def __init__(self, width: int, ran: list[nn.Module]) -> None:
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.ran = ran
+
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor, log: _Log | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ran.append(self)
+        if log is not None:
+            log.items.append(x)
+        return torch.relu(self.mix(x)) + bias, bias
+
+
+class _Blocks(nn.Module):
+    """Twin blocks; the head reads every block's log where ``logged``, and the forward
+    hooks each block's inner layer where ``hooked`` (Transformers' output capture)."""
+
+    def __init__(self, width: int, depth: int, logged: bool, hooked: bool) -> None:
+        super().__init__()
+        self.ran: list[nn.Module] = []
+        self.embed, self.bias = nn.Linear(width, width), nn.Linear(width, width)
+        self.blocks = nn.ModuleList(_Block(width, self.ran) for _ in range(depth))
+        self.head = nn.Linear(width * depth if logged else width, 4)
+        self.logged, self.hooked = logged, hooked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seen: list[torch.Tensor] = []
+        if self.hooked:
+            for block in self.blocks:
+                block.mix.register_forward_hook(lambda m, a, out: seen.append(out))
+        h, bias = self.embed(x), self.bias(x)
+        log = _Log() if self.logged else None
+        for block in self.blocks:
+            h, bias = block(h, bias, log)
+        return self.head(torch.cat(log.items, dim=-1) if log else h)
+
+
+@pytest.mark.parametrize(
+    ("logged", "hooked", "runs"), [(False, False, 1), (True, False, 1 + 4), (False, True, 4)]
+)
+def test_untraced_twins_run_only_where_not_running_them_would_differ(
+    logged: bool, hooked: bool, runs: int
+) -> None:
+    """Blocks called alike do not run; a log that later code reads fails the forward
+    without them (the traced one ran), which is then traced again with them run; a hook
+    inside them keeps them running. Each way, the same observation as tracing every
+    block."""
+    model, x = _Blocks(8, 4, logged, hooked), torch.zeros(2, 8)
+    once = observe(model, x)
+    assert len(model.ran) == runs
+    every = observe(model, x, twins=False)
+    assert once.error is None and len(once.by_name) == 7 and once.by_name == every.by_name
 
 
 def _tensor_warning(model: nn.Module, caplog: pytest.LogCaptureFixture) -> str:
