@@ -75,6 +75,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.gpu)
             if not torch.cuda.is_available():
                 item.add_marker(skip)
+    # The slow tier's files first, each file's tests in their order: scripts/run_tests.sh
+    # hands whole files to two xdist workers in this order, so the longest (the example's
+    # launches) start at once instead of leaving one worker alone at the end.
+    items.sort(key=lambda item: not item.path.name.endswith(SLOW_SUFFIX))
 
 
 @pytest.fixture(scope="session", autouse=True)
