@@ -184,17 +184,20 @@ class _Twins:
 
     @contextmanager
     def hooked(self) -> Iterator[None]:
-        """Hooks on every member (inside :func:`_hooks_off`, which drops them) and, where
-        answering for the untraced, a forward of its own; the member's restored after."""
+        """Hooks on every member and, where answering for the untraced, a forward of its
+        own; the members restored after."""
+        handles = []
         for member in self.group:
-            member.register_forward_pre_hook(self._enter, with_kwargs=True)
-            member.register_forward_hook(self._leave, with_kwargs=True)
+            handles.append(member.register_forward_pre_hook(self._enter, with_kwargs=True))
+            handles.append(member.register_forward_hook(self._leave, with_kwargs=True))
         wrapped = [(m, m.__dict__.get("forward")) for m in self.group if self.shortcut]
         for member, _ in wrapped:
             member.__dict__["forward"] = partial(self._forward, member, member.forward)
         try:
             yield
         finally:
+            for handle in handles:
+                handle.remove()
             for member, own in wrapped:
                 if own is None:
                     del member.__dict__["forward"]
@@ -302,17 +305,28 @@ def _unique_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 @contextmanager
 def _hooks_off(model: nn.Module) -> Iterator[None]:
-    """No module hooks for the call (FSDP2 all-gathers, user hooks); restored after."""
+    """No module hooks for the call (FSDP2 all-gathers, user hooks) but Transformers' output
+    capture, which is part of the forward (a vision tower's hidden states that a projector
+    reads): it installs its hooks once per model, on the first forward that asks, and then
+    counts on them. Restored after, with the hooks the call installed (ours are removed by
+    their handles): the model's later forwards, and observations, find them."""
     saved = [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
-    for m, _, _ in saved:
-        m._forward_pre_hooks = OrderedDict()
-        m._forward_hooks = OrderedDict()
+    for m, pre, post in saved:
+        m._forward_pre_hooks = OrderedDict((k, h) for k, h in pre.items() if _captures(h))
+        m._forward_hooks = OrderedDict((k, h) for k, h in post.items() if _captures(h))
     try:
         yield
     finally:
         for m, pre, post in saved:
+            pre.update((k, h) for k, h in m._forward_pre_hooks.items() if k not in pre)
+            post.update((k, h) for k, h in m._forward_hooks.items() if k not in post)
             m._forward_pre_hooks = pre
             m._forward_hooks = post
+
+
+def _captures(hook: Any) -> bool:
+    """Whether a hook is Transformers' output capture."""
+    return str(getattr(hook, "__module__", "")).startswith("transformers.utils.output_capturing")
 
 
 def _meta(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -544,3 +544,21 @@ def test_lfm2_unobserved_in_proj_is_never_called_q_k_v(caplog: pytest.LogCapture
     advice = line.split("how it is applied: ")[1]  # after the forward's own error
     assert " or " not in advice and "overrides=" not in advice
     assert "q 32 + k 32" not in caplog.text and "q/k/v" not in caplog.text
+
+
+def test_observation_leaves_transformers_output_capture_in_place() -> None:
+    """Transformers installs its output-capture hooks on the first forward that asks for
+    hidden states, marks the model, and counts on them after: Aya Vision's projector reads
+    its vision tower's hidden states. An observation that causes the install keeps those
+    hooks, so the model's own forwards still capture, and a second observation sees what
+    the first saw."""
+    pytest.importorskip("transformers")
+    case = OBSERVED["aya_vision"]
+    model = case.build(case.tiny)
+    first = observe(model)
+    marked = [m for m in model.modules() if getattr(m, "_output_capturing_hooks_installed", False)]
+    assert marked, "the observation asked for no hidden states: nothing to check"
+    for module in marked:
+        hooks = [h for sub in module.modules() for h in sub._forward_hooks.values()]
+        assert any(h.__module__.startswith("transformers.utils.output_capturing") for h in hooks)
+    assert observe(model).by_name == first.by_name
