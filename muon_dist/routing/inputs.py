@@ -2,13 +2,13 @@
 
 A transformers model's own: its ``dummy_inputs`` (token ids; the first sequence, since
 every product's codes are held per token); for a vision model one image of its config's
-``image_size`` (64 pixels square where it names none); and for a vision-language model an
-image too: ``get_image_features`` on pixels sized by its vision config where the model
-has that call, else the image inputs its forward names as its image processor (the one
-transformers registers for its config) makes them of one blank image of the vision
-config's size (Mllama's tiles, aspect ratio ids and mask), passed with the token ids.
-The plan with the image comes first and the token ids alone second, so a forward that
-rejects the image is still observed on its text.
+``image_size`` (224 pixels square, the common default, where it names none); and for a
+vision-language model an image too: ``get_image_features`` on pixels sized by its vision
+config where the model has that call, else the image inputs its forward names as its
+image processor (the one transformers registers for its config) makes them of one blank
+image of the vision config's size (Mllama's tiles, aspect ratio ids and mask), passed with
+the token ids. The plan with the image comes first and the token ids alone second, so a
+forward that rejects the image is still observed on its text.
 """
 
 from __future__ import annotations
@@ -149,13 +149,14 @@ def _with_cache(model: nn.Module) -> dict[str, Any]:
 
 
 def _pixels(config: Any) -> torch.Tensor | None:
-    """One image as the config (or its backbone's) sizes it (64 pixels square where it
-    names no size)."""
+    """One image as the config (or its backbone's) sizes it; 224 pixels square where it
+    names no size (a detector's anchors must outnumber its queries: RT-DETR's 300 need
+    more than 64 pixels give)."""
     backbone = getattr(config, "backbone_config", None)
     channels = getattr(config, "num_channels", getattr(backbone, "num_channels", None))
     if not isinstance(channels, int):
         return None
-    size = getattr(config, "image_size", 64)
+    size = getattr(config, "image_size", 224)
     if isinstance(size, int):
         return torch.zeros(1, channels, size, size)
     if isinstance(size, (list, tuple)) and len(size) == 2:

@@ -506,13 +506,11 @@ def test_rt_detr_is_observed_in_eval_mode_and_its_heads_go_to_adamw(
     (INFO says so) and gives the model its modes back. Its class and box heads feed the
     outputs: AdamW as observed heads; every other matrix is observed, nothing is warned.
     At its published size (built on meta, nothing allocated) its config names no image
-    size and the default 64 pixels make fewer anchors (84) than its 300 queries, so the
-    test passes a 160-pixel image (525)."""
+    size: the default 224 pixels make 1029 anchors for its 300 queries."""
     model = _rt_detr(size)
-    image = {"pixel_values": torch.zeros(1, 3, 160, 160)} if size == "real" else None
     with caplog.at_level(logging.INFO, logger="muon_dist"):
-        routes = route_model(model, example_inputs=image)
-    where = "example_inputs" if size == "real" else "one 64x64 image"
+        routes = route_model(model)
+    where = "one 224x224 image" if size == "real" else "one 64x64 image"
     assert f"observed the forward in eval mode on {where};" in caplog.text
     assert model.training and all(m.training for m in model.modules())
     heads = [n for n in routes if re.search(_RT_DETR_HEADS, n)]
