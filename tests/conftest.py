@@ -54,6 +54,7 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 GPU = TESTS / "gpu"
+TOOLING = TESTS / "tooling"
 SLOW_SUFFIX = "_slow.py"
 
 
@@ -75,10 +76,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.gpu)
             if not torch.cuda.is_available():
                 item.add_marker(skip)
-    # The slow tier's files first, each file's tests in their order: scripts/run_tests.sh
-    # hands whole files to two xdist workers in this order, so the longest (the example's
-    # launches) start at once instead of leaving one worker alone at the end.
-    items.sort(key=lambda item: not item.path.name.endswith(SLOW_SUFFIX))
+    # The longest files first, each file's tests in their order: scripts/run_tests.sh hands
+    # whole files to two xdist workers in this order, so the example's launches (the slow
+    # tooling files) start at once instead of leaving one worker alone at the end, then the
+    # rest of the slow tier, then the quick one.
+    items.sort(key=_longest_first)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    slow = item.path.name.endswith(SLOW_SUFFIX)
+    return 0 if slow and item.path.is_relative_to(TOOLING) else 1 if slow else 2
 
 
 @pytest.fixture(scope="session", autouse=True)
