@@ -1,6 +1,7 @@
 """Session-wide test setup: every test folder on ``sys.path``, the ``slow`` and ``gpu`` markers
-set by path, Triton's interpreter on CPU, GPU tests skipped without CUDA, distributed worker
-pools closed at the end.
+set by path, Triton's interpreter and one intra-op thread on CPU, GPU tests skipped without
+CUDA, the longest files first (for the xdist workers of scripts/run_tests.sh), distributed
+worker pools closed at the end.
 
 Where a test lives (tests/tooling/test_test_layout.py checks it; the README's "Tests" says
 the same):
