@@ -30,6 +30,16 @@ class Case:
     tiny: dict[str, Any]
     real: dict[str, Any]
 
+    def model(self, size: str) -> tuple[nn.Module, dict[str, Any]]:
+        """The model at ``size`` ("tiny": real tensors, seeded; "real": its published size
+        on the meta device) and its config kwargs."""
+        kwargs = self.tiny if size == "tiny" else self.real
+        torch.manual_seed(0)
+        if size == "tiny":
+            return self.build(kwargs), kwargs
+        with torch.device("meta"):
+            return self.build(kwargs), kwargs
+
 
 def _hf() -> Any:
     import transformers

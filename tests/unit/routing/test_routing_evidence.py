@@ -13,24 +13,14 @@ import re
 from typing import Any
 
 import pytest
-import torch
 from model_families import model_update_problems
-from routing_cases import CASES, Case
+from routing_cases import CASES
 from torch import nn
 
 import muon_dist
 from muon_dist.routing.param_groups import route_model
 
 pytest.importorskip("transformers", reason="install the 'models' extra: pip install -e .[models]")
-
-
-def _build(case: Case, size: str) -> tuple[nn.Module, dict[str, Any]]:
-    kwargs = case.tiny if size == "tiny" else case.real
-    torch.manual_seed(0)
-    if size == "tiny":
-        return case.build(kwargs), kwargs
-    with torch.device("meta"):
-        return case.build(kwargs), kwargs
 
 
 def _problems(model: nn.Module, expected: dict[str, Any], **routing: Any) -> list[str]:
@@ -52,7 +42,7 @@ def _problems(model: nn.Module, expected: dict[str, Any], **routing: Any) -> lis
 def test_route_follows_the_modeling_code(
     family: str, size: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model, kwargs = _build(CASES[family], size)
+    model, kwargs = CASES[family].model(size)
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         assert _problems(model, CASES[family].expected(kwargs)) == []
     assert "guessed" not in caplog.text
@@ -75,14 +65,14 @@ FORWARD += ("kimi_linear", "zamba2", "xlstm_fused")
 
 @pytest.mark.parametrize("family", FORWARD)
 def test_first_update_is_orthogonal_per_part_and_expert(family: str) -> None:
-    model, kwargs = _build(CASES[family], "tiny")
+    model, kwargs = CASES[family].model("tiny")
     assert model_update_problems(model, _layout(CASES[family].expected(kwargs))) == []
 
 
 def test_escape_hatches_never_raise_on_a_proposed_route(caplog: pytest.LogCaptureFixture) -> None:
     """fused= replaces the routing's parts and expert count, overrides= moves anything,
     on routes the family table made and on those it only proposed."""
-    model, _ = _build(CASES["jetmoe"], "tiny")
+    model, _ = CASES["jetmoe"].model("tiny")
     routes = muon_dist.param_groups(
         model,
         fused={
@@ -95,7 +85,7 @@ def test_escape_hatches_never_raise_on_a_proposed_route(caplog: pytest.LogCaptur
     views = {e.name: e.view for e in muon_dist.routing.table.routing_entries(routes)}
     assert views["model.layers.0.mlp.input_linear.weight"] == "expert_stack 4x[96x32] parts 96"
     assert views["model.layers.0.self_attention.kv_proj.weight"].startswith("fused_experts 2x")
-    ernie, _ = _build(CASES["ernie4_5_moe"], "tiny")
+    ernie, _ = CASES["ernie4_5_moe"].model("tiny")
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         routes = muon_dist.param_groups(  # what the audit proposes for shared experts
             ernie,
@@ -106,7 +96,7 @@ def test_escape_hatches_never_raise_on_a_proposed_route(caplog: pytest.LogCaptur
 
 
 def test_config_sums_only_propose_in_the_audit(capsys: pytest.CaptureFixture[str]) -> None:
-    model, _ = _build(CASES["deepseek_v2_lite"], "tiny")
+    model, _ = CASES["deepseek_v2_lite"].model("tiny")
     muon_dist.param_groups(model, report=True)
     audit = capsys.readouterr().out
     row = next(line for line in audit.splitlines() if "shared_experts.gate_proj" in line)

@@ -19,21 +19,12 @@ from typing import Any
 import pytest
 import torch
 from forward_provenance import Provenance, part_codes
-from routing_cases import DEEP, OBSERVED, Case
+from routing_cases import DEEP, OBSERVED
 from torch import nn
 
 import muon_dist
 from muon_dist.routing.observe import _repeated_blocks, observe
 from muon_dist.routing.param_groups import route_model
-
-
-def _build(case: Case, size: str) -> tuple[nn.Module, dict[str, Any]]:
-    kwargs = case.tiny if size == "tiny" else case.real
-    torch.manual_seed(0)
-    if size == "tiny":
-        return case.build(kwargs), kwargs
-    with torch.device("meta"):
-        return case.build(kwargs), kwargs
 
 
 @pytest.mark.parametrize("size", ["tiny", "real"])
@@ -42,7 +33,7 @@ def test_family_no_class_names_is_routed_as_its_forward_cuts_it(
     family: str, size: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     pytest.importorskip("transformers")
-    model, kwargs = _build(OBSERVED[family], size)
+    model, kwargs = OBSERVED[family].model(size)
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
         routes = route_model(model)
     for pattern, want in OBSERVED[family].expected(kwargs).items():
