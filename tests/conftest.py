@@ -51,7 +51,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # One intra-op thread, as in the ranks (dist_harness) and launches: the tensors here are
     # tiny, and a second OpenMP thread on a 2-core machine that also runs ranks or another
-    # process spins against them (a tiny Zamba2 forward: 1 s with two threads, 12 ms with one).
+    # process spins against them (CHANGELOG, Unreleased, has the measurement).
     torch.set_num_threads(1)
 
 GPU = TESTS / "gpu"
