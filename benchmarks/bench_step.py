@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import bench_backward
@@ -337,6 +338,27 @@ def time_method(
     }
 
 
+def make_dion(root: Path, params: Sequence[DTensor], mesh: DeviceMesh) -> torch.optim.Optimizer:
+    """microsoft/dion's Muon with its Triton Newton–Schulz and its default coefficients, at
+    this benchmark's momentum, Nesterov, weight decay and lr scaling (a rival, imported from
+    the folder the user names; nothing of it is part of this project)."""
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from dion import Muon as DionMuon  # type: ignore[import-not-found]  # the rival, at run time
+
+    optimizer: torch.optim.Optimizer = DionMuon(
+        list(params),
+        distributed_mesh=mesh,
+        lr=LR,
+        mu=MOMENTUM,
+        nesterov=True,
+        weight_decay=WEIGHT_DECAY,
+        adjust_lr="spectral_norm",
+        use_triton=True,
+    )
+    return optimizer
+
+
 def log(message: str) -> None:
     """Rank 0's progress, stamped with seconds since start to keep the run's budget in view."""
     if dist.get_rank() == 0:
@@ -466,6 +488,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tokens", type=int, default=4096, help="tokens per rank and step with --backward"
     )
+    parser.add_argument(
+        "--dion",
+        metavar="PATH",
+        type=Path,
+        help="also time microsoft/dion's Muon (Triton Newton–Schulz) on the same model and "
+        "gradients: PATH is a folder holding its `dion` package (a checkout of the repository)",
+    )
     parser.add_argument("--json", metavar="PATH", help="default $OUT/bench_step_<preset>.json")
     parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     args = parser.parse_args()
@@ -590,6 +619,10 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
         make = functools.partial(make_muon, k, ns_method, cuda_graph=True)
         name = f"muon_dist graph {ns_method} inflight={k}"
         methods.append({**time_method(name, make, args, device), "ns_method": ns_method})
+    if args.dion is not None:
+        log(f"timing microsoft/dion's Muon from {args.dion}")
+        make = functools.partial(make_dion, args.dion, params, mesh)
+        methods.append(time_method("dion muon triton", make, args, device, counted=False))
     log("timing the all-gather baseline")
     methods.append(time_method("allgather_muon", make_baseline, args, device, counted=False))
     log("timing AdamW")
