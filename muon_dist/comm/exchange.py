@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.comm.groups import Peers
-from muon_dist.plan.bucket_map import BucketMap, region_views
+from muon_dist.plan.bucket_map import BucketMap, region_views, stack_views
 from muon_dist.plan.packing import Packing, flat_views
 
 # Writes the pieces' values into the views it is handed (all at once, so it can batch).
@@ -43,8 +43,9 @@ class BucketExchange(Protocol):
 
     def gather(self, read: Fill, own: Callable[[list[torch.Tensor]], object]) -> Steps:
         """The owner's Newton–Schulz input stacks: the pieces this rank sends read by
-        ``read`` into the send buffer, its own pieces read by ``own`` into the stacks, the
-        received ones put in place."""
+        ``read`` into the send buffer, its own pieces read by ``own`` into the stacks (or
+        sent to itself, where the receive buffer is the stacks), the received ones put in
+        place."""
         ...
 
     def chosen(self, position: int) -> list[torch.Tensor] | None:
@@ -99,7 +100,9 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 class PackedExchange:
     """Whole pieces in packed buffers, laid out once per plan by the bucket map ``where``;
-    a bucket that does not ``communicate`` only reads its own pieces."""
+    a bucket that does not ``communicate`` only reads its own pieces. Where the map says
+    so, the receive buffer is the stacks and the result stack the send buffer, own pieces
+    included (:mod:`muon_dist.plan.in_place`): nothing is copied in or packed."""
 
     def __init__(self, where: BucketMap, communicates: bool, exchanges: Exchanges) -> None:
         self._where, self._communicates, self._exchanges = where, communicates, exchanges
@@ -118,6 +121,8 @@ class PackedExchange:
             received, work = self._start(where.gather_send, where.gather_recv, read)
             yield
             work.wait()
+            if where.gather_in_place:  # own pieces came in the send buffer's self split
+                return stack_views(received, where.stacks)
         stacks = [torch.empty(s.shape, dtype=x.dtype, device=x.device) for s in where.stacks]
         own(stacks)
         if received is not None:
@@ -131,15 +136,25 @@ class PackedExchange:
         return None
 
     def scatter(self, results: list[torch.Tensor]) -> ScatterSteps:
-        where = self._where
+        where, x = self._where, self._exchanges
         if not self._communicates:
             results.clear()
             return None
-        received, work = self._start(
-            where.scatter_send,
-            where.scatter_recv,
-            lambda outs: copy_all(outs, region_views(results, where.scatter_regions)),
-        )
+        if where.scatter_in_place:
+            (result,) = results
+            # A copy only where Newton–Schulz handed the stack back in another dtype or
+            # transposed; the collective keeps its own reference to the buffer.
+            send = result.to(x.dtype, memory_format=torch.contiguous_format).view(-1)
+            received, work = start_exchange(
+                send, where.scatter_send.splits, where.scatter_recv.splits, x.peers
+            )
+            del result, send
+        else:
+            received, work = self._start(
+                where.scatter_send,
+                where.scatter_recv,
+                lambda outs: copy_all(outs, region_views(results, where.scatter_regions)),
+            )
         results.clear()
         yield
         work.wait()

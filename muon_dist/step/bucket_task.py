@@ -31,7 +31,7 @@ def run_bucket(where: BucketMap, tools: BucketTools, exchange: BucketExchange) -
     its scatter holds no gather buffers or input stacks while other buckets compute."""
 
     def own(stacks: list[torch.Tensor]) -> None:
-        tools.io.read(where.own, region_views(stacks, where.own_regions))
+        tools.io.read(where.own_reads, region_views(stacks, where.own_read_regions))
 
     stacks = yield from exchange.gather(lambda outs: tools.io.read(where.gather_reads, outs), own)
     results = [
@@ -39,7 +39,7 @@ def run_bucket(where: BucketMap, tools: BucketTools, exchange: BucketExchange) -
         for position, (t, s) in enumerate(zip(stacks, where.stacks, strict=True))
     ]
     del stacks
-    tools.io.write(where.own, region_views(results, where.own_regions))
+    tools.io.write(where.own_writes, region_views(results, where.own_write_regions))
     updates = yield from exchange.scatter(results)
     if updates is not None:
         tools.io.write(where.scatter_writes, updates)

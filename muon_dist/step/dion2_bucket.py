@@ -11,7 +11,7 @@ zeros in the slices left out, the form the plain bucket hands over.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -78,6 +78,21 @@ def _tiles_to(
     ]
 
 
+def selected_buckets(
+    plan: Plan, selects: Collection[int], ranks: Sequence[int], settings: ExecutionSettings
+) -> frozenset[int]:
+    """The buckets that move only the selected slices: those that exchange and hold a view
+    of ``selects`` owned among ``ranks``, unless the step is captured (a captured step's
+    exchange sizes are fixed)."""
+    return frozenset(
+        index
+        for index, bucket in enumerate(plan.buckets)
+        if bucket.communicates
+        and not settings.cuda_graph
+        and any(b.view in selects and b.owner in ranks for b in bucket.blocks)
+    )
+
+
 class Dion2Buckets:
     """Dion2's side of a phase: which buckets move only the selected slices (those that
     exchange, unless the step is captured: a captured step's exchange sizes are fixed),
@@ -99,13 +114,7 @@ class Dion2Buckets:
         self._selects, self._local_box = selects, local_box
         self._exchanges = exchanges
         self.backend = settings.backend
-        self.selected = frozenset(
-            index
-            for index, bucket in enumerate(plan.buckets)
-            if bucket.communicates
-            and not settings.cuda_graph
-            and any(b.view in selects and b.owner in exchanges.peers.ranks for b in bucket.blocks)
-        )
+        self.selected = selected_buckets(plan, selects, exchanges.peers.ranks, settings)
         self._layouts: dict[int, DeviceSelection] = {}
         peers = exchanges.peers
         self.norm_peers = dedicated(peers, "dion2 norms") if self.selected else peers

@@ -16,7 +16,7 @@ fresh buffers, a few per run of like pieces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from muon_dist.plan.build import (
     placement_of,
 )
 from muon_dist.plan.indices import GroupIndex, TensorIndex
-from muon_dist.plan.views import Box, MatrixView
+from muon_dist.plan.views import Box, MatrixView, PartSplit
 from muon_dist.rules.forms import fused_batch
 from muon_dist.rules.normuon import ROW_MOMENT
 from muon_dist.rules.ops import decay_
@@ -48,7 +48,7 @@ from muon_dist.state.tensors import local
 from muon_dist.step.agreement import Agreement
 from muon_dist.step.bucket_io import BucketIO, BucketTools
 from muon_dist.step.bucket_task import bucket_task
-from muon_dist.step.dion2_bucket import Dion2Buckets, selected_bucket_task
+from muon_dist.step.dion2_bucket import Dion2Buckets, selected_bucket_task, selected_buckets
 from muon_dist.step.failures import Failures
 from muon_dist.step.orthogonalizer import Orthogonalizer
 from muon_dist.step.piece_io import LocalGrads, PieceForms, PieceIO
@@ -104,6 +104,15 @@ def _primary_owner(entry: MuonEntry, comm: CommGroups, replica_mode: str) -> boo
     return coord is not None and all(coord[d] == 0 for d in replicated)
 
 
+def _dion2_selects(entries: Sequence[MuonEntry]) -> dict[int, tuple[float, PartSplit | None]]:
+    """The views whose rule selects slices: their fraction and parts."""
+    return {
+        i: (float(e.group["dion2_fraction"]), e.view.part_split(e.group["adjust_lr"]))
+        for i, e in enumerate(entries)
+        if group_parts(e.group).chosen_slices
+    }
+
+
 def _dion2_buckets(
     plan: Plan,
     maps: Sequence[BucketMap],
@@ -113,11 +122,7 @@ def _dion2_buckets(
     settings: ExecutionSettings,
 ) -> Dion2Buckets:
     """The phase's Dion2 side, from the views whose rule selects slices (fraction, parts)."""
-    selects = {
-        i: (float(e.group["dion2_fraction"]), e.view.part_split(e.group["adjust_lr"]))
-        for i, e in enumerate(entries)
-        if group_parts(e.group).chosen_slices
-    }
+    selects = _dion2_selects(entries)
     return Dion2Buckets(
         plan,
         maps,
@@ -135,12 +140,14 @@ def _local_box(entry: MuonEntry, comm: CommGroups) -> Box:
     return local_boxes(placement)[comm.rank]
 
 
-def _bucket_maps(plan: Plan, peers: Peers) -> list[BucketMap]:
-    """Every bucket's map, stacks numbered across the plan."""
+def _bucket_maps(plan: Plan, peers: Peers, packed: Collection[int]) -> list[BucketMap]:
+    """Every bucket's map, stacks numbered across the plan; the buckets ``packed`` (Dion2's
+    selected exchange, which packs only the chosen slices) never use a buffer as stacks."""
     maps: list[BucketMap] = []
-    for bucket in plan.buckets:
+    for index, bucket in enumerate(plan.buckets):
         first = sum(len(m.stacks) for m in maps)
-        maps.append(bucket_map(bucket, first, plan.world_size, peers.ranks))
+        rank = None if index in packed else plan.rank
+        maps.append(bucket_map(bucket, first, plan.world_size, peers.ranks, rank))
     return maps
 
 
@@ -212,7 +219,8 @@ class MuonPhase:
         self.groups = [entries[views[0]].group for views in self.views_of]
         self._group_of = [entries[views[0]].group_index for views in self.views_of]
         exchanges = Exchanges(comm.exchange, settings.comm_dtype, self.device, comm.world_size)
-        self.maps = _bucket_maps(plan, exchanges.peers)
+        selected = selected_buckets(plan, _dion2_selects(entries), exchanges.peers.ranks, settings)
+        self.maps = _bucket_maps(plan, exchanges.peers, selected)
         self._make_state(state, comm)
         self._make_step(group_count, comm, exchanges)
 

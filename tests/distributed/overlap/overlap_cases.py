@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from packed_maps import packed_only
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -530,6 +531,30 @@ def auto_parity(world_size: int) -> dict[str, Any]:
     }
 
 
+def in_place(world_size: int) -> dict[str, Any]:
+    """overlap="backward" under ``skip_step`` with the exchange's buffers as stacks where the
+    plan allows (plan/in_place.py) and all packed: bitwise equal, and what waits for
+    ``step()`` is still at most this rank's pieces of the updates."""
+    snapshots = []
+    held: list[int] = []
+    counts = []
+    for packed in (False, True):
+        with packed_only() if packed else contextlib.nullcontext():
+            model, groups = _model(world_size, "fsdp")
+            opt = _optimizer(groups, "backward", "skip_step")
+
+            def record(_step: int, _micro: int, opt: muon_dist.Muon = opt) -> None:
+                if opt.runner.early is not None:
+                    held.append(opt.runner.early.held_bytes)
+
+            _train(model, opt, 3, after_backward=record)
+        snapshots.append(_snapshot(model, opt))
+        assert opt.runner.muon is not None
+        counts.append(sum(m.gather_in_place + m.scatter_in_place for m in opt.runner.muon.maps))
+    shards = sum(p.to_local().numel() * 4 for g in groups[:-1] for p in g["params"])
+    return {"equal": _equal(*snapshots), "in_place": counts, "held": held, "shard_bytes": shards}
+
+
 def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[str, Any]:
     cases: dict[str, Callable[..., dict[str, Any]]] = {
         "parity": parity,
@@ -542,5 +567,6 @@ def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[st
         "repeated_step": repeated_step,
         "auto_choice": auto_choice,
         "auto_parity": auto_parity,
+        "in_place": in_place,
     }
     return cases[case](world_size, *args)

@@ -105,3 +105,12 @@ def test_bad_overlap_options_refused() -> None:
         muon_dist.Muon([weight], overlap="forward")
     with pytest.raises(ValueError, match=r"use cuda_graph=False with it"):
         muon_dist.Muon([weight], overlap="backward", cuda_graph=True)
+
+
+def test_in_place_buffers_change_no_bit_of_an_early_step() -> None:
+    for rank, out in enumerate(run_distributed(2, overlap_worker, "in_place")):
+        assert out["equal"], f"rank {rank}: parameters or state differ"
+        in_place, packed = out["in_place"]
+        assert in_place > 0 and packed == 0, out
+        # Held updates are this rank's pieces, never a stack or receive buffer kept whole.
+        assert all(held <= out["shard_bytes"] for held in out["held"]), out

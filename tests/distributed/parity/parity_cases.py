@@ -219,14 +219,25 @@ def _shard(
     return params, mesh
 
 
-def run_case(
+@dataclass
+class Trained:
+    """A case's sharded run: its full starting tensors and gradients, and where they led."""
+
+    fulls: list[torch.Tensor]
+    grads: list[list[torch.Tensor]]
+    params: list[torch.Tensor]
+    opt: muon_dist.Muon
+
+
+def train_case(
     case: Case,
     comm_dtype: torch.dtype,
     ns_dtype: torch.dtype,
     world_size: int,
     device: str = "cpu",
     rule: str = "muon",
-) -> dict[str, float]:
+) -> Trained:
+    """``STEPS`` sharded steps of ``case`` from the fixed seed's tensors and gradients."""
     gen = torch.Generator().manual_seed(1234)
     fulls = [torch.randn(s.shape, generator=gen).to(device, s.dtype) for s in case.params]
     grads = [
@@ -245,6 +256,19 @@ def run_case(
     for step_grads in grads:
         set_grads(params, step_grads)
         opt.step()
+    return Trained(fulls, grads, params, opt)
+
+
+def run_case(
+    case: Case,
+    comm_dtype: torch.dtype,
+    ns_dtype: torch.dtype,
+    world_size: int,
+    device: str = "cpu",
+    rule: str = "muon",
+) -> dict[str, float]:
+    trained = train_case(case, comm_dtype, ns_dtype, world_size, device, rule)
+    fulls, grads, params = trained.fulls, trained.grads, trained.params
     expected = _reference(ns_dtype, case, fulls, grads, rule)
     # fp32 parameters: max error relative to the update ("update") and to the parameter
     # ("param"), and the norm-wise relative error of the update ("update_fro"; under bf16

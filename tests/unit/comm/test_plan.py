@@ -275,7 +275,7 @@ def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
             layout = bucket_map(bucket, 0, world, peers.ranks)
             stacks = [torch.empty(s.shape) for s in layout.stacks]
             for regions_, pieces in (
-                (layout.own_regions, [(i, b.own_slices[1]) for i, b in _owned(bucket)]),
+                (layout.own_read_regions, [(i, b.own_slices[1]) for i, b in _owned(bucket)]),
                 (layout.gather_regions, [(p.block, p.slices) for p in bucket.gather_recvs]),
                 (layout.scatter_regions, [(p.block, p.slices) for p in bucket.scatter_sends]),
             ):
@@ -283,7 +283,11 @@ def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
                 expected = _old_style_views(bucket, stacks, pieces)
                 assert len(views) == len(expected)
                 assert all(_same_view(a, b) for a, b in zip(views, expected, strict=True))
-            assert layout.own == tuple((b.view, b.own_slices[0]) for _, b in _owned(bucket))
+            assert (
+                layout.own_reads
+                == layout.own_writes
+                == tuple((b.view, b.own_slices[0]) for _, b in _owned(bucket))
+            )
             for packing_, pieces_ in (
                 (layout.gather_send, bucket.gather_sends),
                 (layout.gather_recv, bucket.gather_recvs),
@@ -314,7 +318,7 @@ def test_like_pieces_take_one_region_per_stack() -> None:
         (bucket,) = plan.buckets
         layout = bucket_map(bucket, 0, 2, peers.ranks)
         assert len(layout.stacks) == 3
-        for regions_ in (layout.own_regions, layout.gather_regions, layout.scatter_regions):
+        for regions_ in (layout.own_read_regions, layout.gather_regions, layout.scatter_regions):
             assert len(regions_) == 3
         for packing_ in (
             layout.gather_send,
