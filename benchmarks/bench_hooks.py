@@ -44,6 +44,7 @@ Timings = dict[str, dict[bool, list[float]]]  # per timed function, per "started
 
 
 def build(layers: int, dim: int) -> nn.Module:
+    """Square linear layers, each its own FSDP2 unit, so each gradient has its own hook."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(layers)))
     mesh = init_device_mesh("cpu", (1,))
