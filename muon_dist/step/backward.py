@@ -13,19 +13,28 @@ Every rank issues the same collectives in the same order: buckets start strictly
 order (the plan orders them last view first, the order backward finishes gradients), one
 pipeline round per bucket, whatever the moment a hook fires; the exchanges run on a process
 group of their own (:func:`muon_dist.comm.groups.dedicated`), so they never interleave with
-FSDP's collectives on its communicator. On CUDA the work runs on a side stream that waits
-for the stream the hook runs on (where the gradient was reduced); ``step()`` waits for it.
+FSDP's collectives on its communicator. A hook that starts no bucket only takes note of its
+gradient, on the host, so that it delays backward's own launches as little as it can. On
+CUDA the buckets run on a side stream that, as a hook starts them, waits for the streams
+the hooks ran on since it last waited (where their gradients were reduced); ``step()``
+waits for it.
 
 A gradient reported twice before ``step()`` (micro-batches that each reduce, without
 ``set_requires_gradient_sync(False)``) restarts the step from that hook: the started
 buckets finish and their results are dropped. The same happens at ``step()``, on every rank
 (the ranks agree on it in the step's all-reduce), where what the started buckets read
-changed after its hook on any rank: a gradient whose norm changed (``clip_grad_norm_``, a
-scaling, ``zero_grad(set_to_none=False)``, a later hook that edits it), a gradient replaced
-by another tensor, or a group's ``momentum`` or ``nesterov``. The result is then the plain
-step's, and the overlap saved nothing: change gradients and those values before backward
-ends to keep it. (The lr and weight decay are read at ``step()``; any other option change
-rebuilds the step, :mod:`muon_dist.step.changes`.)
+changed after they started on any rank: a gradient whose norm changed (``clip_grad_norm_``,
+a scaling, ``zero_grad(set_to_none=False)``, a later hook that edits it), a gradient
+replaced by another tensor, or a group's ``momentum`` or ``nesterov``. The result is then
+the plain step's, and the overlap saved nothing: change gradients and those values before
+backward ends to keep it. (The lr and weight decay are read at ``step()``; any other option
+change rebuilds the step, :mod:`muon_dist.step.changes`.)
+
+Only what the started buckets read is compared: the fp64 norms of the gradients that the
+buckets a hook starts are the first to read, taken together as they start (an edit
+made before is read by the bucket, not missed), against their norms at ``step()``. A
+gradient whose bucket did not start during backward is read at ``step()``, so it cannot
+have been read stale and is not compared.
 """
 
 from __future__ import annotations
@@ -53,10 +62,39 @@ _READ_EARLY = tuple(
 
 
 def _fp64_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The fp64 norms a hook records and ``step()`` compares, from one kernel for both: on
-    CUDA, ``vector_norm`` and ``_foreach_norm`` sum in different orders, so a norm taken
-    by each differs in its last bits and every overlapped step would be redone."""
-    return list(torch._foreach_norm(list(tensors), 2, dtype=torch.float64))
+    """The fp64 norms the started buckets record and ``step()`` compares, from one kernel
+    for both: on CUDA, ``vector_norm`` and ``_foreach_norm`` sum in different orders, so a
+    norm taken by each differs in its last bits and every overlapped step would be redone.
+
+    ``_foreach_norm`` sums each tensor alone, chunk by chunk from its own start, so a norm
+    does not depend on the other tensors of its list, but its fast kernel serves a list only
+    where all its tensors share a dtype and are dense, and otherwise it takes each norm with
+    ``vector_norm``. So the contiguous tensors of each dtype go together, and any other
+    tensor alone: a tensor's norm is then the same whichever tensors it is taken with."""
+    lists: dict[tuple[torch.dtype, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        lists.setdefault((t.dtype, -1 if t.is_contiguous() else i), []).append(i)
+    norms: dict[int, torch.Tensor] = {}
+    for members in lists.values():
+        listed = torch._foreach_norm([tensors[i] for i in members], 2, dtype=torch.float64)
+        norms.update(zip(members, listed, strict=True))
+    return [norms[i] for i in range(len(tensors))]
+
+
+def _first_reads(needs: Sequence[frozenset[int]]) -> tuple[list[int], list[int]]:
+    """The Muon tensors in the order the buckets, in plan order, first need them, and the
+    offsets that cut it per bucket: buckets ``0..k-1`` read exactly ``order[:offsets[k]]``.
+    Buckets start in plan order, so the norms of the gradients the started ones read fill
+    a prefix of this order, one slice per hook that starts buckets."""
+    order: list[int] = []
+    offsets = [0]
+    seen: set[int] = set()
+    for need in needs:
+        fresh = sorted(need - seen)
+        seen.update(fresh)
+        order.extend(fresh)
+        offsets.append(len(order))
+    return order, offsets
 
 
 def register_grad_hooks(
@@ -79,7 +117,12 @@ def register_grad_hooks(
 
 
 class BackwardStart:
-    """Starts a Muon phase's buckets from gradient hooks and finishes the step."""
+    """Starts a Muon phase's buckets from gradient hooks and finishes the step.
+
+    A hook that starts no bucket only takes note of its gradient, on the host: it makes no
+    device work and waits on no stream, so it delays backward's own launches as little as
+    it can. A hook that starts buckets records the norms of the gradients they are the
+    first to read, in one kernel, then starts them on the side stream."""
 
     def __init__(self, phase: MuonPhase, names: Sequence[str]) -> None:
         self.phase = phase
@@ -89,13 +132,15 @@ class BackwardStart:
             frozenset(phase.entries[v].tensor_index for v in bucket.views)
             for bucket in phase.plan.buckets
         ]
-        # This step's reported tensors and the gradients read. Their fp64 norms at their
-        # hooks, compared at step(): in-place edits of a DTensor gradient bump no version
-        # counter of its local tensor, and FSDP's own writes to its neighbours do.
+        # This step's reported tensors and the gradients read.
         self._reported: dict[int, torch.Tensor] = {}
-        self._norms = torch.zeros(len(names), dtype=torch.float64, device=phase.device)
+        # The fp64 norms of the gradients the started buckets read, in _order, taken as each
+        # bucket starts and compared at step(): in-place edits of a DTensor gradient bump no
+        # version counter of its local tensor, and FSDP's own writes to its neighbours do.
+        self._order, self._offsets = _first_reads(self._needs)
+        self._norms = torch.zeros(len(self._order), dtype=torch.float64, device=phase.device)
         self._groups = list({id(e.group): e.group for e in phase.entries}.values())
-        self._read_early: list[tuple[Any, ...]] = []  # _READ_EARLY per group at the first hook
+        self._read_early: list[tuple[Any, ...]] = []  # _READ_EARLY per group at the first start
         self._callback_queued = False
         self._open = False
         self.restarts = 0  # steps restarted by a gradient reported twice
@@ -107,6 +152,10 @@ class BackwardStart:
         device = phase.device
         cuda = device.type == "cuda"
         self.stream = side_stream(device, "backward overlap") if cuda else None
+        # The streams hooks ran on since the side stream last waited (their gradients were
+        # made there): FSDP2 runs hooks on its reduce-scatter or all-reduce stream, a
+        # parameter outside FSDP on backward's.
+        self._hook_streams: set[torch.cuda.Stream] = set()
 
     @property
     def started(self) -> int:
@@ -115,44 +164,75 @@ class BackwardStart:
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:
-        """On CUDA, run on the side stream after the current stream's work so far."""
+        """On CUDA, run on the side stream after the work so far of the current stream and
+        of the streams the hooks ran on."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        self._hook_streams.add(torch.cuda.current_stream(self.stream.device))
+        for stream in self._hook_streams:
+            self.stream.wait_stream(stream)
+        self._hook_streams.clear()
         with torch.cuda.stream(self.stream):
             yield
 
     def report(self, j: int, grad: torch.Tensor) -> None:
         """Muon tensor ``j``'s local gradient is final: start every bucket, in plan order,
         whose tensors all are. Labelled ``muon_dist.grad_hook`` in profiles (the host time
-        a hook adds to backward)."""
-        with torch.profiler.record_function("muon_dist.grad_hook"):
+        a hook adds to backward); the label is left out while no profiler runs, where it
+        would cost about as much as a launch."""
+        if torch._C._autograd._profiler_enabled():
+            with torch.profiler.record_function("muon_dist.grad_hook"):
+                self._report(j, grad)
+        else:
             self._report(j, grad)
 
     def _report(self, j: int, grad: torch.Tensor) -> None:
-        self._norms[j].copy_(_fp64_norms([grad])[0])
+        if j in self._reported:
+            self._restart(j)
+        self._reported[j] = grad
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        self.phase.grads.set_one(j, grad)
+        if self.stream is not None:
+            self._hook_streams.add(torch.cuda.current_stream(self.stream.device))
+        ready = self._ready()
+        if ready > self.started:
+            self._start_early(ready)
+
+    def _restart(self, j: int) -> None:
+        """Tensor ``j`` got a second gradient: drop what the first ones started."""
+        self.restarts += 1
+        if self.restarts == 1:
+            logger.info(
+                "muon_dist: a step overlapping backward: %s got a second gradient before "
+                "step(); the started buckets are dropped and begin again. Accumulate "
+                "with model.set_requires_gradient_sync(False) on all but the last "
+                "micro-batch so nothing starts early for nothing",
+                self.names[j],
+            )
+        self._forget()
+
+    def _ready(self) -> int:
+        """How many buckets, in plan order, have all their tensors reported."""
+        count, needs, reported = self.started, self._needs, self._reported.keys()
+        while count < len(needs) and needs[count] <= reported:
+            count += 1
+        return count
+
+    def _start_early(self, ready: int) -> None:
+        """Start the buckets up to ``ready`` from a hook: first record the norms of the
+        gradients they are the first to read (on the hook's stream, before they read them),
+        then start each in turn on the side stream."""
+        low, high = self._offsets[self.started], self._offsets[ready]
+        if low < high:
+            grads = [self._reported[j] for j in self._order[low:high]]
+            torch.stack(_fp64_norms(grads), out=self._norms[low:high])
         with self._side_stream():
-            if j in self._reported:
-                self.restarts += 1
-                if self.restarts == 1:
-                    logger.info(
-                        "muon_dist: a step overlapping backward: %s got a second gradient before "
-                        "step(); the started buckets are dropped and begin again. Accumulate "
-                        "with model.set_requires_gradient_sync(False) on all but the last "
-                        "micro-batch so nothing starts early for nothing",
-                        self.names[j],
-                    )
-                self._drop()  # their gradients changed
             if not self._open:
                 self._begin()
-            self._reported[j] = grad
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-            self.phase.grads.set_one(j, grad)
-            needs, reported = self._needs, self._reported.keys()
-            while self._started < len(needs) and needs[self._started] <= reported:
+            while self._started < ready:
                 self._start_next()
 
     def _begin(self) -> None:
@@ -181,12 +261,19 @@ class BackwardStart:
         self._open = False
         self._reported.clear()
 
-    def abandon(self) -> None:
-        """Drop the open step: the step was rebuilt and the new one starts every bucket, or
-        this step runs plain (``overlap="auto"``) on the same buffers, after the drop."""
+    def _forget(self) -> None:
+        """Drop what the open step started, if anything, and forget its gradients."""
         if self._open:
             with self._side_stream():
                 self._drop()
+        self._reported.clear()
+
+    def abandon(self) -> None:
+        """Drop the open step: the step was rebuilt and the new one starts every bucket, or
+        this step runs plain (``overlap="auto"``) on the same buffers, after the drop."""
+        opened = self._open
+        self._forget()
+        if opened:
             self._join()
 
     def _join(self) -> None:
@@ -195,21 +282,22 @@ class BackwardStart:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
     def changed(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-        """Whether what the started buckets read changed since the hooks (see the module's
-        docstring), as a device flag for the step's agreement; None where none started
-        (also where no hook ran since the last step: a step() again without backward)."""
+        """Whether what the started buckets read changed since they started (see the
+        module's docstring), as a device flag for the step's agreement; None where none
+        started (also where no hook ran since the last step: a step() again without
+        backward). A gradient no started bucket reads is read at step() anyway."""
         if not self.started:
             return None
-        reported = list(self._reported)
-        now = [self._reported[j] for j in reported]
+        count = self._offsets[self._started]
+        read = self._order[:count]
+        then = [self._reported[j] for j in read]
         values = [tuple(g[k] for k in _READ_EARLY) for g in self._groups]
         if values != self._read_early or any(
-            grads[j] is not g for j, g in zip(reported, now, strict=True)
+            grads[j] is not g for j, g in zip(read, then, strict=True)
         ):
             return torch.ones((), device=self._norms.device)
-        norms = torch.stack(_fp64_norms(now))
-        index = torch.tensor(reported, device=self._norms.device)
-        return (norms != self._norms.index_select(0, index)).any().float()
+        norms = torch.stack(_fp64_norms(then))
+        return (norms != self._norms[:count]).any().float()
 
     def finish(
         self,

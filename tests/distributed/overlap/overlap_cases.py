@@ -99,17 +99,14 @@ OPTIONS: dict[str, dict[str, Any]] = {
 def _optimizer(
     groups: list[dict[str, Any]], overlap: str, nonfinite: str, **options: Any
 ) -> muon_dist.Muon:
-    return muon_dist.Muon(
-        groups,
-        weight_decay=0.1,
-        comm_dtype=torch.float32,
-        ns_dtype=torch.float32,
-        bucket_bytes=64,  # about a matrix per owner and bucket: several buckets
-        max_inflight=2,
-        nonfinite=nonfinite,
-        overlap=overlap,
-        **options,
-    )
+    settings: dict[str, Any] = {
+        "weight_decay": 0.1,
+        "comm_dtype": torch.float32,
+        "ns_dtype": torch.float32,
+        "bucket_bytes": 64,  # about a matrix per owner and bucket: several buckets
+        "max_inflight": 2,
+    }
+    return muon_dist.Muon(groups, nonfinite=nonfinite, overlap=overlap, **{**settings, **options})
 
 
 def _snapshot(model: nn.Module, opt: muon_dist.Muon) -> list[torch.Tensor]:
@@ -369,6 +366,42 @@ def edited(world_size: int) -> dict[str, Any]:
     return results
 
 
+# Per scenario: the layers whose gradients are scaled in place between backward and step(),
+# whether layer 0 is frozen, and the bucket size. "started": the last layer's gradient, read
+# by the first bucket, which starts during backward. "not_started": layer 0 has no gradient
+# and every matrix shares one bucket, which therefore starts only at step().
+ONE_EDIT: dict[str, tuple[tuple[int, ...], bool, int]] = {
+    "started": ((len(WIDTHS) - 1,), False, 64),
+    "not_started": (tuple(range(1, len(WIDTHS))), True, 1 << 20),
+}
+
+
+def edited_where(world_size: int, scenario: str) -> dict[str, Any]:
+    """``ONE_EDIT[scenario]`` at step 1 of 3: both modes end bitwise equal, and the
+    overlapped run redid its started buckets only where they read an edited gradient."""
+    layers, frozen, bucket_bytes = ONE_EDIT[scenario]
+    snapshots = []
+    started: list[int] = []
+    redone = 0
+    for overlap in ("none", "backward"):
+        model, groups = _model(world_size, "fsdp")
+        if frozen:
+            model[0].weight.requires_grad_(False)
+        opt = _optimizer(groups, overlap, "raise", bucket_bytes=bucket_bytes)
+
+        def edit(step: int, _micro: int, model: nn.Module = model, opt: Any = opt) -> None:
+            if opt.runner.early is not None:
+                started.append(opt.runner.early.started)
+            if step == 1:
+                for layer in layers:
+                    model[layer].weight.grad.mul_(0.5)
+
+        _train(model, opt, 3, after_backward=edit)
+        snapshots.append(_snapshot(model, opt))
+        redone = 0 if opt.runner.early is None else opt.runner.early.redone
+    return {"equal": _equal(*snapshots), "started": started, "redone": redone}
+
+
 def changed_on_one_rank(world_size: int) -> dict[str, Any]:
     """Rank 0 sets a group's momentum between backward and step(): its started buckets
     read the old one; every rank runs them again and refuses the step, nothing changed."""
@@ -562,6 +595,7 @@ def overlap_worker(rank: int, world_size: int, case: str, *args: Any) -> dict[st
         "nonfinite": nonfinite,
         "early_gather": early_gather,
         "edited": edited,
+        "edited_where": edited_where,
         "changed_on_one_rank": changed_on_one_rank,
         "resume": resume,
         "repeated_step": repeated_step,

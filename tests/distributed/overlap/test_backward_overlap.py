@@ -73,6 +73,17 @@ def test_edits_between_backward_and_step_give_the_plain_step() -> None:
                 assert result["redone"] >= 1, (rank, name, result)
 
 
+def test_only_gradients_read_during_backward_are_compared() -> None:
+    """A gradient scaled in place after the bucket that read it started: that bucket runs
+    again. Gradients whose bucket had not started are read at step(): nothing runs again."""
+    for out in run_distributed(2, overlap_worker, "edited_where", "started"):
+        assert out["equal"] and out["redone"] == 1, out
+        assert all(count > 0 for count in out["started"]), out
+    for out in run_distributed(2, overlap_worker, "edited_where", "not_started"):
+        assert out["equal"] and out["redone"] == 0, out
+        assert out["started"] == [0, 0, 0], out
+
+
 def test_value_changed_on_one_rank_after_the_hooks_refused_on_every_rank() -> None:
     outs = run_distributed(2, overlap_worker, "changed_on_one_rank")
     for out in outs:
