@@ -33,16 +33,3 @@ def fused_form(backend: str, *tensors: torch.Tensor) -> bool:
         return False
     return all(t.shape == first.shape and t.is_contiguous() for t in tensors) and triton_available()
 
-
-def fused_batch(backend: str, *tensors: torch.Tensor) -> bool:
-    """Whether a piece of a step's batched pass (a bucket's reads or writes, one launch for
-    all its fused pieces) takes the fused form, under the optimizer's backend.
-
-    Unlike :func:`fused_form`, whatever the size under "auto": a small piece joins a launch
-    the bucket makes anyway, while its torch form adds launches of its own and, for the
-    momentum, a pass before the buckets.
-    """
-    first = tensors[0]
-    if backend == "torch" or not first.is_cuda:
-        return False
-    return all(t.shape == first.shape and t.is_contiguous() for t in tensors) and triton_available()

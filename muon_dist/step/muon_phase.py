@@ -37,7 +37,7 @@ from muon_dist.plan.build import (
 )
 from muon_dist.plan.indices import GroupIndex, TensorIndex
 from muon_dist.plan.views import Box, MatrixView, PartSplit
-from muon_dist.rules.forms import fused_batch
+from muon_dist.rules.forms import fused_form
 from muon_dist.rules.normuon import ROW_MOMENT
 from muon_dist.rules.ops import decay_
 from muon_dist.rules.registry import rule_of
@@ -188,7 +188,7 @@ def _fused(
 ) -> frozenset[int]:
     """The fusable pieces whose tensors take the fused form under the backend."""
     return frozenset(
-        i for i in fusable if fused_batch(backend, shards[tensor_of[i]], momenta[tensor_of[i]])
+        i for i in fusable if fused_form(backend, shards[tensor_of[i]], momenta[tensor_of[i]])
     )
 
 
