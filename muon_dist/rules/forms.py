@@ -32,4 +32,3 @@ def fused_form(backend: str, *tensors: torch.Tensor) -> bool:
     if backend == "auto" and first.numel() < FUSED_MIN_NUMEL:
         return False
     return all(t.shape == first.shape and t.is_contiguous() for t in tensors) and triton_available()
-
