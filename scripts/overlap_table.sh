@@ -9,10 +9,10 @@
 # Each batch size is 4 variants x REPEATS (3) runs of STEPS (25) steps, medians over the steps
 # after SKIP (10), which also leaves out the 10 steps overlap="auto" measures before it
 # chooses. A run costs its start (importing torch, the vocab-8192 Markov chain and the 1B
-# model's init on the CPU, NCCL, the first steps' compilation: about 25 s, estimated, not
-# measured on these machines) plus 25 steps (about 0.35 s each at batch 64 on 4 GPUs, 0.2 s
-# at batch 16): about 6-7 minutes per batch size, so give each batch size its own call where
-# a call may last 10 minutes. Batches with more than MAX_ROWS_PER_GPU (32)
+# model's init on the CPU, NCCL, the first steps' compilation) plus 25 steps: on 2 H200s at
+# batch 16 (2026-11-27) the runs took 46-86 s each, so 4 variants x 3 repeats need about
+# 11 minutes: where a call may last 10 minutes, give each batch size its own call with
+# REPEATS=2 (about 8 minutes). Batches with more than MAX_ROWS_PER_GPU (32)
 # sequences per GPU are left out: activations take about 1.7 MB per token (20 layers, bf16),
 # 55 GB at 32 sequences of 1024 tokens, so batch 64 runs on 2 and 4 GPUs of 80 GB, not on 1.
 #
