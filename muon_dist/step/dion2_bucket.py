@@ -253,9 +253,8 @@ def _choose(
     """The bucket's chosen slices: partial norms of this rank's pieces, summed over the
     exchange peers, and the same top slices on every rank."""
     sel = layout.host
-    norms = torch.zeros(
-        sel.slots, dtype=torch.float64, device=planes[0].device if planes else inputs[0].device
-    )
+    # On ``device``: a rank holding nothing of the bucket has neither inputs nor planes.
+    norms = torch.zeros(sel.slots, dtype=torch.float64, device=device)
     sources = [*zip(inputs, layout.send_tiles, strict=True)]
     sources += [
         (planes[piece.stack], tiles) for piece, tiles in zip(sel.own, layout.own_tiles, strict=True)
