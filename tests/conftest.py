@@ -59,6 +59,14 @@ TOOLING = TESTS / "tooling"
 SLOW_SUFFIX = "_slow.py"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's --dist loadfile hands out files by their number of tests, most first,
+    # unless told otherwise: that put the few-test slow tooling files last, the example's
+    # launches on one worker while the other sat idle. Hand them out in our order instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--write-tables",

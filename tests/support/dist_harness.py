@@ -1,9 +1,11 @@
 """Run functions on every rank of a process group that stays up for the whole test session.
 
-Starting a rank costs seconds (importing torch), so each world size gets one pool of spawned
-ranks, started on first use and kept until the session ends; every test case is one request
-to it and so gets its own test id. A request that fails or times out on any rank takes the
-pool down (its collectives may be out of step), and the next request starts a fresh one.
+Starting a rank costs seconds (importing torch), so each world size gets one pool of ranks,
+started on first use and kept until the session ends; every test case is one request to it
+and so gets its own test id. A request that fails or times out on any rank takes the pool
+down (its collectives may be out of step), and the next request starts a fresh one. The
+ranks are forked from one forkserver per test process that has imported torch and
+muon_dist once, instead of each rank importing them again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ import torch.multiprocessing as mp
 
 # After the first rank reports a failure, how long the others get to report theirs.
 FAILURE_GRACE_S = 10.0
+# What the forkserver imports before it forks any rank: every rank of every pool needs them,
+# and importing them costs seconds a process on CPU (torch._dynamo comes in lazily, through
+# fully_shard). The server only imports them and forks, as DataLoader's fork workers do
+# after torch is imported; no rank inherits a process group or a tensor.
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo"]
+PRELOAD += ["muon_dist", __name__]
 
 
 def _serve(
@@ -76,7 +84,9 @@ class WorkerPool:
         self.backend = backend
         self._next_task = 0
         self._tmp = tempfile.mkdtemp(prefix="muon_dist_pool_")
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts
+        # The server, started with the first rank, passes this environment to every rank.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]

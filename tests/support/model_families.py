@@ -948,10 +948,12 @@ def family_rows(family: str) -> list[str]:
     from muon_dist.routing.param_groups import route_model
 
     routes = route_model(model, **options(family))
-    rows: dict[str, str] = {}
-    for e in muon_dist.routing.table.routing_entries(
+    # One routing of the model (each observes its forward), read for every row below.
+    entries = muon_dist.routing.table.routing_entries(
         muon_dist.param_groups(model, **options(family))
-    ):
+    )
+    rows: dict[str, str] = {}
+    for e in entries:
         base = e.name.split("[")[0]
         reason = routes[base][1].reason
         if reason in _PLAIN[e.algorithm]:
@@ -960,13 +962,7 @@ def family_rows(family: str) -> list[str]:
         if e.algorithm == "muon":
             text = f"`{key}` {e.view.split(' ', 1)[1]}, lr ×{e.scale_text}"
             if e.name != base:  # row blocks of a split 2-D weight: list them once
-                blocks = [
-                    f.view.split(" ", 1)[1]
-                    for f in muon_dist.routing.table.routing_entries(
-                        muon_dist.param_groups(model, **options(family))
-                    )
-                    if f.name.split("[")[0] == base
-                ]
+                blocks = [f.view.split(" ", 1)[1] for f in entries if f.name.split("[")[0] == base]
                 text = f"`{key}` row blocks {' + '.join(blocks)}"
         else:
             text = f"`{key}` AdamW"

@@ -315,16 +315,24 @@ TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32"]
 TINY += ["--batch-size", "4", "--steps", "6", "--eval-every", "3", "--eval-batches", "1"]
 
 
-def test_a_fixed_sweep_trains_and_scores_real_runs(tmp_path: Path) -> None:
+def test_a_fixed_sweep_trains_and_scores_real_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sweep.main() runs here, its two runs in processes of their own (with launch_env()'s
+    # settings; sweep.py puts the repository on PYTHONPATH): a driver process would import
+    # torch again only to count the model's parameters.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(32, 127)) * 200)
     logs = tmp_path / "logs"
-    done = driver(
-        "--logs", str(logs), "--model", "tiny",
-        "--runs", "adamw --adamw-lr 3e-3 --warmup 2", "muon --lr 0.02",
-        "--", "--data", str(text), *TINY,
+    sweep.main(
+        [
+            "--logs", str(logs), "--model", "tiny",
+            "--runs", "adamw --adamw-lr 3e-3 --warmup 2", "muon --lr 0.02",
+            "--", "--data", str(text), *TINY,
+        ]
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((logs / "results.json").read_text())
     assert sorted(r["config"]["optimizer"] for r in results["runs"]) == ["adamw", "muon"]
     assert results["params"] > 0
