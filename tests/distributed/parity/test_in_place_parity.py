@@ -8,7 +8,7 @@ import pytest
 from _pytest.mark import ParameterSet
 from dist_harness import run_distributed
 from in_place_cases import in_place_worker
-from parity_cases import PRECISIONS, case_names
+from parity_cases import case_names
 
 # In place in both directions on every rank count: 1-D FSDP2, with uneven shards and, on 4
 # ranks, a rank without rows of the 3-row matrix (the other layouts are checked for which
@@ -18,21 +18,25 @@ IN_PLACE = ("fsdp", "fsdp_skip_mode")
 
 def cases(quick: bool) -> list[ParameterSet]:
     """(world size, layout, precision, rule): the quick tier's 1-D FSDP2 in fp32 and bf16,
-    or every other layout, precision and rule."""
-    every = [
-        (world_size, name, precision, "muon")
-        for world_size in (2, 3, 4)
-        for name in case_names(world_size)
-        for precision in PRECISIONS
-    ]
+    or the slow tier's other layouts.
+
+    Which buckets go in place is decided per layout and checked on every layout and rank
+    count in tests/unit/plan/test_in_place.py; here each layout trains once, in fp32, on 2
+    ranks and, where 4 ranks lay it out differently (replica groups, TP and EP meshes), on
+    4, plus the mixed precision whose in-place scatter casts the result stack first.
+    """
+    quick_cases = [(w, "fsdp", p, "muon") for w in (2, 3, 4) for p in ("fp32", "bf16")]
+    slow = [(2, name, "fp32", "muon") for name in case_names(2) if name != "fsdp"]
+    slow += [(3, "fsdp_skip_mode", "fp32", "muon")]
+    slow += [(4, n, "fp32", "muon") for n in ("hsdp_split", "hsdp_redundant", "tp_fsdp", "ep_fsdp")]
+    slow += [(w, "fsdp", "mixed", "muon") for w in (2, 4)]
     # Dion2 (packed: its selected exchange) on 3 and 4 ranks too, where buckets this small
     # leave a rank a bucket it holds nothing of (its slice norms once failed there).
-    every += [(w, "fsdp", "fp32", "normuon") for w in (2, 4)]
-    every += [(w, "fsdp", "fp32", "dion2") for w in (2, 3, 4)]
+    slow += [(w, "fsdp", "fp32", "normuon") for w in (2, 4)]
+    slow += [(w, "fsdp", "fp32", "dion2") for w in (2, 3, 4)]
     return [
         pytest.param(*case, id="-".join(str(part) for part in case))
-        for case in every
-        if (case[1:] in {("fsdp", "fp32", "muon"), ("fsdp", "bf16", "muon")}) == quick
+        for case in (quick_cases if quick else slow)
     ]
 
 
