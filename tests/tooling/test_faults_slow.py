@@ -2,9 +2,9 @@
 "Multi-node and faults"): workers SIGKILLed mid-run and mid-checkpoint under
 ``--max-restarts``, and a launch on two (simulated) nodes resumed on one.
 
-Every run is the tiny HSDP model of test_train_example_slow.py (``--replicate 2``: two
-replicas of one shard each, so on two nodes the replicas sit on different nodes), with fp32
-Newton–Schulz and communication. The same ranks replay the same arithmetic, so each faulted
+Every run is the tiny HSDP model of train_launch.py (``--replicate 2``: two replicas of one
+shard each, so on two nodes the replicas sit on different nodes), with fp32 Newton–Schulz
+and communication. The same ranks replay the same arithmetic, so each faulted
 run must end bit for bit where the uninterrupted two-node run ends. The kills come from the
 test, watching the run's metrics and checkpoint folders, never from a flag of the script.
 """
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_example_slow import LAUNCH_TIMEOUT_S, ROOT, SCRIPT, TINY, launch, launch_env, losses
+from repo_paths import ROOT
+from train_launch import LAUNCH_TIMEOUT_S, SCRIPT, TINY, launch, launch_env, losses
 
 HSDP = [*TINY, "--replicate", "2"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

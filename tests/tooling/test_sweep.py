@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from repo_paths import ROOT
-from test_train_example_slow import launch_env
+from train_launch import launch_env
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import sweep

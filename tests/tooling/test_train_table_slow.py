@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from repo_paths import ROOT
-from test_train_example_slow import launch_env
+from train_launch import launch_env
 
 # Four torchrun launches: tens of seconds on 2 cores.
 
