@@ -8,6 +8,7 @@ from collections import defaultdict
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from view_placements import placement, random_placements
 
 from muon_dist.comm.groups import Peers
 from muon_dist.plan.bucket_map import bucket_map, region_views, stack_specs
@@ -26,30 +27,15 @@ from muon_dist.plan.build import (
     relative_slices,
 )
 from muon_dist.plan.packing import flat_views, peer_sizes
-from muon_dist.plan.views import matrix_view
 
-
-def _layout(
-    name: str,
-    shape: tuple[int, ...],
-    mesh: tuple[int, ...],
-    dims: tuple[int | None, ...],
-    **view: object,
-) -> ViewPlacement:
-    return ViewPlacement(
-        name,
-        matrix_view(shape, name=name, **view),
-        mesh,
-        tuple(range(math.prod(mesh))),
-        dims,
-        (5, "quintic"),  # type: ignore[arg-type]
-    )
+# 1 to 4 views, stacks of up to 5 experts, up to 4 fused ones.
+RANDOM_LAYOUTS = random_placements(max_views=4, max_stack=5, max_fused=4)
 
 
 def test_local_boxes_follow_torch_chunk() -> None:
     for rows in range(0, 11):
         for world in range(1, 6):
-            layout = _layout("w", (max(rows, 1), 3), (world,), (0,))
+            layout = placement("w", (max(rows, 1), 3), (world,), (0,))
             chunks = torch.arange(max(rows, 1)).chunk(world)
             boxes = local_boxes(layout)
             for r in range(world):
@@ -140,12 +126,12 @@ def _simulate(layouts: list[ViewPlacement], world: int, replica_mode: str = "spl
 
 def test_simulated_exchange_on_mixed_layouts() -> None:
     layouts = [
-        _layout("a", (3, 40), (4,), (0,)),
-        _layout("b", (130, 7), (4,), (0,)),
-        _layout("c", (6, 10, 12), (2, 2), (0, 1), experts=True),
-        _layout("d", (4 * 5, 9), (2, 2), (None, 0), num_experts=4),
-        _layout("e", (16, 20), (2, 2), (0, 1)),
-        _layout("f", (8, 8), (4,), (None,)),
+        placement("a", (3, 40), (4,), (0,)),
+        placement("b", (130, 7), (4,), (0,)),
+        placement("c", (6, 10, 12), (2, 2), (0, 1), experts=True),
+        placement("d", (4 * 5, 9), (2, 2), (None, 0), num_experts=4),
+        placement("e", (16, 20), (2, 2), (0, 1)),
+        placement("f", (8, 8), (4,), (None,)),
     ]
     for mode in ("split", "redundant"):
         plans = _simulate(layouts, 4, mode)
@@ -153,7 +139,7 @@ def test_simulated_exchange_on_mixed_layouts() -> None:
 
 
 def test_replicated_work_is_split_not_repeated() -> None:
-    layouts = [_layout(f"w{i}", (32, 32), (4,), (None,)) for i in range(8)]
+    layouts = [placement(f"w{i}", (32, 32), (4,), (None,)) for i in range(8)]
     plans = _simulate(layouts, 4)
     owners = defaultdict(int)
     for block in plans[0].blocks:
@@ -162,37 +148,14 @@ def test_replicated_work_is_split_not_repeated() -> None:
 
 
 def test_whole_local_matrices_need_no_communication() -> None:
-    layouts = [_layout("experts", (8, 16, 12), (4,), (0,), experts=True)]
+    layouts = [placement("experts", (8, 16, 12), (4,), (0,), experts=True)]
     plan = build_plan(layouts, 1, 4, bucket_bytes=1 << 20, itemsize=2)
     assert not any(b.communicates for b in plan.buckets)
     assert [(b.start, b.stop) for b in plan.blocks if b.owner == 1] == [(2, 4)]
 
 
-@st.composite
-def _random_layouts(draw: st.DrawFn) -> tuple[list[ViewPlacement], int]:
-    mesh = draw(st.sampled_from([(1,), (2,), (3,), (4,), (2, 2), (1, 3), (3, 1)]))
-    world = math.prod(mesh)
-    layouts = []
-    for i in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["matrix", "experts", "fused"]))
-        rows, cols = draw(st.integers(1, 9)), draw(st.integers(1, 9))
-        view: dict[str, object] = {}
-        if kind == "experts":
-            shape: tuple[int, ...] = (draw(st.integers(1, 5)), rows, cols)
-            view["experts"] = True
-        elif kind == "fused":
-            experts = draw(st.integers(1, 4))
-            shape = (experts * rows, cols)
-            view["num_experts"] = experts
-        else:
-            shape = (rows, cols)
-        dims = tuple(draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh)
-        layouts.append(_layout(f"p{i}", shape, mesh, dims, **view))
-    return layouts, world
-
-
 @settings(max_examples=60, deadline=None)
-@given(_random_layouts(), st.sampled_from(["split", "redundant"]))
+@given(RANDOM_LAYOUTS, st.sampled_from(["split", "redundant"]))
 def test_random_plans_move_every_element_once(
     case: tuple[list[ViewPlacement], int], mode: str
 ) -> None:
@@ -213,7 +176,7 @@ def test_random_plans_move_every_element_once(
 def test_owner_loads_within_one_matrix(shapes: list[tuple[int, int, int]], world: int) -> None:
     # Replicated stacks: every rank may own every matrix, the setting LPT's bound is for.
     layouts = [
-        _layout(f"p{i}", (e, r, c), (world,), (None,), experts=True)
+        placement(f"p{i}", (e, r, c), (world,), (None,), experts=True)
         for i, (r, c, e) in enumerate(shapes)
     ]
     plan = build_plan(layouts, 0, world, bucket_bytes=1 << 30, itemsize=2)
@@ -263,7 +226,7 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @settings(max_examples=60, deadline=None)
-@given(_random_layouts(), st.sampled_from(["split", "redundant"]))
+@given(RANDOM_LAYOUTS, st.sampled_from(["split", "redundant"]))
 def test_bucket_layouts_view_every_piece_where_the_plan_puts_it(
     case: tuple[list[ViewPlacement], int], mode: str
 ) -> None:
@@ -311,7 +274,7 @@ def test_like_pieces_take_one_region_per_stack() -> None:
     # Layers of three shapes, interleaved in parameter order: each owner's blocks of one
     # shape still lie side by side, so each stack's pieces take a single region.
     shapes = [(16, 8), (8, 16), (16, 8), (4, 8)] * 6
-    layouts = [_layout(f"w{i}", shape, (2,), (0,)) for i, shape in enumerate(shapes)]
+    layouts = [placement(f"w{i}", shape, (2,), (0,)) for i, shape in enumerate(shapes)]
     peers = Peers((0, 1), None)
     for rank in range(2):
         plan = build_plan(layouts, rank, 2, bucket_bytes=1 << 20, itemsize=4)

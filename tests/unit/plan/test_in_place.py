@@ -10,29 +10,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from view_placements import placement, random_placements
 
 from muon_dist.plan.bucket_map import BucketMap, bucket_map, region_views, stack_views
 from muon_dist.plan.build import BucketPlan, Plan, ViewPlacement, build_plan, local_boxes
 from muon_dist.plan.in_place import flat_span, tiles
 from muon_dist.plan.packing import flat_views
-from muon_dist.plan.views import matrix_view
 
-
-def _layout(
-    name: str,
-    shape: tuple[int, ...],
-    mesh: tuple[int, ...],
-    dims: tuple[int | None, ...],
-    **view: object,
-) -> ViewPlacement:
-    return ViewPlacement(
-        name,
-        matrix_view(shape, name=name, **view),
-        mesh,
-        tuple(range(math.prod(mesh))),
-        dims,
-        (5, "quintic"),  # type: ignore[arg-type]
-    )
+# 1 to 5 views, stacks of up to 3 experts, up to 3 fused ones.
+RANDOM_LAYOUTS = random_placements(max_views=5, max_stack=3, max_fused=3)
 
 
 def _cut(*bounds: tuple[int, int]) -> tuple[slice, ...]:
@@ -85,9 +71,9 @@ def _decisions(maps: list[list[BucketMap]]) -> set[tuple[bool, bool]]:
 def test_one_shard0_matrix_per_owner_travels_in_place() -> None:
     # A bucket per round of one matrix per owner (the llama MLP's case), tall and wide,
     # rows uneven over 4 ranks and one rank without rows of the 3-row matrices.
-    layouts = [_layout(f"w{i}", shape, (4,), (0,)) for i, shape in enumerate([(14, 8)] * 4)]
-    layouts += [_layout(f"v{i}", shape, (4,), (0,)) for i, shape in enumerate([(8, 14)] * 4)]
-    layouts += [_layout(f"u{i}", shape, (4,), (0,)) for i, shape in enumerate([(3, 5)] * 4)]
+    layouts = [placement(f"w{i}", shape, (4,), (0,)) for i, shape in enumerate([(14, 8)] * 4)]
+    layouts += [placement(f"v{i}", shape, (4,), (0,)) for i, shape in enumerate([(8, 14)] * 4)]
+    layouts += [placement(f"u{i}", shape, (4,), (0,)) for i, shape in enumerate([(3, 5)] * 4)]
     assert _decisions(_maps(layouts, 4, True)) == {(True, True)}
     assert _decisions(_maps(layouts, 4, False)) == {(False, False)}
 
@@ -105,13 +91,13 @@ def test_one_shard0_matrix_per_owner_travels_in_place() -> None:
 def test_other_layouts(
     mesh: tuple[int, ...], dims: tuple[int | None, ...], mode: str, decided: set[tuple[bool, bool]]
 ) -> None:
-    layouts = [_layout(f"w{i}", (6, 4), mesh, dims) for i in range(math.prod(mesh))]
+    layouts = [placement(f"w{i}", (6, 4), mesh, dims) for i in range(math.prod(mesh))]
     assert _decisions(_maps(layouts, math.prod(mesh), True, mode)) == decided
 
 
 def test_several_matrices_in_a_stack_stay_packed() -> None:
     # One bucket: each owner stacks two same-shape matrices, whose row blocks interleave.
-    layouts = [_layout(f"w{i}", (6, 4), (2,), (0,)) for i in range(4)]
+    layouts = [placement(f"w{i}", (6, 4), (2,), (0,)) for i in range(4)]
     maps = _maps(layouts, 2, True, budget=1 << 20)
     assert [len(per_rank) for per_rank in maps] == [1, 1]
     assert _decisions(maps) == {(False, False)}
@@ -119,8 +105,8 @@ def test_several_matrices_in_a_stack_stay_packed() -> None:
 
 def test_only_the_self_split_changes() -> None:
     """Another rank's sizes never depend on this rank's decision, so none need agreeing."""
-    layouts = [_layout(f"w{i}", (14, 8), (4,), (0,)) for i in range(6)]
-    layouts += [_layout(f"e{i}", (2, 5, 4), (4,), (1,), experts=True) for i in range(2)]
+    layouts = [placement(f"w{i}", (14, 8), (4,), (0,)) for i in range(6)]
+    layouts += [placement(f"e{i}", (2, 5, 4), (4,), (1,), experts=True) for i in range(2)]
     packed, in_place = _maps(layouts, 4, False), _maps(layouts, 4, True)
     for rank in range(4):
         for a, b in zip(packed[rank], in_place[rank], strict=True):
@@ -246,39 +232,15 @@ def _check_stacks(
 def test_simulated_exchange_with_uneven_and_empty_shards() -> None:
     shapes = [(14, 8), (8, 14), (3, 5), (5, 16), (4, 4)] * 2
     for world in (2, 3, 4):
-        layouts = [_layout(f"w{i}", s, (world,), (0,)) for i, s in enumerate(shapes)]
-        layouts.append(_layout("e", (3, 6, 4), (world,), (1,), experts=True))
+        layouts = [placement(f"w{i}", s, (world,), (0,)) for i, s in enumerate(shapes)]
+        layouts.append(placement("e", (3, 6, 4), (world,), (1,), experts=True))
         # A matrix per owner and bucket (in place where it is one), or all in one bucket.
         assert _simulate(layouts, world, "split", 1) > 0
         _simulate(layouts, world, "split", 1 << 20)
 
 
-@st.composite
-def _random_layouts(draw: st.DrawFn) -> tuple[list[ViewPlacement], int]:
-    mesh = draw(st.sampled_from([(1,), (2,), (3,), (4,), (2, 2), (1, 3), (3, 1)]))
-    layouts = []
-    for i in range(draw(st.integers(1, 5))):
-        kind = draw(st.sampled_from(["matrix", "experts", "fused"]))
-        rows, cols = draw(st.integers(1, 9)), draw(st.integers(1, 9))
-        view: dict[str, object] = {}
-        if kind == "experts":
-            shape: tuple[int, ...] = (draw(st.integers(1, 3)), rows, cols)
-            view["experts"] = True
-        elif kind == "fused":
-            experts = draw(st.integers(1, 3))
-            shape = (experts * rows, cols)
-            view["num_experts"] = experts
-        else:
-            shape = (rows, cols)
-        dims = tuple(draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh)
-        layouts.append(_layout(f"p{i}", shape, mesh, dims, **view))
-    return layouts, math.prod(mesh)
-
-
 @settings(max_examples=60, deadline=None)
-@given(
-    _random_layouts(), st.sampled_from(["split", "redundant"]), st.sampled_from([1, 256, 1 << 20])
-)
+@given(RANDOM_LAYOUTS, st.sampled_from(["split", "redundant"]), st.sampled_from([1, 256, 1 << 20]))
 def test_random_layouts_exchange_exactly(
     case: tuple[list[ViewPlacement], int], mode: str, budget: int
 ) -> None:
