@@ -4,8 +4,8 @@ Torch reduces each matrix with few programs, which leaves most of a GPU idle for
 one to eight large matrices. Here every matrix is cut into chunks that depend on its size
 alone, one program each (pass 1 writes their fp32 partials); a second, tiny pass sums each
 matrix's partials. No atomics: the same input gives the same bits on every run, and a
-matrix's result does not depend on the other matrices of its stack. Importing this module
-imports Triton; the Newton–Schulz driver and :mod:`muon_dist.rules.ops` import it lazily.
+matrix is cut the same way in any stack. Importing this module imports Triton; the
+Newton–Schulz driver and :mod:`muon_dist.rules.ops` import it lazily.
 """
 
 from __future__ import annotations
