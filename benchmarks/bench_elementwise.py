@@ -1,8 +1,12 @@
-"""Time the fused momentum and update passes against torch's adds, by tensor size.
+"""Time the fused momentum and update passes against torch's adds, by tensor size, and the
+per-matrix reductions against torch's, by stack.
 
-Two numbers per size: the GPU time of one call (triton.testing.do_bench, median) and the
+Two numbers per case: the GPU time of one call (triton.testing.do_bench, median) and the
 wall time per call of a back-to-back loop, which is the CPU's launch cost once that is the
-larger. ``FUSED_MIN_NUMEL`` in muon_dist/rules/forms.py comes from this table.
+larger. ``FUSED_MIN_NUMEL`` in muon_dist/rules/forms.py comes from the first table. The
+reductions are Newton–Schulz's inverse Frobenius norms (torch: ``vector_norm`` and three
+small ops) and the optimizer's finiteness sums (torch: ``torch.sum`` to fp32) of bf16
+stacks of the shapes a step orthogonalizes.
 
     python benchmarks/bench_elementwise.py [--json out.json]
 """
@@ -19,11 +23,22 @@ import tables
 import torch
 import triton.testing
 
+from muon_dist.kernels.torch_ns import inverse_norms
 from muon_dist.kernels.triton_elementwise import decay_and_update_triton, momentum_input_triton
+from muon_dist.kernels.triton_reduce import inverse_norms_triton, matrix_sums_triton
 from muon_dist.rules.forms import FUSED_MIN_NUMEL
 from muon_dist.rules.ops import advance_momentum
 
 SIZES = [2**k for k in range(12, 29, 2)]
+# [k, m, n] bf16 stacks: one to eight matrices of an 8B model's shapes.
+STACKS = [
+    (1, 1024, 4096),
+    (8, 1024, 4096),
+    (1, 4096, 4096),
+    (4, 4096, 4096),
+    (1, 4096, 14336),
+    (8, 4096, 14336),
+]
 LOOP_CALLS = 200
 ROUNDS = 5
 
@@ -78,6 +93,40 @@ def bench_size(numel: int) -> dict:
     return row
 
 
+def bench_stack(shape: tuple[int, int, int]) -> dict:
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    sums = torch.empty(shape[0], device="cuda")
+
+    def norms_torch() -> None:
+        inverse_norms(x, 1.0, 1e-7)
+
+    def norms_triton() -> None:
+        inverse_norms_triton(x, 1.0, 1e-7)
+
+    def sums_torch() -> None:
+        torch.sum(x, dim=(-2, -1), dtype=torch.float32, out=sums)
+
+    def sums_triton() -> None:
+        matrix_sums_triton(x, out=sums)
+
+    row: dict = {"shape": list(shape), "bytes": x.numel() * x.element_size()}
+    for name, fn in (
+        ("norms_torch", norms_torch),
+        ("norms_triton", norms_triton),
+        ("sums_torch", sums_torch),
+        ("sums_triton", sums_triton),
+    ):
+        fn()
+        row[f"{name}_gpu_us"] = 1e3 * triton.testing.do_bench(fn, return_mode="median")
+        row[f"{name}_loop_us"] = loop_us(fn)
+    return row
+
+
+def stack_name(row: dict) -> str:
+    k, m, n = row["shape"]
+    return f"{k}×{m}×{n}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
@@ -97,11 +146,29 @@ def main() -> None:
             speedup = r[f"{op}_torch_loop_us"] / r[f"{op}_fused_loop_us"]
             cells.append(f"{torch_cell:>15} {fused_cell:>15} {speedup:7.2f}")
         print(f"{r['numel']:>10} {' '.join(cells)}")
+    stacks = [bench_stack(shape) for shape in STACKS]
+    print("bf16 stacks; us (GPU median / back-to-back loop); GB/s torch/Triton, GPU time")
+    print(
+        f"{'stack':>14} {'norms torch':>15} {'norms Triton':>15} {'GB/s':>11} "
+        f"{'sums torch':>15} {'sums Triton':>15} {'GB/s':>11}"
+    )
+    for r in stacks:
+        cells = []
+        for op in ("norms", "sums"):
+            rates = "/".join(
+                f"{r['bytes'] / r[f'{op}_{side}_gpu_us'] / 1e3:.0f}" for side in ("torch", "triton")
+            )
+            torch_cell = f"{r[f'{op}_torch_gpu_us']:.1f}/{r[f'{op}_torch_loop_us']:.1f}"
+            triton_cell = f"{r[f'{op}_triton_gpu_us']:.1f}/{r[f'{op}_triton_loop_us']:.1f}"
+            cells.append(f"{torch_cell:>15} {triton_cell:>15} {rates:>11}")
+        print(f"{stack_name(r):>14} {' '.join(cells)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"elementwise": rows, "reductions": stacks}, f, indent=1)
     if args.write_table:
-        tables.record("elementwise", [table_row(r) for r in rows], tables.run_info())
+        run = tables.run_info()
+        tables.record("elementwise", [table_row(r) for r in rows], run)
+        tables.record("reductions", [reduction_row(r) for r in stacks], run)
 
 
 def table_row(row: dict) -> dict[str, str]:
@@ -114,6 +181,19 @@ def table_row(row: dict) -> dict[str, str]:
         "momentum: fused µs": cell("read_fused"),
         "update + decay: torch µs": cell("apply_torch"),
         "update + decay: fused µs": cell("apply_fused"),
+    }
+
+
+def reduction_row(row: dict) -> dict[str, str]:
+    def cell(name: str) -> str:
+        return f"{row[f'{name}_gpu_us']:.1f} / {row[f'{name}_loop_us']:.1f}"
+
+    return {
+        "stack": stack_name(row),
+        "norms: torch µs": cell("norms_torch"),
+        "norms: Triton µs": cell("norms_triton"),
+        "sums: torch µs": cell("sums_torch"),
+        "sums: Triton µs": cell("sums_triton"),
     }
 
 

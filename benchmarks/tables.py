@@ -73,6 +73,16 @@ TABLES: dict[str, Table] = {
         ),
         key=("elements",),
     ),
+    "reductions": Table(
+        (
+            "stack",
+            "norms: torch µs",
+            "norms: Triton µs",
+            "sums: torch µs",
+            "sums: Triton µs",
+        ),
+        key=("stack",),
+    ),
     "step": Table(
         (
             "preset (layers)",

@@ -17,7 +17,7 @@ from muon_dist.kernels.gram import (
     segments,
     validate_restarts,
 )
-from muon_dist.kernels.torch_ns import DEFAULT_EPS, as_stack, inverse_norms
+from muon_dist.kernels.torch_ns import DEFAULT_EPS, as_stack
 
 # Dtypes tl.dot takes with fp32 accumulation; float64 stays on the torch backend.
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,15 +32,20 @@ def newton_schulz_triton(
 ) -> torch.Tensor:
     """Same contract as ``newton_schulz_torch``, with ``X·Xᵀ`` and ``b·A + c·A·A`` in Triton.
 
-    Only the symmetric products use Triton: they compute half the tiles of a plain matmul,
+    The symmetric products use Triton: they compute half the tiles of a plain matmul,
     and their epilogues also apply the normalisation and add ``a·I``, so a step is three
-    launches. ``(a·I + B)·X`` is a general product and stays on ``torch.bmm`` (cuBLAS); a Triton
-    variant is worth adding only if it measures faster there. Tall matrices take the Gram
-    matrix ``Xᵀ·X`` from a transposed view, as the torch backend does, without a copy.
+    launches. So do the Frobenius norms (:func:`inverse_norms_triton`), which spread each
+    matrix over many programs where torch's reduction leaves a GPU underused; they sum in
+    another order than ``torch.linalg.vector_norm``, so they agree with the torch
+    backend's within fp32 rounding, not bitwise. ``(a·I + B)·X`` is a general product and
+    stays on ``torch.bmm`` (cuBLAS); a Triton variant is worth adding only if it measures
+    faster there. Tall matrices take the Gram matrix ``Xᵀ·X`` from a transposed view, as
+    the torch backend does, without a copy.
     """
     _check_runnable(X, dtype)
     schedule = resolve_coefficients(coefficients, steps)
     from muon_dist.kernels.triton_kernels import sym_product
+    from muon_dist.kernels.triton_reduce import inverse_norms_triton
 
     Y = as_stack(X, dtype)
     tall = Y.size(-2) > Y.size(-1)
@@ -49,7 +54,7 @@ def newton_schulz_triton(
     # Fold the normalisation into the first step's epilogues (see absorb_identity_): the
     # Gram matrix takes 1/s², B takes 1/s, and every B its a·I. The norm comes from the
     # stack, not the Gram trace, since the Gram epilogue already needs it.
-    inverse = inverse_norms(Y, schedule.norm_scale, eps)
+    inverse = inverse_norms_triton(Y, schedule.norm_scale, eps)
     gram_scale = inverse.square()
     batch, m = Y.size(0), min(Y.size(-2), Y.size(-1))
     with on_device(Y.device):
@@ -103,10 +108,11 @@ def newton_schulz_gram_triton(
     schedule = resolve_coefficients(coefficients, steps)
     schedule_segments = segments(steps, validate_restarts(restarts))
     from muon_dist.kernels.triton_kernels import sym_product
+    from muon_dist.kernels.triton_reduce import inverse_norms_triton
 
     Y = as_stack(X, dtype)
     tall = Y.size(-2) > Y.size(-1)
-    inverse = inverse_norms(Y, schedule.norm_scale, eps)
+    inverse = inverse_norms_triton(Y, schedule.norm_scale, eps)
     batch, m = Y.size(0), min(Y.size(-2), Y.size(-1))
     with on_device(Y.device):
         R = Y.new_empty(batch, m, m, dtype=gram_work_dtype(dtype))

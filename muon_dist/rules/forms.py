@@ -7,10 +7,13 @@ import torch
 
 from muon_dist.kernels.availability import triton_available
 
-# Below this many elements the fused pass loses to torch's two kernels under
-# ``backend="auto"``: a Triton launch costs the host more than a small piece's bytes cost the
-# GPU (the crossover is in benchmarks/README.md, "Fused momentum and update passes").
-FUSED_MIN_NUMEL = 1 << 21
+# Below this many elements the fused pass loses to torch's kernels under ``backend="auto"``:
+# a Triton launch covers one tensor, a torch foreach launch many, so on small pieces the
+# host's launches cost more than the bytes cost the GPU. From about 1 M elements the fused
+# pass is faster on the GPU and ties on the host (benchmarks/README.md, "Fused momentum and
+# update passes"); inside a step the host runs ahead under Newton–Schulz, so the GPU's time
+# is what counts there.
+FUSED_MIN_NUMEL = 1 << 20
 
 
 def fused_launches(backend: str, tensor: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from muon_dist.kernels.triton_ns import TRITON_DTYPES
 from muon_dist.rules.forms import fused_form
 
 # Magma-lite: the update of a matrix is damped to MIN + (1 - MIN) * score, where the score is
@@ -139,6 +140,19 @@ def mask_stack_(stack: torch.Tensor, dropped: torch.Tensor, backend: str = "torc
         zero_dropped_triton(stack, dropped)
         return stack
     return stack.masked_fill_(dropped.view(-1, 1, 1), 0.0)
+
+
+def matrix_sums(stack: torch.Tensor, out: torch.Tensor, backend: str = "torch") -> None:
+    """``out[i]`` = the fp32 sum of matrix i of a ``[k, m, n]`` stack: finite exactly when
+    the matrix is, for entries far below fp32's range. On CUDA (:func:`fused_form`) a
+    Triton reduction over many programs per matrix, in a fixed order: torch's reads a stack
+    of few large matrices with few programs, at well under the GPU's bandwidth."""
+    if fused_form(backend, stack) and stack.dtype in TRITON_DTYPES:
+        from muon_dist.kernels.triton_reduce import matrix_sums_triton
+
+        matrix_sums_triton(stack, out=out)
+        return
+    torch.sum(stack, dim=(-2, -1), dtype=torch.float32, out=out)
 
 
 def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

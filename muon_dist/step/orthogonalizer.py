@@ -14,7 +14,7 @@ from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import StackSpec
 from muon_dist.plan.indices import TensorIndex
 from muon_dist.rules.base import RulePart
-from muon_dist.rules.ops import mask_stack_
+from muon_dist.rules.ops import mask_stack_, matrix_sums
 from muon_dist.state.normuon_moments import RowMoments
 from muon_dist.step.failures import Failures
 from muon_dist.step.owner_part import OwnerPart
@@ -97,5 +97,5 @@ class Orthogonalizer:
             return stack.new_zeros(stack.shape, dtype=settings.ns_dtype)
         # One sum per matrix instead of an elementwise test: a sum is finite exactly when
         # every entry is, since Newton–Schulz entries are O(1) and cannot overflow it.
-        torch.sum(result, dim=(-2, -1), dtype=torch.float32, out=self._sums_of_stack[spec.index])
+        matrix_sums(result, self._sums_of_stack[spec.index], settings.backend)
         return result

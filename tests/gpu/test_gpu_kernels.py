@@ -5,7 +5,8 @@ fp16 tensor-core products, compiled masking on shapes off the tile sizes, a batc
 2**31 elements (64-bit offsets), and the full iteration in bf16, whose error against
 float64 must be at most 1.5x the torch bf16 reference's on the same input, never NaN. They
 also check the fused momentum and update passes against torch's adds with bf16 state and
-outputs, and past 2**31 elements.
+outputs, and past 2**31 elements, and the per-matrix reductions (norms, finiteness sums)
+against float64, past 2**31 elements too.
 
 The Triton modules are imported inside the tests, so that collecting them works where
 Triton is not installed.
@@ -448,3 +449,43 @@ def test_fused_stack_mask_matches_masked_fill() -> None:
     expected = stack.clone().masked_fill_(dropped.view(-1, 1, 1), 0.0)
     zero_dropped_triton(stack, dropped)
     assert torch.equal(stack, expected)
+
+
+@pytest.mark.parametrize("shape", [(1, 4096, 4096), (3, 777, 513), (2, 1024, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_matrix_reductions_match_float64(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """Per-matrix sums and sums of squares within fp32 rounding of float64 (a bound from
+    Σ|x|), the inverse norms within fp32 rounding of float64's, the same bits on a second
+    call, and the optimizer's fused finiteness sums equal to the kernel's."""
+    from muon_dist.kernels.triton_reduce import inverse_norms_triton, matrix_sums_triton
+    from muon_dist.rules.ops import matrix_sums
+
+    x = torch.randn(shape, device="cuda").to(dtype)
+    values = x.double().flatten(1)
+    for squares, exact in ((False, values), (True, values.square())):
+        got = matrix_sums_triton(x, squares)
+        assert bool(((got.double() - exact.sum(1)).abs() <= 1e-5 * exact.abs().sum(1)).all())
+        assert torch.equal(got, matrix_sums_triton(x, squares))
+    norms = inverse_norms_triton(x, 1.02, 1e-7)
+    exact = 1.0 / (1.02 * values.square().sum(1).sqrt() + 1e-7)
+    torch.testing.assert_close(norms.double(), exact, rtol=1e-6, atol=0)
+    assert torch.equal(norms, inverse_norms_triton(x, 1.02, 1e-7))
+    fused = torch.empty(shape[0], device="cuda")
+    matrix_sums(x, fused, "triton")
+    assert torch.equal(fused, matrix_sums_triton(x))
+
+
+def test_matrix_reductions_past_2_31_elements() -> None:
+    """64-bit offsets: the last matrix of a stack past 2**31 elements is read to its last
+    element. The kernel's sums of ones and twos are exact in fp32: every partial sum of its
+    blocked order is a small integer times a power of two."""
+    from muon_dist.kernels.triton_reduce import matrix_sums_triton
+
+    x = torch.ones(33, 8192, 8192, device="cuda", dtype=torch.bfloat16)
+    x[-1] = 2.0
+    x[-1, -1, -1] = float("inf")
+    sums = matrix_sums_triton(x)
+    assert bool((sums[:-1] == 2.0**26).all()) and sums[-1].item() == float("inf")
+    x[-1, -1, -1] = 2.0
+    assert matrix_sums_triton(x)[-1].item() == 2.0**27
+    assert matrix_sums_triton(x, squares=True)[-1].item() == 2.0**28

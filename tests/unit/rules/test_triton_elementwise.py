@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from muon_dist.kernels.availability import interpret_mode
+from muon_dist.rules import ops
 from muon_dist.rules.forms import fused_form
-from muon_dist.rules.ops import advance_momentum, post_orthogonalize_, pre_orthogonalize_
+from muon_dist.rules.ops import (
+    advance_momentum,
+    matrix_sums,
+    post_orthogonalize_,
+    pre_orthogonalize_,
+)
 
 if not interpret_mode():
     pytest.skip("these CPU tests need TRITON_INTERPRET=1", allow_module_level=True)
@@ -213,3 +219,25 @@ def test_dropped_matrices_zeroed_as_masked_fill(shape: tuple[int, int, int]) -> 
     triton_elementwise.zero_dropped_triton(stack, dropped)
     assert torch.equal(stack.isnan(), expected.isnan())
     assert torch.equal(stack.nan_to_num(), expected.nan_to_num())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_matrix_sums_flag_the_non_finite_matrices(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The optimizer's finiteness sums, into its buffer's slice: torch's sums bitwise where
+    the fused form is not chosen (always on CPU), the Triton reduction's within fp32
+    rounding where it is; non-finite exactly for the matrices with a non-finite entry."""
+    monkeypatch.setattr(ops, "fused_form", lambda backend, *tensors: fused)
+    stack = torch.randn(4, 30, 70, generator=torch.Generator().manual_seed(5)).bfloat16()
+    stack[1, 3, 4] = float("inf")
+    stack[2, 29, 69] = float("nan")
+    expected = torch.sum(stack, dim=(-2, -1), dtype=torch.float32)
+    sums = torch.full((6,), -1.0)
+    matrix_sums(stack, sums[1:5], "triton")
+    if fused:
+        torch.testing.assert_close(sums[1:5], expected, rtol=0, atol=1e-3, equal_nan=True)
+    else:
+        assert torch.equal(sums[1:5].nan_to_num(), expected.nan_to_num())
+    assert torch.equal(sums[1:5].isfinite(), torch.tensor([True, False, False, True]))
+    assert sums[0].item() == sums[5].item() == -1.0
