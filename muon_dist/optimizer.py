@@ -231,8 +231,14 @@ class Muon(torch.optim.Optimizer):
         """The state, after reading the last step's outcome (see :meth:`check_finite`).
 
         Momenta are copies: the optimizer keeps them as views of one flat buffer per group,
-        which torch cannot pickle as DTensors, so ``torch.save(opt.state_dict())`` works."""
+        which torch cannot pickle as DTensors, so ``torch.save(opt.state_dict())`` works.
+        Refused, as :meth:`step` refuses it, while a group holds an edit the state cannot
+        follow: the checkpoint would pair that edit with a state built without it."""
         self.check_finite()
+        try:
+            self._refuse_group_edits(self._runner)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"state_dict() refused: {exc}") from exc
         return saved_copies(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -362,10 +368,7 @@ class Muon(torch.optim.Optimizer):
         (:mod:`muon_dist.step.changes`, :meth:`muon_dist.step.runner.StepRunner.stale`),
         state moved along with storage."""
         previous = self.runner
-        refused = previous.built.refused(self.param_groups)
-        if refused is not None:
-            raise ValueError(refused)
-        check_step_values(self.param_groups)
+        self._refuse_group_edits(previous)
         reason = previous.stale(self.param_groups)
         if reason is None:
             return
@@ -380,6 +383,14 @@ class Muon(torch.optim.Optimizer):
             self._runner = previous  # this step is refused through the step it replaces
             raise
         rebuilt.replacing(previous)
+
+    def _refuse_group_edits(self, runner: StepRunner | None) -> None:
+        """Raise, by name, for a group edit the state built by ``runner`` cannot follow, a
+        key no option declares, an option removed or a bad value of one."""
+        refused = None if runner is None else runner.built.refused(self.param_groups)
+        if refused is not None:
+            raise ValueError(refused)
+        check_step_values(self.param_groups)
 
     def check_finite(self) -> None:
         """Read the last step's outcome (on CUDA, waiting for that step only) and apply the

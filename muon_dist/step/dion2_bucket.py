@@ -94,11 +94,10 @@ def selected_buckets(
 
 
 class Dion2Buckets:
-    """Dion2's side of a phase: which buckets move only the selected slices (those that
-    exchange, unless the step is captured: a captured step's exchange sizes are fixed),
-    each bucket's selection layout (made on its first step), and the norms' own
-    communicator and stream, so that neither waits behind the all-to-alls and a bucket's
-    host copy of its choice waits for nothing else."""
+    """Dion2's side of a phase: which buckets move only the selected slices (``selected``,
+    from :func:`selected_buckets`), each bucket's selection layout (made on its first step),
+    and the norms' own communicator and stream, so that neither waits behind the
+    all-to-alls and a bucket's host copy of its choice waits for nothing else."""
 
     def __init__(
         self,
@@ -106,6 +105,7 @@ class Dion2Buckets:
         maps: Sequence[BucketMap],
         views: Sequence[MatrixView],
         selects: dict[int, tuple[float, PartSplit | None]],
+        selected: frozenset[int],
         local_box: Callable[[int], Box],
         exchanges: Exchanges,
         settings: ExecutionSettings,
@@ -114,7 +114,7 @@ class Dion2Buckets:
         self._selects, self._local_box = selects, local_box
         self._exchanges = exchanges
         self.backend = settings.backend
-        self.selected = selected_buckets(plan, selects, exchanges.peers.ranks, settings)
+        self.selected = selected
         self._layouts: dict[int, DeviceSelection] = {}
         peers = exchanges.peers
         self.norm_peers = dedicated(peers, "dion2 norms") if self.selected else peers

@@ -117,17 +117,19 @@ def _dion2_buckets(
     plan: Plan,
     maps: Sequence[BucketMap],
     entries: Sequence[MuonEntry],
+    selected: frozenset[int],
     comm: CommGroups,
     exchanges: Exchanges,
     settings: ExecutionSettings,
 ) -> Dion2Buckets:
-    """The phase's Dion2 side, from the views whose rule selects slices (fraction, parts)."""
-    selects = _dion2_selects(entries)
+    """The phase's Dion2 side, from the views whose rule selects slices (fraction, parts)
+    and the buckets that move only those slices."""
     return Dion2Buckets(
         plan,
         maps,
         [e.view for e in entries],
-        selects,
+        _dion2_selects(entries),
+        selected,
         lambda view: _local_box(entries[view], comm),
         exchanges,
         settings,
@@ -222,7 +224,7 @@ class MuonPhase:
         selected = selected_buckets(plan, _dion2_selects(entries), exchanges.peers.ranks, settings)
         self.maps = _bucket_maps(plan, exchanges.peers, selected)
         self._make_state(state, comm)
-        self._make_step(group_count, comm, exchanges)
+        self._make_step(group_count, comm, exchanges, selected)
 
     def _make_state(self, state: dict[torch.Tensor, dict[str, Any]], comm: CommGroups) -> None:
         """The momenta and Magma scores, the local gradients, NorMuon's row moments."""
@@ -249,7 +251,9 @@ class MuonPhase:
         )
         self.row_moments.bind(self._moment_tensors(state))
 
-    def _make_step(self, group_count: int, comm: CommGroups, exchanges: Exchanges) -> None:
+    def _make_step(
+        self, group_count: int, comm: CommGroups, exchanges: Exchanges, selected: frozenset[int]
+    ) -> None:
         """The device scalars, the bucket tasks' collaborators, and the Dion2 side."""
         entries, settings, plan, agreement = self.entries, self.settings, self.plan, self.agreement
         # Per matrix of every stack, in plan order, its Muon tensor.
@@ -274,7 +278,9 @@ class MuonPhase:
             self.scalars.dropped,
         )
         self.tools = BucketTools(exchanges, self.io, self.orthogonalizer)
-        self.dion2 = _dion2_buckets(plan, self.maps, self.entries, comm, exchanges, settings)
+        self.dion2 = _dion2_buckets(
+            plan, self.maps, self.entries, selected, comm, exchanges, settings
+        )
 
     @property
     def error(self) -> Exception | None:

@@ -182,8 +182,9 @@ REFUSED: dict[str, tuple[Callable[[muon_dist.Muon], None], str, Any]] = {
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_an_edit_the_state_cannot_follow_is_refused_and_its_fix_works(name: str) -> None:
-    """Refused by name at the next step, nothing changed and the step not counted; set
-    back, the optimizer steps on, and the fix the message names works."""
+    """Refused by name at the next step, nothing changed and the step not counted, and
+    by ``state_dict()`` while the edit stays; set back, the optimizer steps on, and the fix
+    the message names works."""
     edit, message, fix = REFUSED[name]
     model = _model()
     opt = muon_dist.Muon(model.named_parameters(), **FP32)
@@ -194,6 +195,8 @@ def test_an_edit_the_state_cannot_follow_is_refused_and_its_fix_works(name: str)
     with pytest.raises(ValueError, match=message):
         _step(model, opt, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, _params(model), strict=True))
+    with pytest.raises(ValueError, match="state_dict\\(\\) refused: .*" + message):
+        opt.state_dict()
     opt.param_groups[:] = [opt.param_groups[i] for i in range(len(groups))]
     for group, kept in zip(opt.param_groups, groups, strict=True):
         group.clear()
