@@ -56,6 +56,17 @@ def loop_us(fn: Callable[[], None]) -> float:
     return statistics.median(samples)
 
 
+def timed(**fns: Callable[[], None]) -> dict[str, float]:
+    """Per named call, after one warm-up call: ``<name>_gpu_us`` (GPU median by
+    ``triton.testing.do_bench``) and ``<name>_loop_us`` (:func:`loop_us`)."""
+    row: dict[str, float] = {}
+    for name, fn in fns.items():
+        fn()
+        row[f"{name}_gpu_us"] = 1e3 * triton.testing.do_bench(fn, return_mode="median")
+        row[f"{name}_loop_us"] = loop_us(fn)
+    return row
+
+
 def bench_size(numel: int) -> dict:
     grad = torch.randn(numel, device="cuda")
     momentum = torch.randn(numel, device="cuda")
@@ -80,17 +91,15 @@ def bench_size(numel: int) -> dict:
     def apply_fused() -> None:
         decay_and_update_triton(param, update, decay, step, keep)
 
-    row: dict = {"numel": numel}
-    for name, fn in (
-        ("read_torch", read_torch),
-        ("read_fused", read_fused),
-        ("apply_torch", apply_torch),
-        ("apply_fused", apply_fused),
-    ):
-        fn()
-        row[f"{name}_gpu_us"] = 1e3 * triton.testing.do_bench(fn, return_mode="median")
-        row[f"{name}_loop_us"] = loop_us(fn)
-    return row
+    return {
+        "numel": numel,
+        **timed(
+            read_torch=read_torch,
+            read_fused=read_fused,
+            apply_torch=apply_torch,
+            apply_fused=apply_fused,
+        ),
+    }
 
 
 def bench_stack(shape: tuple[int, int, int]) -> dict:
@@ -109,17 +118,16 @@ def bench_stack(shape: tuple[int, int, int]) -> dict:
     def sums_triton() -> None:
         matrix_sums_triton(x, out=sums)
 
-    row: dict = {"shape": list(shape), "bytes": x.numel() * x.element_size()}
-    for name, fn in (
-        ("norms_torch", norms_torch),
-        ("norms_triton", norms_triton),
-        ("sums_torch", sums_torch),
-        ("sums_triton", sums_triton),
-    ):
-        fn()
-        row[f"{name}_gpu_us"] = 1e3 * triton.testing.do_bench(fn, return_mode="median")
-        row[f"{name}_loop_us"] = loop_us(fn)
-    return row
+    return {
+        "shape": list(shape),
+        "bytes": x.numel() * x.element_size(),
+        **timed(
+            norms_torch=norms_torch,
+            norms_triton=norms_triton,
+            sums_torch=sums_torch,
+            sums_triton=sums_triton,
+        ),
+    }
 
 
 def stack_name(row: dict) -> str:
