@@ -117,18 +117,19 @@ def _dion2_buckets(
     plan: Plan,
     maps: Sequence[BucketMap],
     entries: Sequence[MuonEntry],
+    selects: dict[int, tuple[float, PartSplit | None]],
     selected: frozenset[int],
     comm: CommGroups,
     exchanges: Exchanges,
     settings: ExecutionSettings,
 ) -> Dion2Buckets:
-    """The phase's Dion2 side, from the views whose rule selects slices (fraction, parts)
-    and the buckets that move only those slices."""
+    """The phase's Dion2 side, from the views whose rule selects slices (``selects``:
+    fraction, parts) and the buckets that move only those slices."""
     return Dion2Buckets(
         plan,
         maps,
         [e.view for e in entries],
-        _dion2_selects(entries),
+        selects,
         selected,
         lambda view: _local_box(entries[view], comm),
         exchanges,
@@ -221,10 +222,11 @@ class MuonPhase:
         self.groups = [entries[views[0]].group for views in self.views_of]
         self._group_of = [entries[views[0]].group_index for views in self.views_of]
         exchanges = Exchanges(comm.exchange, settings.comm_dtype, self.device, comm.world_size)
-        selected = selected_buckets(plan, _dion2_selects(entries), exchanges.peers.ranks, settings)
+        selects = _dion2_selects(entries)
+        selected = selected_buckets(plan, selects, exchanges.peers.ranks, settings)
         self.maps = _bucket_maps(plan, exchanges.peers, selected)
         self._make_state(state, comm)
-        self._make_step(group_count, comm, exchanges, selected)
+        self._make_step(group_count, comm, exchanges, selects, selected)
 
     def _make_state(self, state: dict[torch.Tensor, dict[str, Any]], comm: CommGroups) -> None:
         """The momenta and Magma scores, the local gradients, NorMuon's row moments."""
@@ -252,7 +254,12 @@ class MuonPhase:
         self.row_moments.bind(self._moment_tensors(state))
 
     def _make_step(
-        self, group_count: int, comm: CommGroups, exchanges: Exchanges, selected: frozenset[int]
+        self,
+        group_count: int,
+        comm: CommGroups,
+        exchanges: Exchanges,
+        selects: dict[int, tuple[float, PartSplit | None]],
+        selected: frozenset[int],
     ) -> None:
         """The device scalars, the bucket tasks' collaborators, and the Dion2 side."""
         entries, settings, plan, agreement = self.entries, self.settings, self.plan, self.agreement
@@ -279,7 +286,7 @@ class MuonPhase:
         )
         self.tools = BucketTools(exchanges, self.io, self.orthogonalizer)
         self.dion2 = _dion2_buckets(
-            plan, self.maps, self.entries, selected, comm, exchanges, settings
+            plan, self.maps, self.entries, selects, selected, comm, exchanges, settings
         )
 
     @property
