@@ -64,6 +64,7 @@ from muon_dist.kernels.dispatch import prefer_gram  # noqa: E402
 from muon_dist.kernels.gram import DEFAULT_RESTARTS, segments  # noqa: E402
 from muon_dist.plan.build import build_plan, ns_cost, placement_of  # noqa: E402
 from muon_dist.plan.views import matrix_views  # noqa: E402
+from muon_dist.rules.registry import RULES, rule_of  # noqa: E402
 
 Interval = tuple[float, float]
 
@@ -279,11 +280,20 @@ def plan_flops(
     backward_order: bool = False,
 ) -> dict[str, Any]:
     """Each rank's Newton–Schulz FLOPs under the plan the optimizer builds from ``groups``
-    (the owners do not depend on the rank that builds it), in all and per bucket."""
+    (the owners do not depend on the rank that builds it), in all and per bucket; None
+    where a group's rule orthogonalizes a selection of slices (Dion2)."""
     placements, work, steps = [], [], []
-    for group in groups:
-        if group.get("algorithm") != "muon":
-            continue
+    muon_groups = [g for g in groups if g.get("algorithm") == "muon"]
+    if any(rule_of(g).selects_slices for g in muon_groups):
+        # Newton–Schulz runs on the slices each step chooses: no count from the plan alone.
+        return {
+            "ranks": None,
+            "owner_imbalance": None,
+            "bucket_imbalance": None,
+            "standard_ranks": None,
+            "standard_imbalance": None,
+        }
+    for group in muon_groups:
         names = group.get("param_names") or [f"param{i}" for i in range(len(group["params"]))]
         for name, p in zip(names, group["params"], strict=True):
             for view in matrix_views(p.shape, group, name):
@@ -354,7 +364,7 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
         s = result["slowest"]
         ns = s["ns_sum_max"]
         tflops = None
-        if ns:
+        if ns and flops["ranks"] is not None:
             busiest = max(
                 range(len(result["per_rank"])), key=lambda r: result["per_rank"][r]["ns_sum"] or 0
             )
@@ -436,6 +446,7 @@ def preset_step(
         weight_decay=bench_step.WEIGHT_DECAY,
         adjust_lr="spectral_norm",
         backend=args.backend,
+        rule=args.rule,
     )
 
     @torch.no_grad()
@@ -520,6 +531,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="blocks of --preset (default: the preset's)")
     p.add_argument("--backend", choices=muon_dist.kernels.BACKENDS, default="auto")
     p.add_argument(
+        "--rule",
+        choices=sorted(RULES),
+        default="muon",
+        help="the update rule of --preset's Muon (dion2: no FLOP count, see plan_flops)",
+    )
+    p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
     p.add_argument("--warmup", type=int, default=3, help="unprofiled steps first")
@@ -530,7 +547,14 @@ def parse_args() -> argparse.Namespace:
         "--trace-dir", type=Path, help="keep every rank's trace and summary here (default: dropped)"
     )
     args = p.parse_args(argv[:split])
+    if args.train and args.rule != "muon":
+        p.error(
+            f"--rule {args.rule} applies to --preset only; with --train, pass "
+            f"--optimizer {args.rule} to examples/train.py after --"
+        )
     args.flags = argv[split + 1 :]
+    if args.preset and args.rule != "muon":
+        args.name = args.name or f"{args.preset}_{args.rule}"
     args.name = args.name or args.preset or "train"
     return args
 

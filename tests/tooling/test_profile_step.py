@@ -200,12 +200,15 @@ def test_gram_restarting_every_step_does_the_standard_iterations_work() -> None:
     assert profile_step.dispatched_flops(4096, 14336, 5, True) < ns_cost(4096, 14336, 5)
 
 
-def _group(shapes: list[tuple[int, int]], method: str = "standard") -> dict[str, Any]:
+def _group(
+    shapes: list[tuple[int, int]], method: str = "standard", rule: str = "muon"
+) -> dict[str, Any]:
     return {
         "algorithm": "muon",
         "params": [torch.empty(shape) for shape in shapes],
         "ns_method": method,
         "ns_steps": 5,
+        "rule": rule,
     }
 
 
@@ -227,3 +230,34 @@ def test_plan_flops_splits_the_work_by_owner() -> None:
     )
     assert sum(gram["ranks"]) == pytest.approx(2 * profile_step.dispatched_flops(64, 256, 5, True))
     assert sum(gram["standard_ranks"]) == pytest.approx(2 * ns_cost(64, 256))
+
+
+def test_plan_flops_counts_nothing_where_a_rule_selects_slices() -> None:
+    # Dion2 orthogonalizes the slices each step chooses: the plan alone cannot count them,
+    # so the table shows no rate and no imbalance rather than whole matrices' work.
+    groups = [_group([(64, 64)] * 2), _group([(64, 64)] * 2, rule="dion2")]
+    flops = profile_step.plan_flops(groups, 2, False, bucket_bytes=1 << 20, itemsize=2)
+    assert set(flops.values()) == {None}
+    assert profile_step.plan_flops(groups[:1], 2, False, bucket_bytes=1 << 20, itemsize=2)["ranks"]
+    step = {key: 1.0 for key in profile_step.DEVICE_KEYS} | _step(10.0, 8.0)
+    report = {
+        "name": "dion2",
+        "world_size": 1,
+        "plan": flops,
+        "phases": {"step": profile_step.combine([[step]])},
+    }
+    (row,) = profile_step.table_rows(report)
+    assert row["NS sum ms"] == "8.0"
+    assert row["NS TFLOP/s"] == "-"
+    assert row["imbalance owners / buckets"] == "- / -"
+
+
+def test_rule_names_the_report_and_is_refused_with_train(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--preset", "tiny", "--rule", "dion2"])
+    assert profile_step.parse_args().name == "tiny_dion2"
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--train", "--rule", "dion2"])
+    with pytest.raises(SystemExit):
+        profile_step.parse_args()
+    assert "--optimizer dion2" in capsys.readouterr().err
