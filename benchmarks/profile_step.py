@@ -30,7 +30,9 @@ the slowest rank's wall and breakdown and the largest per-rank NS sum (medians o
 steps). The owner imbalance (max/mean of the ranks' Newton–Schulz FLOPs) and the bucket
 imbalance (sum over buckets of the busiest owner's FLOPs over the sum of the mean) come from
 the plan alone (:func:`plan_flops`), counted as the dispatcher runs it: the Gram iteration
-where it picks Gram. A CPU run has no device kernels: it reports the wall and says so.
+where it picks Gram. Under Dion2 (``--rule dion2``) the plan cannot know the slices a step
+chooses, and the table gives no rate and no imbalance. A CPU run has no device kernels:
+it reports the wall and says so.
 """
 
 from __future__ import annotations
