@@ -67,6 +67,11 @@ def timed(**fns: Callable[[], None]) -> dict[str, float]:
     return row
 
 
+def timing(row: dict, name: str, sep: str = " / ") -> str:
+    """``<GPU µs><sep><loop µs>`` of the call ``name`` timed by :func:`timed`."""
+    return f"{row[f'{name}_gpu_us']:.1f}{sep}{row[f'{name}_loop_us']:.1f}"
+
+
 def bench_size(numel: int) -> dict:
     grad = torch.randn(numel, device="cuda")
     momentum = torch.randn(numel, device="cuda")
@@ -149,8 +154,8 @@ def main() -> None:
     for r in rows:
         cells = []
         for op in ("read", "apply"):
-            torch_cell = f"{r[f'{op}_torch_gpu_us']:.1f}/{r[f'{op}_torch_loop_us']:.1f}"
-            fused_cell = f"{r[f'{op}_fused_gpu_us']:.1f}/{r[f'{op}_fused_loop_us']:.1f}"
+            torch_cell = timing(r, f"{op}_torch", "/")
+            fused_cell = timing(r, f"{op}_fused", "/")
             speedup = r[f"{op}_torch_loop_us"] / r[f"{op}_fused_loop_us"]
             cells.append(f"{torch_cell:>15} {fused_cell:>15} {speedup:7.2f}")
         print(f"{r['numel']:>10} {' '.join(cells)}")
@@ -166,8 +171,8 @@ def main() -> None:
             rates = "/".join(
                 f"{r['bytes'] / r[f'{op}_{side}_gpu_us'] / 1e3:.0f}" for side in ("torch", "triton")
             )
-            torch_cell = f"{r[f'{op}_torch_gpu_us']:.1f}/{r[f'{op}_torch_loop_us']:.1f}"
-            triton_cell = f"{r[f'{op}_triton_gpu_us']:.1f}/{r[f'{op}_triton_loop_us']:.1f}"
+            torch_cell = timing(r, f"{op}_torch", "/")
+            triton_cell = timing(r, f"{op}_triton", "/")
             cells.append(f"{torch_cell:>15} {triton_cell:>15} {rates:>11}")
         print(f"{stack_name(r):>14} {' '.join(cells)}")
     if args.json:
@@ -180,28 +185,22 @@ def main() -> None:
 
 
 def table_row(row: dict) -> dict[str, str]:
-    def cell(name: str) -> str:
-        return f"{row[f'{name}_gpu_us']:.1f} / {row[f'{name}_loop_us']:.1f}"
-
     return {
         "elements": f"{row['numel']:,}",
-        "momentum: torch µs": cell("read_torch"),
-        "momentum: fused µs": cell("read_fused"),
-        "update + decay: torch µs": cell("apply_torch"),
-        "update + decay: fused µs": cell("apply_fused"),
+        "momentum: torch µs": timing(row, "read_torch"),
+        "momentum: fused µs": timing(row, "read_fused"),
+        "update + decay: torch µs": timing(row, "apply_torch"),
+        "update + decay: fused µs": timing(row, "apply_fused"),
     }
 
 
 def reduction_row(row: dict) -> dict[str, str]:
-    def cell(name: str) -> str:
-        return f"{row[f'{name}_gpu_us']:.1f} / {row[f'{name}_loop_us']:.1f}"
-
     return {
         "stack": stack_name(row),
-        "norms: torch µs": cell("norms_torch"),
-        "norms: Triton µs": cell("norms_triton"),
-        "sums: torch µs": cell("sums_torch"),
-        "sums: Triton µs": cell("sums_triton"),
+        "norms: torch µs": timing(row, "norms_torch"),
+        "norms: Triton µs": timing(row, "norms_triton"),
+        "sums: torch µs": timing(row, "sums_torch"),
+        "sums: Triton µs": timing(row, "sums_triton"),
     }
 
 

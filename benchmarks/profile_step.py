@@ -555,9 +555,8 @@ def parse_args() -> argparse.Namespace:
             f"--optimizer {args.rule} to examples/train.py after --"
         )
     args.flags = argv[split + 1 :]
-    if args.preset and args.rule != "muon":
-        args.name = args.name or f"{args.preset}_{args.rule}"
-    args.name = args.name or args.preset or "train"
+    default = args.preset if args.rule == "muon" else f"{args.preset}_{args.rule}"
+    args.name = args.name or (default if args.preset else "train")
     return args
 
 
