@@ -43,14 +43,17 @@ def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.5 * step))
 
 
+@pytest.mark.parametrize("cuda_graph", [False, "auto"])
 @pytest.mark.parametrize("nonfinite", ["raise", "skip_step"])
-def test_steady_state_step_never_syncs(nonfinite: str) -> None:
+def test_steady_state_step_never_syncs(nonfinite: str, cuda_graph: bool | str) -> None:
     params = _params(0)
-    opt = muon_dist.Muon(_groups(params), lr=LR, nonfinite=nonfinite)
+    opt = muon_dist.Muon(_groups(params), lr=LR, nonfinite=nonfinite, cuda_graph=cuda_graph)
     scheduler = _schedule(opt)
     for p, g in zip(params, _grads(0, params), strict=True):
         p.grad = g
-    for _ in range(2):  # warm-up: Triton autotuning and first-use allocations sync
+    # Warm-up: Triton autotuning and first-use allocations sync, and so does the capture
+    # (after graph_warmup=2 eager steps); the steps after it replay.
+    for _ in range(3):
         opt.step()
         scheduler.step()
     torch.cuda.synchronize()
