@@ -116,7 +116,7 @@ class StepGraph:
             body()
             return
         pointers = tuple(0 if g is None else g.data_ptr() for g in grads)
-        key = (key, tuple(p != 0 for p in pointers))
+        key = (key, tuple(g is not None for g in grads))
         if key != self._key:
             if self._key is not None:
                 self._changes += 1
