@@ -85,6 +85,9 @@ class StepGraph:
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.fallback: Callable[[str], None] | None = None
+        # Under "auto": whether every rank captured (a rank alone on eager steps would
+        # run its collectives against the others' replays); None: this rank decides alone.
+        self.agree: Callable[[bool], bool] | None = None
         self.given_up: str | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -167,7 +170,13 @@ class StepGraph:
         except Exception as exc:
             if self.fallback is None:
                 raise
-            self._give_up(f"capturing the step failed ({type(exc).__name__}: {exc})")
+            failure: str | None = f"capturing the step failed ({type(exc).__name__}: {exc})"
+        else:
+            failure = None
+        if self.agree is not None and not self.agree(failure is None) and failure is None:
+            failure = "capturing the step failed on another rank"
+        if failure is not None:
+            self._give_up(failure)
             return
         self._graph, self._held, self._pointers = graph, tuple(grads), pointers
 
@@ -219,6 +228,7 @@ class CaptureChoice:
             )
         self.requested = requested
         self.rank = comm.rank
+        self._holders = comm.holders if comm.world_size > 1 else None
         self.uncaptured_reason: str | None = None
         self._noted: set[str] = set()
         capture = requested is True
@@ -234,6 +244,16 @@ class CaptureChoice:
         rather than raise or capture again and again."""
         if graph is not None and self.requested == "auto":
             graph.fallback = self._gave_up
+            graph.agree = self._all_captured
+
+    def _all_captured(self, captured: bool) -> bool:
+        """Whether every rank holding parameters captured its step (one all-reduce, once
+        per capture, outside it)."""
+        if self._holders is None:
+            return captured
+        flag = torch.tensor([int(captured)], device=torch.device("cuda"))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._holders.group)
+        return bool(flag.item())
 
     def _gave_up(self, reason: str) -> None:
         self.uncaptured_reason = reason
