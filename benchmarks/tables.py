@@ -118,6 +118,21 @@ TABLES: dict[str, Table] = {
         ),
         key=("model", "GPUs", "batch", "optimizer"),
     ),
+    "hf": Table(
+        (
+            "model",
+            "GPUs",
+            "batch × seq",
+            "optimizer",
+            "step ms",
+            "optimizer ms",
+            "tokens/s",
+            "vs AdamW",
+            "peak GiB",
+            "runs",
+        ),
+        key=("model", "GPUs", "batch × seq", "optimizer"),
+    ),
     "sweep": Table(
         (
             "model",

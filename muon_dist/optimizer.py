@@ -38,7 +38,9 @@ from muon_dist.state.group_state import (
     saved_copies,
 )
 from muon_dist.state.rebind import follow_params
+from muon_dist.state.tensors import local
 from muon_dist.step.backward import register_grad_hooks
+from muon_dist.step.cuda_graph import CaptureChoice
 from muon_dist.step.overlap_choice import OverlapChoice
 from muon_dist.step.report import apply_policy
 from muon_dist.step.runner import StepRunner
@@ -105,7 +107,7 @@ class Muon(torch.optim.Optimizer):
         cautious_wd: bool = False,
         qk_clip: Sequence[QKClip] = (),
         max_logits: MaxLogitTracker | None = None,
-        cuda_graph: bool = False,
+        cuda_graph: bool | str = "auto",
         graph_warmup: int = 2,
         process_group: dist.ProcessGroup | None = None,
         overlap: str = "none",
@@ -122,6 +124,7 @@ class Muon(torch.optim.Optimizer):
             algorithm: group_defaults(algorithm, arguments) for algorithm in OPTIONS
         }
         self._runner: StepRunner | None = None
+        self._capture: CaptureChoice | None = None  # set before the step is first built
         self._constructed = False  # add_param_group agrees on each later group by itself
         self._process_group = process_group
         self._qk_lines = [repr(spec) for spec in qk_clip]
@@ -130,7 +133,7 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         self._init_groups(params, defaults, refused)
         self._constructed = True
-        self._bind_step(cuda_graph, qk_clip, max_logits)
+        self._bind_step(qk_clip, max_logits)
         logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
 
     # -- construction -------------------------------------------------------------------
@@ -160,17 +163,12 @@ class Muon(torch.optim.Optimizer):
         settings = getattr(self, "settings", None)  # None: refused at construction
         return agreed_comm(groups, refused, when, settings, self._process_group, self._qk_lines)
 
-    def _bind_step(
-        self, cuda_graph: bool, qk_clip: Sequence[QKClip], max_logits: MaxLogitTracker | None
-    ) -> None:
+    def _bind_step(self, qk_clip: Sequence[QKClip], max_logits: MaxLogitTracker | None) -> None:
         """Build the step (unsupported layouts fail here, not mid-training) and its hooks."""
+        device = local(self.param_groups[0]["params"][0]).device
+        self._capture = CaptureChoice(self.settings, device, self._comm)
         runner = self.runner
         self._overlap = OverlapChoice(self.settings.overlap, runner.device)
-        if cuda_graph and runner.device.type != "cuda":
-            raise ValueError(
-                f"cuda_graph=True captures CUDA work, and these parameters are on "
-                f"{runner.device}; leave cuda_graph=False there (that path runs eagerly)"
-            )
         if self.settings.overlap == "backward" and self._comm.rank == 0:
             logger.warning(
                 "muon_dist.Muon: overlap='backward' has not been measured faster than "
@@ -315,8 +313,18 @@ class Muon(torch.optim.Optimizer):
         the plan and Muon phase, the agreement, the CUDA graph. Built on first use and again
         after the groups change; for tools and tests that look inside a step."""
         if self._runner is None:
-            self._runner = StepRunner(self.param_groups, self.state, self.settings, self._comm)
+            capture = self._capture
+            settings = self.settings if capture is None else capture.settings
+            self._runner = StepRunner(self.param_groups, self.state, settings, self._comm)
+            if capture is not None:
+                capture.bind(self._runner.graph)
         return self._runner
+
+    @property
+    def uncaptured_reason(self) -> str | None:
+        """Why steps run eagerly under ``cuda_graph="auto"`` (None: they are captured, or
+        ``cuda_graph`` is True or False); :mod:`muon_dist.step.cuda_graph`."""
+        return None if self._capture is None else self._capture.uncaptured_reason
 
     # -- step ---------------------------------------------------------------------------
 
@@ -350,7 +358,8 @@ class Muon(torch.optim.Optimizer):
         except (TypeError, ValueError) as exc:
             refusal = refusal or exc
         runner = self.runner
-        with _autocast_off():
+        assert self._capture is not None  # set at construction
+        with _autocast_off(), self._capture.uncaptured_without_grads(runner):
             failure = runner.run(self.param_groups, refusal, overlap=self._overlap.overlapping)
         on_host = runner.queued(self.param_groups[0]["steps"] + 1, failure)
         if failure is None or (failure is runner.crash() and self.settings.nonfinite == "raise"):

@@ -102,6 +102,18 @@ def flag(where: str, key: str, value: Any) -> None:
         raise TypeError(f"{where}: {key}={value!r}; choose True or False")
 
 
+def cuda_graph(where: str, key: str, value: Any) -> None:
+    """True, False or ``"auto"`` (a string other than ``"auto"``: ValueError; any other
+    type, an int included: TypeError)."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
+        return
+    error = ValueError if isinstance(value, str) else TypeError
+    raise error(
+        f"{where}: {key}={value!r} is not supported; choose 'auto' (capture where the job "
+        "allows, the default), True (always capture) or False (never)"
+    )
+
+
 def one_of(choices: Sequence[Any]) -> Check:
     def check(where: str, key: str, value: Any) -> None:
         if value not in choices:
@@ -383,11 +395,14 @@ SETTINGS: tuple[Option, ...] = (
     ),
     _set(
         "cuda_graph",
-        False,
-        flag,
-        "bool",
+        "auto",
+        cuda_graph,
+        "bool | str",
         "capture the whole step in one CUDA graph after ``graph_warmup`` eager steps and"
-        " replay it (:mod:`muon_dist.step.cuda_graph`).",
+        ' replay it (:mod:`muon_dist.step.cuda_graph`); ``"auto"`` captures where the job'
+        " allows (CUDA parameters, ``overlap`` off, NCCL collectives) and otherwise runs"
+        " eagerly, saying why in one INFO log line; ``True`` captures or raises; ``False``"
+        " runs eagerly.",
     ),
     _set("graph_warmup", 2, count_from(1), "int", "eager steps before the capture."),
     _set(
@@ -400,7 +415,8 @@ SETTINGS: tuple[Option, ...] = (
         ' (:mod:`muon_dist.step.backward`); ``"auto"`` times 4 steps of each mode after 2'
         " warm-up steps and keeps the faster for the rest of the run, the same on every rank"
         " (``opt.overlap_mode``; :mod:`muon_dist.step.auto_overlap`). Under both, Muon"
-        " parameters must be DTensors sharded by ``fully_shard``, and ``cuda_graph`` False.",
+        " parameters must be DTensors sharded by ``fully_shard``, and ``cuda_graph`` not True"
+        ' (``"auto"`` then runs eagerly).',
     ),
 )
 

@@ -23,7 +23,8 @@ class ExecutionSettings:
     Newton–Schulz; ``bucket_bytes`` and ``max_inflight`` the size and overlap of the
     pipelined buckets; ``replica_mode`` how replicated matrices are shared out;
     ``nonfinite`` what a non-finite gradient or result does; ``cuda_graph`` whether the
-    step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps;
+    step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps
+    (``"auto"``: where the job allows, :func:`muon_dist.step.cuda_graph.capture_blocker`);
     ``overlap="backward"`` starts the buckets from gradient hooks during backward
     (:mod:`muon_dist.step.backward`), ``"auto"`` times both modes and keeps the faster
     (:mod:`muon_dist.step.overlap_choice`).
@@ -36,7 +37,7 @@ class ExecutionSettings:
     max_inflight: int = _DEFAULT["max_inflight"]
     replica_mode: str = _DEFAULT["replica_mode"]
     nonfinite: str = _DEFAULT["nonfinite"]
-    cuda_graph: bool = _DEFAULT["cuda_graph"]
+    cuda_graph: bool | str = _DEFAULT["cuda_graph"]
     graph_warmup: int = _DEFAULT["graph_warmup"]
     overlap: str = _DEFAULT["overlap"]
 
@@ -44,12 +45,12 @@ class ExecutionSettings:
         for option in SETTINGS:
             if option.check is not None:
                 option.check("Muon", option.key, getattr(self, option.key))
-        if self.starts_in_backward and self.cuda_graph:
+        if self.starts_in_backward and self.cuda_graph is True:
             raise ValueError(
                 f"Muon: overlap={self.overlap!r} starts Newton-Schulz from gradient hooks "
                 "during backward (under 'auto', in the steps it times or chooses that way), "
-                "outside any captured step; use cuda_graph=False with it, or overlap='none' "
-                "to capture the step"
+                "outside any captured step; use cuda_graph=False with it (or the default "
+                "'auto', eager there), or overlap='none' to capture the step"
             )
 
     @property

@@ -7,38 +7,101 @@ same work with one call. What a replay cannot see, it must not depend on:
 - the learning rates are staged into device memory before each replay, so schedulers
   keep working; any other change to a group (momentum, weight decay, betas, ...) makes
   the next step eager warm-up and capture again;
-- the gradient tensors are read where they were at capture: they must persist between
-  steps (``zero_grad(set_to_none=False)``), and a step whose gradients moved is refused;
+- the gradients: the graph reads the gradient tensors it was captured with, and keeps
+  them. A replay first copies every gradient that is not one of those tensors into it
+  (one ``torch._foreach_copy_``), so ``zero_grad()`` in either form works and the result
+  is the eager step's; gradients kept in place (``set_to_none=False``) are read as they
+  are, with no copy. Which parameters have a gradient is part of what was captured: a
+  change captures again;
 - ``load_state_dict`` replaces state tensors, so it drops the graph too.
 
 Warm-up steps run eagerly on the capture stream first, so that Triton autotuning, cuBLAS
 workspaces and NCCL communicators exist before capture. A graph holding collectives keeps
 them alive: drop the optimizer before ``dist.destroy_process_group()``.
+
+Under ``cuda_graph="auto"`` (:func:`capture_blocker` decides at construction whether the
+job allows capture) a :class:`StepGraph` given ``fallback`` runs eagerly from then on,
+saying why once, where capture fails or keeps being redone (a scheduler that changes
+momentum every step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
+from muon_dist.comm.groups import CommGroups
 from muon_dist.kernels.streams import side_stream
+from muon_dist.options.settings import ExecutionSettings
+
+logger = logging.getLogger(__name__)
+
+# Under "auto": option changes (each a new warm-up and capture) after which steps run
+# eagerly instead; a scheduler that cycles momentum changes it every step.
+RECAPTURE_LIMIT = 3
+
+
+def capture_blocker(
+    settings: ExecutionSettings, device: torch.device, comm: CommGroups
+) -> str | None:
+    """Why this job's step cannot be captured, or None where it can: parameters off CUDA,
+    a step that starts during backward, collectives on a backend without CUDA-graph
+    support."""
+    if device.type != "cuda":
+        return f"the parameters are on {device}, and CUDA graphs capture CUDA work only"
+    if settings.starts_in_backward:
+        return (
+            f"overlap={settings.overlap!r} starts Newton-Schulz from gradient hooks during "
+            "backward, outside any captured step"
+        )
+    if comm.world_size > 1:
+        for peers in (comm.holders, comm.exchange):
+            try:
+                backend = str(dist.get_backend(peers.group))
+            except (RuntimeError, ValueError):
+                continue
+            if "nccl" not in backend:
+                return (
+                    f"the step's collectives run on the {backend!r} backend, which CUDA "
+                    "graphs cannot capture (NCCL can)"
+                )
+    return None
 
 
 class StepGraph:
-    """Warm up ``warmup`` eager steps, capture the next one, then replay it."""
+    """Warm up ``warmup`` eager steps, capture the next one, then replay it.
+
+    ``fallback`` (None: capture is forced, ``cuda_graph=True``): under
+    ``cuda_graph="auto"``, called once with the reason where capture fails or is redone
+    more than :data:`RECAPTURE_LIMIT` times; every later step then runs eagerly.
+    """
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
+        self.fallback: Callable[[str], None] | None = None
+        # Under "auto": whether every rank captured (a rank alone on eager steps would
+        # run its collectives against the others' replays); None: this rank decides alone.
+        self.agree: Callable[[bool], bool] | None = None
+        self.given_up: str | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._stream: torch.cuda.Stream | None = None
         self._key: Hashable = None
+        self._held: tuple[torch.Tensor | None, ...] = ()
         self._pointers: tuple[int, ...] = ()
         self._eager = 0
+        self._changes = 0
 
     def reset(self) -> None:
-        """Forget the graph: the next steps warm up and capture again."""
+        """Forget the graph (and the gradient tensors it reads): the next steps warm up and
+        capture again."""
         self._graph = None
+        self._held, self._pointers = (), ()
         self._eager = 0
 
     @property
@@ -48,31 +111,176 @@ class StepGraph:
     def run(
         self, body: Callable[[], None], key: Hashable, grads: Sequence[torch.Tensor | None]
     ) -> None:
-        """Run one step: eagerly while warming up, else by replaying the captured graph."""
+        """Run one step: eagerly while warming up, else by replaying the captured graph.
+
+        ``grads`` are the local gradients ``body`` reads (None where a parameter has none).
+        """
+        if self.given_up is not None:
+            body()
+            return
         pointers = tuple(0 if g is None else g.data_ptr() for g in grads)
+        key = (key, tuple(g is not None for g in grads))
         if key != self._key:
+            if self._key is not None:
+                self._changes += 1
             self.reset()
             self._key = key
-        if self._graph is not None and pointers != self._pointers:
-            raise RuntimeError(
-                "cuda_graph=True: the gradient tensors moved since the step was captured "
-                "(zero_grad() frees them by default); call zero_grad(set_to_none=False) so "
-                "the captured step reads this step's gradients, or use cuda_graph=False"
-            )
-        if self._graph is None and self._eager < self.warmup:
-            if self._stream is None:
-                self._stream = side_stream(torch.device("cuda"), "step warm-up")
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
+            if self.fallback is not None and self._changes > RECAPTURE_LIMIT:
+                self._give_up(
+                    f"the step's options changed {self._changes} times (each a new "
+                    "warm-up and capture; e.g. a scheduler that changes momentum or weight "
+                    "decay), so steps run eagerly"
+                )
                 body()
-            torch.cuda.current_stream().wait_stream(self._stream)
-            self._eager += 1
+                return
+        if self._graph is None and self._eager < self.warmup:
+            self._warm_up(body)
             return
         if self._graph is None:
-            graph = torch.cuda.CUDAGraph()
+            self._capture(body, grads, pointers)
+            if self._graph is None:  # capture failed under "auto": this step runs eagerly
+                body()
+                return
+        elif pointers != self._pointers:
+            self._copy_in(grads, pointers)
+        self._graph.replay()
+
+    def _warm_up(self, body: Callable[[], None]) -> None:
+        if self._stream is None:
+            self._stream = side_stream(torch.device("cuda"), "step warm-up")
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            body()
+        torch.cuda.current_stream().wait_stream(self._stream)
+        self._eager += 1
+
+    def _capture(
+        self,
+        body: Callable[[], None],
+        grads: Sequence[torch.Tensor | None],
+        pointers: tuple[int, ...],
+    ) -> None:
+        """Capture ``body`` reading ``grads``, which the graph keeps (no copy this step)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
             # "thread_local": the NCCL watchdog thread polls events while this thread
             # captures; "global" would fail the capture on its calls.
             with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
                 body()
-            self._graph, self._pointers = graph, pointers
-        self._graph.replay()
+        except Exception as exc:
+            if self.fallback is None:
+                raise
+            failure: str | None = f"capturing the step failed ({type(exc).__name__}: {exc})"
+        else:
+            failure = None
+        if self.agree is not None and not self.agree(failure is None) and failure is None:
+            failure = "capturing the step failed on another rank"
+        if failure is not None:
+            self._give_up(failure)
+            return
+        self._graph, self._held, self._pointers = graph, tuple(grads), pointers
+
+    def _copy_in(self, grads: Sequence[torch.Tensor | None], pointers: tuple[int, ...]) -> None:
+        """Copy this step's gradients into the tensors the graph reads, where they differ
+        (``zero_grad()`` freed them, or new tensors were assigned)."""
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for held, grad, now, then in zip(self._held, grads, pointers, self._pointers, strict=True):
+            if now != then and held is not None and grad is not None:
+                targets.append(held)
+                sources.append(grad)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+    def _give_up(self, reason: str) -> None:
+        self.reset()
+        self.given_up = reason
+        if self.fallback is not None:
+            self.fallback(reason)
+
+
+class _Step(Protocol):
+    """What :meth:`CaptureChoice.uncaptured_without_grads` reads of a built step
+    (:class:`muon_dist.step.runner.StepRunner`)."""
+
+    graph: StepGraph | None
+    names: list[str]
+    params: list[torch.Tensor]
+
+
+class CaptureChoice:
+    """The optimizer's ``cuda_graph`` setting applied to its job: ``settings`` with
+    ``cuda_graph`` True or False, for building the step.
+
+    ``"auto"`` captures where :func:`capture_blocker` finds nothing against it, and
+    otherwise runs eagerly, saying why once in an INFO line (on rank 0; the same on every
+    rank: it reads the device type, the options and the backend) and in
+    ``uncaptured_reason``; a graph that gives up later says so the same way (:meth:`bind`).
+    ``True`` refuses parameters off CUDA here; ``False`` never captures.
+    """
+
+    def __init__(self, settings: ExecutionSettings, device: torch.device, comm: CommGroups):
+        requested = settings.cuda_graph
+        if requested is True and device.type != "cuda":
+            raise ValueError(
+                f"cuda_graph=True captures CUDA work, and these parameters are on {device}; "
+                "leave cuda_graph='auto' or False there (that path runs eagerly)"
+            )
+        self.requested = requested
+        self.rank = comm.rank
+        self._holders = comm.holders if comm.world_size > 1 else None
+        self.uncaptured_reason: str | None = None
+        self._noted: set[str] = set()
+        capture = requested is True
+        if requested == "auto":
+            self.uncaptured_reason = capture_blocker(settings, device, comm)
+            capture = self.uncaptured_reason is None
+            if self.uncaptured_reason is not None:
+                self.note(f"{self.uncaptured_reason}; steps run eagerly")
+        self.settings = dataclasses.replace(settings, cuda_graph=capture)
+
+    def bind(self, graph: StepGraph | None) -> None:
+        """A newly built step's graph: under ``"auto"`` it falls back to eager steps
+        rather than raise or capture again and again."""
+        if graph is not None and self.requested == "auto":
+            graph.fallback = self._gave_up
+            graph.agree = self._all_captured
+
+    def _all_captured(self, captured: bool) -> bool:
+        """Whether every rank holding parameters captured its step (one all-reduce, once
+        per capture, outside it)."""
+        if self._holders is None:
+            return captured
+        flag = torch.tensor([int(captured)], device=torch.device("cuda"))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._holders.group)
+        return bool(flag.item())
+
+    def _gave_up(self, reason: str) -> None:
+        self.uncaptured_reason = reason
+        self.note(reason)
+
+    def note(self, reason: str) -> None:
+        """Log why steps run uncaptured, once per reason, on rank 0."""
+        if reason not in self._noted and self.rank == 0:
+            logger.info("muon_dist.Muon: cuda_graph=%r: %s", self.requested, reason)
+        self._noted.add(reason)
+
+    @contextlib.contextmanager
+    def uncaptured_without_grads(self, step: _Step) -> Iterator[None]:
+        """Around one step: where some parameter has no gradient it runs eagerly, as an
+        uncaptured step treats it; the graph stays for the next steps with every
+        gradient."""
+        graph = step.graph
+        if graph is None or all(p.grad is not None for p in step.params):
+            yield
+            return
+        missing = [n for n, p in zip(step.names, step.params, strict=True) if p.grad is None]
+        self.note(
+            f"a step where {len(missing)} parameters have no gradient (the first: "
+            f"{missing[0]}) runs uncaptured, as later steps with a missing gradient do"
+        )
+        step.graph = None
+        try:
+            yield
+        finally:
+            step.graph = graph

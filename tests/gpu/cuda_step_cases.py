@@ -40,7 +40,7 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _build(mesh: DeviceMesh, cuda_graph: bool) -> tuple[nn.Module, muon_dist.Muon]:
+def _build(mesh: DeviceMesh, cuda_graph: bool | str) -> tuple[nn.Module, muon_dist.Muon]:
     torch.manual_seed(0)
     model = Model().cuda()
     for layer in model.layers:
@@ -50,14 +50,19 @@ def _build(mesh: DeviceMesh, cuda_graph: bool) -> tuple[nn.Module, muon_dist.Muo
     return model, muon_dist.Muon(groups, lr=LR, cuda_graph=cuda_graph)
 
 
-def fsdp_capture_worker(rank: int, world_size: int) -> dict[str, object]:
+def fsdp_capture_worker(rank: int, world_size: int, set_to_none: bool = False) -> dict[str, object]:
     """Two identical FSDP2 models on the same batches under one lr schedule, one eager and
-    one captured; every optimizer step after warm-up runs under sync debug mode "error".
+    one captured (the default ``cuda_graph="auto"`` where gradients are freed between steps,
+    ``True`` where they are kept); every optimizer step after warm-up runs under sync debug
+    mode "error".
 
     Returns the worst parameter difference, the sync errors seen and whether it captured.
     """
     mesh = init_device_mesh("cuda", (world_size,))
-    runs = [_build(mesh, cuda_graph=False), _build(mesh, cuda_graph=True)]
+    runs = [
+        _build(mesh, cuda_graph=False),
+        _build(mesh, cuda_graph="auto" if set_to_none else True),
+    ]
     schedulers = [
         torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s)) for _, opt in runs
     ]
@@ -78,7 +83,7 @@ def fsdp_capture_worker(rank: int, world_size: int) -> dict[str, object]:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             scheduler.step()
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=set_to_none)
         for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
             worst = max(worst, (a.full_tensor() - b.full_tensor()).abs().max().item())
     graph = runs[1][1].runner.graph
