@@ -331,20 +331,22 @@ def load_latest(
     none at all. Each one passed over gets one warning; none good raises on every rank."""
     candidates: list[Path] = agreed(complete_checkpoints(root) if dist.get_rank() == 0 else None)
     rejected: list[Problem] = []
-    for folder in candidates:
+    for index, folder in enumerate(candidates):
         meta, problem = verify(folder)
         if problem is None and meta is not None and "files" not in meta and dist.get_rank() == 0:
-            log.info("%s has no digests (saved before they were kept): loaded unverified", folder)
+            log.info(
+                "%s has no digests (saved before they were kept): loading it unverified", folder
+            )
         if problem is None:
             problem = try_load(folder, model, opt)
         if problem is None and meta is not None:
             return folder, meta
         assert problem is not None
         rejected.append(problem)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and index + 1 < len(candidates):
             log.warning(
-                "checkpoint %s is not loaded, %s: %s; falling back to an older one",
-                folder, problem.file or "DCP", problem.reason,
+                "checkpoint %s is not loaded (%s); falling back to %s",
+                folder, problem, candidates[index + 1].name,
             )  # fmt: skip
     if not rejected:
         return None
