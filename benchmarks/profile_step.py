@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tools"))
 import bench_step  # noqa: E402  (benchmarks/, this script's folder)
+import tables  # noqa: E402  (benchmarks/)
 import trace_summary  # noqa: E402  (tools/: kernel classes and interval arithmetic)
 import train  # noqa: E402  (the example, from its folder)
 
@@ -73,6 +74,7 @@ Interval = tuple[float, float]
 STEP_RANGE = "muon_dist.profile.step"
 OPTIMIZER_RANGE = "muon_dist.profile.optimizer"
 PHASES = {"step": STEP_RANGE, "optimizer": OPTIMIZER_RANGE}
+REPORT_KEYS = ("name", "world_size", "plan", "phases")  # what --from-json reads of a report
 # The range a labelled Newton–Schulz call would open (see the module docstring); without it,
 # matrix products launched inside these ranges count as Newton–Schulz.
 NS_RANGE = "muon_dist.newton_schulz"
@@ -549,6 +551,10 @@ def parse_args() -> argparse.Namespace:
         "--trace-dir", type=Path, help="keep every rank's trace and summary here (default: dropped)"
     )
     args = p.parse_args(argv[:split])
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
+    if args.layers is not None and args.layers < 1:
+        p.error(f"--layers {args.layers} must be >= 1 (leave it out: the preset's)")
     if args.train and args.rule != "muon":
         p.error(
             f"--rule {args.rule} applies to --preset only; with --train, pass "
@@ -563,7 +569,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.from_json:
-        reports = [json.loads(path.read_text()) for path in args.from_json]
+        reports = [
+            tables.read_results(path, "profile_step.py", REPORT_KEYS) for path in args.from_json
+        ]
         for report in reports:
             print("\n".join(notes(report)))
         print(format_table([row for r in reports for row in table_rows(r)]))

@@ -57,11 +57,13 @@ from pathlib import Path
 from typing import Any
 
 import tables
-from train_table import ROOT, SCRIPT, training_args
+from train_table import ROOT, SCRIPT, check_data, check_fresh, training_args
 
 BASELINE = "adamw"
 MUON = "muon"
 DIVERGED = math.inf  # the score of a run that failed or ended non-finite
+CRASHED = "crashed"  # a run that failed without a non-finite loss: not the settings' fault
+LOG_TAIL = 20  # lines of a crashed run's log kept in results.json and printed
 AXES = ("lr", "muon_adamw_lr", "adamw_lr", "warmup")  # the settings a sweep varies
 RESULT_KEYS = ("model", "flags", "tokens_per_run", "run", "runs")
 RUN_KEYS = ("config", "score", "curve", "wall_s")
@@ -277,6 +279,21 @@ def final_score(curve: Sequence[Sequence[float]], exit_code: int) -> float:
     return float(curve[-1][1])
 
 
+def run_status(metrics: Sequence[dict[str, Any]], exit_code: int) -> str:
+    """ "diverged" where the run logged a non-finite loss (train.py logs that step, then
+    stops), "crashed" where it failed otherwise (a missing file, a bad flag, a dead rank),
+    else "ok"."""
+    losses = [r.get("loss", 0.0) for r in metrics] + [r.get("eval_loss", 0.0) for r in metrics]
+    if not all(math.isfinite(x) for x in losses):
+        return "diverged"
+    return CRASHED if exit_code != 0 or not eval_curve(metrics) else "ok"
+
+
+def status_of(run: dict[str, Any]) -> str:
+    """A run's status; results.json of older sweeps has none (a failure there was "diverged")."""
+    return str(run.get("status") or ("diverged" if math.isinf(run["score"]) else "ok"))
+
+
 def reach(curve: Sequence[Sequence[float]], target: float, column: int) -> float | None:
     """Column ``column`` of the curve (0: tokens, 2: elapsed seconds) where the eval loss
     first reaches ``target``, linear between evals (the first eval's value where it is
@@ -430,7 +447,7 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, str]]:
                 "seeds": str(len(got.losses)),
                 "final eval loss": spread_cell(finite, lambda x: f"{x:.4f}")
                 if finite
-                else "diverged",
+                else status_of(run),
                 "tokens to AdamW's best": spread_cell(got.tokens, lambda x: f"{x / 1e6:.2f}", "M")
                 if got.tokens
                 else missing,
@@ -476,7 +493,7 @@ def grid_lines(results: dict[str, Any]) -> list[str]:
     ]
     for run in sorted(results["runs"], key=lambda r: (r["config"]["optimizer"], r["score"])):
         config = config_from(run["config"])
-        score = "diverged" if math.isinf(run["score"]) else f"{run['score']:.4f}"
+        score = status_of(run) if math.isinf(run["score"]) else f"{run['score']:.4f}"
         wait = run.get("data_wait_s")
         waited = "—" if wait is None else f"{wait * 1e3:.2f}"
         lines.append(
@@ -584,7 +601,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("tokens (M)")
     ax.set_ylabel("eval loss (nats/token)")
     ax.set_title(f"{results['model']}: each optimizer at its best swept settings", fontsize=10)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # none where every run crashed or diverged
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -685,15 +703,17 @@ def collect(slot: Slot) -> dict[str, Any]:
         metrics = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
     curve = eval_curve(metrics)
     waits = [r["data_wait_s"] for r in metrics[1:]]  # the first batch is built at start-up
+    log = (slot.out / "train.log").read_text(errors="replace").splitlines()
     run = {
         "config": asdict(slot.config),
         "exit_code": code,
+        "status": run_status(metrics, code),
         "wall_s": time.perf_counter() - slot.began,
         "curve": curve,
         "score": final_score(curve, code),
         "data_wait_s": statistics.median(waits) if waits else None,
         "argv": slot.process.args,
-        "log_tail": (slot.out / "train.log").read_text().splitlines()[-5:] if code else [],
+        "log_tail": log[-LOG_TAIL:] if code else [],
     }
     slot.process, slot.config, slot.out = None, None, None
     return run
@@ -726,13 +746,7 @@ def parameters(parsed: argparse.Namespace) -> int:
 
 def sweep(args: argparse.Namespace, flags: list[str], fixed: list[Config]) -> dict[str, Any]:
     """Run the planned (or the given) configs on every slot until done or out of budget."""
-    parsed = training_args(flags)
-    if parsed.data is None:
-        raise SystemExit("a sweep scores the eval loss on held-out text: give --data")
-    per_run = ("--seed", "--optimizer") if fixed else ("--seed", "--optimizer", "--warmup")
-    for flag in per_run:
-        if any(f == flag or f.startswith(flag + "=") for f in flags):
-            raise SystemExit(f"{flag} after -- is set by the sweep for each run: leave it out")
+    parsed = checked_flags(args, flags, fixed)
     planner = None if fixed else Planner(searches_from(args), args.seeds, args.also)
     slots = [Slot(d) for d in device_sets(args.gpus, args.nproc)]
     runs: list[dict[str, Any]] = []
@@ -763,7 +777,7 @@ def sweep(args: argparse.Namespace, flags: list[str], fixed: list[Config]) -> di
         for slot in slots:
             if slot.process is not None or not ready:
                 continue
-            if args.budget_s and time.perf_counter() - began + longest > args.budget_s:
+            if args.budget_s is not None and time.perf_counter() - began + longest > args.budget_s:
                 unfinished = [f"{c.optimizer} {c.label()} seed {c.seed}" for c in ready]
                 ready = []
                 break
@@ -784,11 +798,9 @@ def sweep(args: argparse.Namespace, flags: list[str], fixed: list[Config]) -> di
                 config = config_from(run["config"])
                 scores[config] = run["score"]
                 runs.append(run)
-                print(
-                    f"done {config.optimizer} {config.label()} seed {config.seed}: "
-                    f"{run['score']:.4f} ({run['wall_s']:.0f} s)",
-                    flush=True,
-                )
+                print(f"done {describe(run)} ({run['wall_s']:.0f} s)", flush=True)
+                if status_of(run) == CRASHED:
+                    print(crash_tail(run), flush=True)
         time.sleep(1.0)
     results = {
         "model": args.model,
@@ -802,6 +814,46 @@ def sweep(args: argparse.Namespace, flags: list[str], fixed: list[Config]) -> di
     }
     (args.logs / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
     return results
+
+
+def describe(run: dict[str, Any]) -> str:
+    """``optimizer settings seed N: score`` of a finished run (or how it failed)."""
+    config = config_from(run["config"])
+    status = status_of(run)
+    score = f"{run['score']:.4f}" if status == "ok" else status
+    return f"{config.optimizer} {config.label()} seed {config.seed}: {score}"
+
+
+def crash_tail(run: dict[str, Any]) -> str:
+    """A crashed run's exit code and the end of its log, indented."""
+    lines = [f"    {line}" for line in run.get("log_tail", [])]
+    return "\n".join([f"  exit {run['exit_code']}, the end of its log:", *lines])
+
+
+def crashed(results: dict[str, Any]) -> list[dict[str, Any]]:
+    return [run for run in results["runs"] if status_of(run) == CRASHED]
+
+
+def checked_flags(
+    args: argparse.Namespace, flags: list[str], fixed: list[Config]
+) -> argparse.Namespace:
+    """The training flags, parsed, once every run's flags (each variant's or search's
+    optimizer and settings with them) parse as the example will read them, the data files
+    exist and ``--logs`` is free: a sweep that cannot run refuses before it starts one."""
+    parsed = training_args(flags)
+    if parsed.data is None:
+        raise SystemExit("a sweep scores the eval loss on held-out text: give --data")
+    per_run = ("--seed", "--optimizer") if fixed else ("--seed", "--optimizer", "--warmup")
+    for flag in per_run:
+        if any(f == flag or f.startswith(flag + "=") for f in flags):
+            raise SystemExit(f"{flag} after -- is set by the sweep for each run: leave it out")
+    firsts = [s.base for s in searches_from(args)] if not fixed else fixed
+    also = [replace(c, optimizer=name) for c in firsts if c.optimizer == MUON for name in args.also]
+    for config in [*firsts, *also]:
+        training_args([*flags, *config.flags()])
+    check_data(parsed)
+    check_fresh(args.logs, "--logs")
+    return parsed
 
 
 def run_info(args: argparse.Namespace, command: str) -> dict[str, str]:
@@ -865,6 +917,10 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         values = getattr(args, name)
         if min(values) <= 0:
             p.error(f"--{name.replace('_', '-')} {values}: every value must be > 0 (log scale)")
+    if args.gpus < 0 or args.nproc < 1:
+        p.error(f"--gpus {args.gpus} must be >= 0 (0: the CPU) and --nproc {args.nproc} >= 1")
+    if args.budget_s is not None and args.budget_s <= 0:
+        p.error(f"--budget-s {args.budget_s} must be > 0 seconds (leave it out: no budget)")
     if args.ratio <= 1:
         p.error(f"--ratio {args.ratio} must be > 1: the step between a line's points")
     if args.passes < 1 or args.grow < 0:
@@ -886,7 +942,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks (GPUs) per run")
     p.add_argument("--model", default="", help="the table's model column, e.g. its size")
     p.add_argument("--logs", type=Path, default=Path("runs/sweep"))
-    p.add_argument("--budget-s", type=float, default=0, help="start no run that would end later")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="start no run that would end later (seconds)"
+    )
     p.add_argument("--adamw-lrs", type=float, nargs="+", default=[2.5e-4, 1.25e-4, 5e-4])
     p.add_argument("--adamw-warmups", type=int, nargs="+", default=[60, 30, 120])
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[0.01, 0.005, 0.02])
@@ -950,6 +1008,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     fixed = fixed_configs(args)
     results = sweep(args, flags, fixed)
     report(results, args.logs, args.write_table)
+    failed = crashed(results)
+    if failed:
+        raise SystemExit(
+            f"{len(failed)} run(s) crashed (not diverged: they stopped without a non-finite "
+            f"loss): {'; '.join(describe(r) for r in failed)}; their logs are under "
+            f"{args.logs} (results.json has each log's end)"
+        )
 
 
 if __name__ == "__main__":

@@ -61,6 +61,29 @@ def training_args(flags: Sequence[str]) -> argparse.Namespace:
     return train.parse_args(list(flags))
 
 
+def check_data(parsed: argparse.Namespace) -> None:
+    """``--data`` and ``--eval-data`` name files, or an exit naming the flag and pattern
+    (each run would otherwise fail alone, after the ones before it trained)."""
+    from corpus import resolve  # beside train.py, on the path training_args set
+
+    for flag in ("data", "eval_data"):
+        pattern = getattr(parsed, flag)
+        if pattern is not None:
+            try:
+                resolve(pattern, f"--{flag.replace('_', '-')}")
+            except ValueError as error:
+                raise SystemExit(str(error)) from None
+
+
+def check_fresh(folder: Path, flag: str) -> None:
+    """``folder`` does not exist or is empty: a run never writes over an earlier one's logs."""
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise SystemExit(
+            f"{flag} {folder} already exists and is not an empty folder: its runs and results "
+            f"would be overwritten; choose a new {flag} (or move that one away)"
+        )
+
+
 def variant_flags(variant: str) -> list[str]:
     """``"muon --overlap backward"`` -> ``--optimizer muon --overlap backward``."""
     optimizer, *extra = shlex.split(variant)
@@ -174,6 +197,7 @@ def report(results: dict[str, Any], logs: Path | None, write_table: bool) -> Non
         tables.store("training", rows, results["run"], Path(scratch))
         text = f"{tables.markdown('training', Path(scratch))}\n{LEGEND}\n"
     if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
         (logs / "table.md").write_text(text)
     if write_table:
         tables.record("training", rows, results["run"])
@@ -206,7 +230,9 @@ def checked_batches(args: argparse.Namespace, flags: list[str]) -> dict[str, int
                 f"--batch-size {parsed.batch_size} is smaller than --nproc {args.nproc}: every "
                 "rank needs at least one sequence; pass a larger --batch-size"
             )
+        check_data(parsed)
         batch[variant] = parsed.batch_size
+    check_fresh(args.logs, "--logs")
     return batch
 
 
@@ -279,7 +305,10 @@ def main() -> None:
     if args.model is None or args.logs is None:
         parser.error("a comparison needs --model and --logs")
     if args.repeats < 1 or args.skip < 0 or args.nproc < 1:
-        parser.error("--repeats and --nproc must be >= 1 and --skip >= 0")
+        parser.error(
+            f"--repeats {args.repeats} and --nproc {args.nproc} must be >= 1 and --skip "
+            f"{args.skip} >= 0"
+        )
     if BASELINE not in args.variants or len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants must be distinct and include {BASELINE}: ratios are to AdamW")
     report(compare(args, flags), args.logs, args.write_table)

@@ -22,6 +22,7 @@ held-out tokens, the same in every run whatever its seed.
 from __future__ import annotations
 
 import glob
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,25 @@ def _map(path: Path, dtype: np.dtype[Any], offset: int, count: int) -> np.ndarra
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
 
 
+def check_unchanged(part: np.ndarray) -> None:
+    """Refuse to read a memory-mapped file that is now shorter than what was mapped.
+
+    Reading a page of a mapping past the file's new end is a SIGBUS that kills the process
+    without a word; one ``os.stat`` per file a window touches (microseconds) turns a file
+    truncated or rewritten under the job into an error naming it and both sizes.
+    """
+    if not isinstance(part, np.memmap) or part.filename is None:
+        return
+    mapped = part.offset + part.nbytes
+    size = os.stat(part.filename).st_size
+    if size < mapped:
+        raise RuntimeError(
+            f"data file {part.filename} shrank while the job ran: {mapped} bytes when it was "
+            f"opened, {size} bytes now (truncated or rewritten); restore it, then resume from "
+            "the last checkpoint (--resume)"
+        )
+
+
 def resolve(pattern: str, flag: str) -> list[Path]:
     """The files ``pattern`` names (one path or a glob, ``**`` included), sorted."""
     if Path(pattern).is_file():
@@ -133,6 +153,9 @@ class TokenStream:
         out = np.empty(length, dtype=np.int64)
         pos, done = self.begin + start, 0
         part = int(np.searchsorted(self._starts, pos, side="right")) - 1
+        last = int(np.searchsorted(self._starts, pos + length - 1, side="right")) - 1
+        for mapped in self._parts[part : last + 1]:
+            check_unchanged(mapped)
         while done < length:
             offset = pos - int(self._starts[part])
             take = min(length - done, self._parts[part].size - offset)

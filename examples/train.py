@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
-import shutil
 import sys
 import time
 from collections import deque
@@ -37,8 +37,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from checkpoint import load_latest, save_checkpoint
 from corpus import Corpus, open_corpus
 from data import ChainStats, MarkovChain, rank_slice
 from defaults import DEFAULT_ADJUST_LR, MARKOV, TEXT, swept_for
@@ -47,8 +47,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -491,49 +489,6 @@ def checkpoint_dir(args: argparse.Namespace, optimizer: str) -> Path:
     return args.ckpt_dir / optimizer if args.compare else args.ckpt_dir
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """Newest complete ``step_NNNNNN`` folder: one is complete once it has that name
-    (:func:`save_checkpoint` renames it last); a save cut off leaves only a ``.partial``."""
-    done = sorted(p for p in root.glob("step_*") if p.name[5:].isdigit() and p.is_dir())
-    return done[-1] if done else None
-
-
-def save_checkpoint(
-    path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any], env: Env
-) -> None:
-    """DCP save of sharded model + optimizer state into ``path``, atomically.
-
-    Every rank writes its shards into ``<path>.partial``; once all have (a barrier), rank 0
-    writes ``meta.json`` there and renames the folder to ``path``, so a rank killed while
-    saving leaves a ``.partial`` folder that :func:`latest_checkpoint` never picks.
-    ``get_state_dict`` keys the optimizer state by parameter FQN and keeps the Muon momentum
-    buffers as DTensors, so DCP stores each shard once and can reshard them on load. The
-    step counter is all the data position there is: batches are a function of the step.
-    """
-    partial = path.with_name(f"{path.name}.partial")
-    if env.is_main and partial.exists():
-        shutil.rmtree(partial)  # left by a save that was cut off
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-    dist.barrier()
-    if env.is_main:
-        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
-        if path.exists():
-            shutil.rmtree(path)  # a re-run of this step after a resume
-        partial.rename(path)
-    dist.barrier()
-
-
-def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load into the current (possibly differently sized) mesh; returns the saved meta."""
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return json.loads((path / "meta.json").read_text())
-
-
 # ---------------------------------------------------------------------------------------
 # Metrics and plot
 
@@ -686,6 +641,39 @@ def prefetched(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def agree_to_go_on(error: str | None, device: torch.device) -> None:
+    """Go on on every rank, or raise on every rank with each rank's ``error``.
+
+    A rank's batch can fail alone (its rows touch a ``--data`` file that shrank, or a token
+    outside ``--vocab``); raising there alone would leave the other ranks waiting in their
+    next collective. One small all-reduce, before the step's clock starts, lets every rank
+    stop with the same message.
+    """
+    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        raise RuntimeError("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+
+
+def agreed(
+    batches: Iterator[tuple[int, torch.Tensor, float]], device: torch.device
+) -> Iterator[tuple[int, torch.Tensor, float]]:
+    """``batches``, with every rank stopping together where one rank's batch failed."""
+    while True:
+        error, item = None, None
+        try:
+            item = next(batches)
+        except StopIteration:
+            return
+        except (ValueError, RuntimeError, OSError) as exc:
+            error = str(exc)
+        agree_to_go_on(error, device)
+        assert item is not None
+        yield item
+
+
 @dataclass(frozen=True)
 class StepTimes:
     """One step's phases in seconds, each the slowest rank's (see ``StepTimer``)."""
@@ -812,9 +800,15 @@ def evaluate(
 ) -> float:
     """Mean loss per token on the fixed held-out windows, each rank its rows of each batch."""
     total = torch.zeros((), device=env.device)
-    with torch.no_grad(), logits_untracked(model):
+    batches, error = [], None
+    try:
         for index in range(args.eval_batches):
-            windows = corpus.eval_batch(index, args.batch_size, rows, args.eval_batches)
+            batches.append(corpus.eval_batch(index, args.batch_size, rows, args.eval_batches))
+    except (ValueError, RuntimeError, OSError) as exc:
+        error = str(exc)
+    agree_to_go_on(error, env.device)
+    with torch.no_grad(), logits_untracked(model):
+        for windows in batches:
             batch = torch.from_numpy(windows).to(env.device, non_blocking=True)
             logits = model(batch[:, :-1])
             total += F.cross_entropy(
@@ -826,6 +820,11 @@ def evaluate(
     dist.all_reduce(total)
     tokens: int = args.eval_batches * args.batch_size * args.seq_len
     return float(total.item()) / tokens
+
+
+def eval_due(data: MarkovChain | Corpus, step: int, args: argparse.Namespace) -> bool:
+    """With ``--data``: every ``--eval-every`` steps and at the last."""
+    return isinstance(data, Corpus) and (step % args.eval_every == 0 or step == args.steps)
 
 
 def train(
@@ -849,11 +848,11 @@ def train(
     ckpt_root = checkpoint_dir(args, optimizer_name)
     metrics_path = args.out / "metrics.jsonl"
     start, elapsed = 0, 0.0
-    latest = latest_checkpoint(ckpt_root) if args.resume else None
+    latest = load_latest(ckpt_root, model, opt) if args.resume else None
     if latest is not None:
-        meta = load_checkpoint(latest, model, opt)
+        folder, meta = latest
         start, elapsed = meta["step"], meta["elapsed"]
-        log(env, f"[{optimizer_name}] resumed {latest} (saved on {meta['world_size']} ranks)")
+        log(env, f"[{optimizer_name}] resumed {folder} (saved on {meta['world_size']} ranks)")
     elif args.resume:
         log(env, f"[{optimizer_name}] no checkpoint in {ckpt_root}; starting from scratch")
     if env.is_main:
@@ -873,7 +872,7 @@ def train(
     timer = StepTimer(env.device)
     batches = prefetched(batch_of, range(start + 1, end + 1), env.device)
     with progress(args.steps, start, show) as bar, closing(batches):
-        for step, batch, data_wait in batches:
+        for step, batch, data_wait in agreed(batches, env.device):
             factor = lr_factor(step, args, warmup)
             for group, base in zip(opt.param_groups, base_lrs, strict=True):
                 group["lr"] = base * factor
@@ -893,8 +892,6 @@ def train(
             total = loss_sum.detach().clone()
             dist.all_reduce(total)
             loss = total.item() / global_tokens
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"[{optimizer_name}] loss is {loss} at step {step}")
             elapsed += times.step
             record: dict[str, Any] = {
                 "step": step,
@@ -909,12 +906,14 @@ def train(
                 "lr_factor": factor,
                 "world_size": env.world_size,
             }
-            if isinstance(data, Corpus) and (step % args.eval_every == 0 or step == args.steps):
+            if eval_due(data, step, args) and math.isfinite(loss):
                 record["eval_loss"] = evaluate(model, data, args, env, rows)
             records.append(record)
             if env.is_main:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
+            if not math.isfinite(loss):  # logged first: metrics.jsonl shows the divergence
+                raise FloatingPointError(f"[{optimizer_name}] loss is {loss} at step {step}")
             if bar is not None:
                 bar.set_postfix(
                     {
@@ -956,7 +955,7 @@ def train(
                     "optimizer": optimizer_name,
                     "seed": args.seed,
                 }
-                save_checkpoint(path, model, opt, meta, env)
+                save_checkpoint(path, model, opt, meta)
 
     if args.save_final is not None:
         target = args.save_final
@@ -1028,6 +1027,8 @@ def open_data(args: argparse.Namespace) -> tuple[MarkovChain | Corpus, ChainStat
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger(load_latest.__module__).setLevel(logging.INFO)  # save and resume times
     env = init_distributed()
     try:
         mesh = build_mesh(env, args.replicate)

@@ -23,16 +23,49 @@
 #
 # TOTAL_S (default 480) bounds a call: no run starts that would end later (sweep.py
 # --budget-s, from the longest run so far), and `timeout` stops a step that overruns anyway.
+#
+# Every argument and path is checked before anything is made: a refused call creates no
+# folder, and nothing the caller names (OUT, CORPUS) is ever removed. A CORPUS folder
+# without its built.txt (a build cut off, or another folder) is refused, not rebuilt over.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE="${1:?usage: bash scripts/fair_sweep.sh search|confirm}"
+USAGE="usage: bash scripts/fair_sweep.sh search | confirm 1b|small | wait"
+STAGE="${1:-}"
+PART="${2:-}"
 OUT="${OUT:-out/fair_sweep}"
 TOTAL_S="${TOTAL_S:-480}"
 CORPUS="${CORPUS:-/tmp/corpus}"
 PYTHON="${PYTHON:-python3}"
 SWEEPS=benchmarks/sweeps
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+refuse() {
+    echo "fair_sweep.sh: $*" >&2
+    exit 2
+}
+
+case "$STAGE" in
+    search | wait) [ $# -le 1 ] || refuse "$STAGE takes no second argument (got '$PART'); $USAGE" ;;
+    confirm)
+        case "$PART" in
+            1b | small) ;;
+            *) refuse "confirm '$PART': the part is 1b or small; $USAGE" ;;
+        esac
+        for name in 150m 25m; do
+            [ -e "$SWEEPS/fair_$name.json" ] ||
+                refuse "$SWEEPS/fair_$name.json is missing: run the search stage first"
+        done
+        ;;
+    *) refuse "stage '$STAGE': search, confirm or wait; $USAGE" ;;
+esac
+if ! [[ "$TOTAL_S" =~ ^[0-9]+$ ]] || [ "$TOTAL_S" -lt 60 ]; then
+    refuse "TOTAL_S=$TOTAL_S must be a whole number of seconds, at least 60"
+fi
+if [ "$STAGE" != wait ] && [ -e "$CORPUS" ] && [ ! -e "$CORPUS/built.txt" ]; then
+    refuse "CORPUS=$CORPUS exists but holds no finished corpus ($CORPUS/built.txt is missing);" \
+        "it is not removed: move it away or point CORPUS at another path"
+fi
+mkdir -p "$OUT"
 
 left() { echo $((TOTAL_S - SECONDS)); }
 
@@ -54,10 +87,10 @@ GRID25=(--adamw-lrs 5e-4 2.5e-4 1e-3 --adamw-warmups 80 40 160
 build_corpus() {
     # Up to 200M tokens, so the ~25M runs' 52M tokens are drawn from more text than they read.
     # A machine still warm from the last call keeps the corpus it built (the same files).
+    # make_corpus.py writes into a fresh sibling and renames it to CORPUS once whole.
     if [ -e "$CORPUS/built.txt" ]; then
         cp "$CORPUS/built.txt" "$OUT/corpus.txt"
     else
-        rm -rf "$CORPUS"
         "$PYTHON" scripts/make_corpus.py --out "$CORPUS" --max-tokens 200000000 \
             >"$OUT/corpus.txt" || exit 1
         cp "$OUT/corpus.txt" "$CORPUS/built.txt"
@@ -74,15 +107,15 @@ sweep() {
         echo "sweep $name: skipped, $(left) s left" >>"$OUT/stages.txt"
         return
     fi
-    local logs="/tmp/sweep_$name"
-    rm -rf "$logs"
+    local logs
+    logs="$(mktemp -d "/tmp/sweep_$name.XXXXXX")" # fresh: sweep.py writes only into an empty one
     timeout "$((budget + 40))" "$PYTHON" benchmarks/sweep.py --gpus "$gpus" --logs "$logs" \
         --budget-s "$budget" "$@" >"$OUT/$name.log" 2>&1
     local status=$?
     cp "$logs/results.json" "$OUT/fair_$name.json" 2>/dev/null
     cp "$logs/table.md" "$OUT/table_$name.md" 2>/dev/null
     cp "$logs/sweep.png" "$OUT/sweep_$name.png" 2>/dev/null
-    tar -czf "$OUT/logs_$name.tar.gz" -C /tmp "sweep_$name" 2>/dev/null
+    tar -czf "$OUT/logs_$name.tar.gz" -C /tmp "$(basename "$logs")" 2>/dev/null
     echo "sweep $name: exit $status, $(left) s left" >>"$OUT/stages.txt"
 }
 
@@ -109,14 +142,8 @@ case "$STAGE" in
         # Every sweep resumes from its record in benchmarks/sweeps/ (what earlier calls
         # returned), so a call only adds the runs still missing: the ~1B runs at the ~150M
         # bests, each search finished, and each optimizer's best again at seed 1.
-        PART="${2:?usage: bash scripts/fair_sweep.sh confirm 1b|small}"
         for name in 150m 25m 1b; do
-            if [ -e "$SWEEPS/fair_$name.json" ]; then
-                cp "$SWEEPS/fair_$name.json" "/tmp/first_$name.json"
-            elif [ "$name" != 1b ]; then
-                echo "$SWEEPS/fair_$name.json is missing: run the search stage first" >&2
-                exit 2
-            fi
+            [ -e "$SWEEPS/fair_$name.json" ] && cp "$SWEEPS/fair_$name.json" "/tmp/first_$name.json"
         done
         build_corpus
         case "$PART" in
@@ -134,25 +161,18 @@ case "$STAGE" in
                     --seeds 0 1 --resume-from /tmp/first_25m.json -- "${DATA[@]}" "${M25[@]}" &
                 wait
                 ;;
-            *)
-                echo "confirm $PART: 1b or small" >&2
-                exit 2
-                ;;
         esac
         ;;
     wait)
         # The step's wait for its batch at ~1B, batch 64, 4 GPUs (Markov chain, vocab 8192).
+        logs="$(mktemp -d /tmp/wait_1b.XXXXXX)"
         timeout 240 "$PYTHON" benchmarks/train_table.py --nproc 4 \
             --model "~1B dense (dim 2048, 20 layers)" --variants adamw muon --repeats 1 \
-            --skip 10 --logs /tmp/wait_1b -- --dim 2048 --layers 20 --heads 16 --vocab 8192 \
+            --skip 10 --logs "$logs" -- --dim 2048 --layers 20 --heads 16 --vocab 8192 \
             --seq-len 1024 --batch-size 64 --steps 25 >"$OUT/wait_1b.log" 2>&1
         echo "data wait table: exit $?, $(left) s left" >>"$OUT/stages.txt"
-        cp /tmp/wait_1b/results.json "$OUT/wait_1b.json" 2>/dev/null
-        cp /tmp/wait_1b/table.md "$OUT/table_wait_1b.md" 2>/dev/null
-        ;;
-    *)
-        echo "stage $STAGE: search or confirm" >&2
-        exit 2
+        cp "$logs/results.json" "$OUT/wait_1b.json" 2>/dev/null
+        cp "$logs/table.md" "$OUT/table_wait_1b.md" 2>/dev/null
         ;;
 esac
 summary

@@ -13,9 +13,14 @@
 #      restarted run is held to this floor, and to bitwise equality where the floor is 0);
 #   3. --ckpt-every CKPT (10) --resume under --max-restarts 1, the worker of local rank 1
 #      SIGKILLed as soon as step KILL_AT (25) is logged; torchrun restarts both workers,
-#      which resume from step 20.
+#      which resume from step 20;
+#   4. run 3's checkpoints and metrics copied, 64 bytes of the largest shard of its newest
+#      checkpoint (step STEPS) flipped, then --resume: that checkpoint fails its digest, the
+#      run falls back to the one before (step STEPS - CKPT) with one warning and replays.
 # About 20-30 s a run (start, NCCL, 40 small steps), under 3 minutes in all. Logs, metrics
 # and the result table go to $OUT (default out/fault_drill); the table is printed last.
+# Without GPUs the same runs take CPU ranks (gloo); STEPS=8 CKPT=2 KILL_AT=5 is a quick
+# dry run there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GPUS="${1:?usage: bash scripts/fault_drill.sh NUM_GPUS}"
@@ -64,7 +69,28 @@ wait "$agent"
 rc=$?
 cp "$scratch/killed/metrics.jsonl" "$OUT/killed_metrics.jsonl" 2>/dev/null
 
-"$PYTHON" - "$scratch" "$OUT" "$killed" "$rc" <<'EOF'
+echo "== corrupted: 64 bytes of a shard of the newest checkpoint flipped, then --resume"
+mkdir -p "$scratch/corrupted"
+cp -r "$scratch/killed/ckpt" "$scratch/corrupted/ckpt"
+cp "$scratch/killed/metrics.jsonl" "$scratch/corrupted/metrics.jsonl" 2>/dev/null
+newest="$(find "$scratch/corrupted/ckpt" -maxdepth 1 -name 'step_*' -type d | sort | tail -1)"
+"$PYTHON" - "$newest" <<'EOF'
+import sys
+from pathlib import Path
+
+shard = max(Path(sys.argv[1]).glob("*.distcp"), key=lambda p: p.stat().st_size)
+data = bytearray(shard.read_bytes())
+middle = len(data) // 2
+data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+shard.write_bytes(bytes(data))
+print(f"flipped 64 bytes of {shard} at byte {middle}")
+EOF
+"$PYTHON" "${launch[@]}" examples/train.py "${model[@]}" --out "$scratch/corrupted" \
+  --ckpt-every "$CKPT" --ckpt-dir "$scratch/corrupted/ckpt" --resume \
+  --save-final "$scratch/corrupted.pt" >"$OUT/corrupted.log" 2>&1
+corrupted_rc=$?
+
+"$PYTHON" - "$scratch" "$OUT" "$killed" "$rc" "$corrupted_rc" <<'EOF'
 import json
 import sys
 from pathlib import Path
@@ -72,8 +98,18 @@ from pathlib import Path
 import torch
 
 scratch, out, killed, rc = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-log = (out / "killed.log").read_text()
-resumed = [line.split()[2] for line in log.splitlines() if line.startswith("[muon] resumed ")]
+corrupted_rc = int(sys.argv[5])
+
+
+def resumed(run: str) -> str:
+    log = (out / f"{run}.log").read_text()
+    found = [line.split()[2] for line in log.splitlines() if line.startswith("[muon] resumed ")]
+    return ", ".join(Path(r).name for r in found) or "none"
+
+
+def warnings(run: str) -> int:
+    log = (out / f"{run}.log").read_text()
+    return sum(line.startswith("WARNING checkpoint") for line in log.splitlines())
 
 
 def losses(run: str) -> dict[int, float]:
@@ -101,8 +137,14 @@ rows = [
     (
         "killed + restarted",
         f"pid {killed or 'none'} killed, exit {rc}",
-        ", ".join(Path(r).name for r in resumed) or "none",
+        resumed("killed"),
         *compare("killed"),
+    ),
+    (
+        "corrupted shard",
+        f"newest shard flipped: {warnings('corrupted')} warning, exit {corrupted_rc}",
+        resumed("corrupted"),
+        *compare("corrupted"),
     ),
 ]
 header = ("run vs uninterrupted", "fault", "resumed from", "weights bitwise", "max rel diff",

@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import sys
 import sysconfig
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,55 +163,110 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@dataclass
+class Selection:
+    """The documents of each split, in order, with what was left out and why."""
+
+    train: list[Path] = field(default_factory=list)
+    val: list[Path] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=lambda: {"empty": 0, "with a 0 byte": 0})
+    capped: bool = False
+
+
+def select(sources: list[Path], args: argparse.Namespace) -> Selection:
+    """Which documents go to which split: decided before anything is written, so a corpus
+    that would lack a split is refused without leaving a folder behind."""
+    chosen = Selection()
+    tokens = 0
+    for doc in documents(sources, tuple(args.extensions)):
+        text = doc.path.read_bytes()
+        if not text:
+            chosen.skipped["empty"] += 1
+            continue
+        if SEPARATOR in text:
+            chosen.skipped["with a 0 byte"] += 1
+            continue
+        size = len(SEPARATOR) + len(text)
+        if args.max_tokens is not None and tokens + size > args.max_tokens:
+            chosen.capped = True
+            break
+        tokens += size
+        (chosen.val if doc.split_draw < args.val_fraction else chosen.train).append(doc.path)
+    return chosen
+
+
+def write(folder: Path, chosen: Selection, shard_tokens: int) -> tuple[ShardWriter, ShardWriter]:
+    """Both splits' shards into ``folder``."""
+    splits = []
+    for name, paths in (("train", chosen.train), ("val", chosen.val)):
+        writer = ShardWriter(folder, name, shard_tokens)
+        for path in paths:
+            text = path.read_bytes()
+            if not text or SEPARATOR in text:
+                raise SystemExit(f"{path} changed while the corpus was written; run it again")
+            writer.add(text)
+        writer.close()
+        splits.append(writer)
+    return splits[0], splits[1]
+
+
+def check_out(out: Path) -> None:
+    """``--out`` must not exist, or be an empty folder: the corpus never mixes with (or
+    replaces) files that are there."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        held = "a file" if not out.is_dir() else f"{next(out.iterdir()).name}, ..."
+        raise SystemExit(
+            f"--out {out} already exists and is not an empty folder (it holds {held}); "
+            "choose another --out, or move that one away"
+        )
+
+
+def written(out: Path, chosen: Selection, shard_tokens: int) -> tuple[ShardWriter, ShardWriter]:
+    """Write into a fresh hidden sibling of ``out`` and rename it to ``out`` once whole: a run
+    cut off leaves no half corpus under the name a glob would read."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        train, val = write(scratch, chosen, shard_tokens)
+        scratch.rename(out)  # replaces an empty folder, fails on anything else
+    except BaseException:
+        shutil.rmtree(scratch)  # this run's own scratch folder, never a path it was given
+        raise
+    for split in (train, val):
+        split.shards = [out / path.name for path in split.shards]
+    return train, val
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sources = default_sources() if args.source is None else [s.resolve() for s in args.source]
     for source in sources:
         if not source.is_dir():
             raise SystemExit(f"--source {source} is not a folder")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stale = sorted(args.out.glob("train_*.bin")) + sorted(args.out.glob("val_*.bin"))
-    if stale:
-        raise SystemExit(
-            f"--out {args.out} already holds shards ({stale[0].name}, ...), which a glob would "
-            "mix with the new ones; remove them or choose another --out"
-        )
-
-    train = ShardWriter(args.out, "train", args.shard_tokens)
-    val = ShardWriter(args.out, "val", args.shard_tokens)
-    skipped = {"empty": 0, "with a 0 byte": 0}
-    capped = False
-    for doc in documents(sources, tuple(args.extensions)):
-        text = doc.path.read_bytes()
-        if not text:
-            skipped["empty"] += 1
-            continue
-        if SEPARATOR in text:
-            skipped["with a 0 byte"] += 1
-            continue
-        size = len(SEPARATOR) + len(text)
-        if args.max_tokens is not None and train.tokens + val.tokens + size > args.max_tokens:
-            capped = True
-            break
-        (val if doc.split_draw < args.val_fraction else train).add(text)
-    for split, name in ((train, "train"), (val, "val")):
-        if not split.documents:
-            for path in train.shards + val.shards:  # written by this run: leave no part
-                path.unlink()
+    check_out(args.out)
+    chosen = select(sources, args)
+    for name, paths in (("train", chosen.train), ("val", chosen.val)):
+        if not paths:
             raise SystemExit(
-                f"no document went to the {name} split ({train.documents} train, "
-                f"{val.documents} val): give more text (--source, --max-tokens) or another "
+                f"no document went to the {name} split ({len(chosen.train)} train, "
+                f"{len(chosen.val)} val): give more text (--source, --max-tokens) or another "
                 "--val-fraction"
             )
-        split.close()
+    train, val = written(args.out, chosen, args.shard_tokens)
+    report(sources, chosen, train, val, args.out)
 
+
+def report(
+    sources: list[Path], chosen: Selection, train: ShardWriter, val: ShardWriter, out: Path
+) -> None:
+    """Sources, documents, every shard's size and SHA-256, and the corpus checksum."""
     print("sources (in this order):")
     for index, source in enumerate(sources):
         print(f"  {index}: {source}")
     print(
         f"documents: {train.documents:,} train, {val.documents:,} validation; left out: "
-        + ", ".join(f"{n:,} {why}" for why, n in skipped.items())
-        + ("; stopped at the --max-tokens cap" if capped else "")
+        + ", ".join(f"{n:,} {why}" for why, n in chosen.skipped.items())
+        + ("; stopped at the --max-tokens cap" if chosen.capped else "")
     )
     total = hashlib.sha256()
     for split in (train, val):
@@ -224,8 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"corpus sha256 (of the shard hashes above, in order): {total.hexdigest()}")
     print(
-        f"train with: examples/train.py --data '{args.out / 'train_*.bin'}' "
-        f"--eval-data '{args.out / 'val_*.bin'}'"
+        f"train with: examples/train.py --data '{out / 'train_*.bin'}' "
+        f"--eval-data '{out / 'val_*.bin'}'"
     )
 
 

@@ -41,6 +41,9 @@ def main() -> None:
     )
     parser.add_argument("--host", action="store_true", help="profile rank 0's Python instead")
     args = parser.parse_args()
+    for flag in ("layers", "rows", "replicate"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} {getattr(args, flag)} must be >= 1")
     device, mesh = init_distributed(args)
     with torch.no_grad():
         model = build_model(PRESETS[args.preset], args.layers, mesh, device)

@@ -15,6 +15,9 @@ layout cases, how many operations of each kind the last step dispatched (views i
 
 from __future__ import annotations
 
+import argparse
+import os
+import pickle
 import sys
 from collections import Counter
 from pathlib import Path
@@ -161,19 +164,43 @@ def _cases(world_size: int) -> list[tuple[str, Any, tuple[Any, ...]]]:
     return cases
 
 
-def record(path: str) -> None:
+def record(path: Path) -> None:
+    """Run every case and save the snapshot, written beside ``path`` and renamed to it once
+    whole (a recording cut off leaves no file under its name)."""
     results: dict[str, list[dict[str, Any]]] = {}
     for world_size in WORLD_SIZES:
         for name, fn, args in _cases(world_size):
             results[f"w{world_size}.{name}"] = run_distributed(world_size, fn, *args)
             print(f"w{world_size}.{name}", flush=True)
     close_pools()
-    torch.save(results, path)
+    partial = path.with_name(f".{path.name}.partial")
+    torch.save(results, partial)
+    os.replace(partial, path)
 
 
-def compare(before_path: str, after_path: str) -> int:
-    before = torch.load(before_path)
-    after = torch.load(after_path)
+def load(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The snapshot at ``path``, or an exit naming the file and what is wrong with it."""
+    what = "give a file written by `tools/step_snapshot.py record`"
+    try:
+        data = torch.load(path, weights_only=True)
+    except OSError as error:
+        raise SystemExit(f"compare: {path} cannot be read ({error.strerror}); {what}") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SystemExit(f"compare: {path} is not a torch.save file ({first}); {what}") from None
+    ranks = data.values() if isinstance(data, dict) else [None]
+    if not all(isinstance(r, list) and all(_is_rank(x) for x in r) for r in ranks):
+        raise SystemExit(f"compare: {path} holds no snapshot (cases of per-rank tensors); {what}")
+    return data
+
+
+def _is_rank(entry: Any) -> bool:
+    return isinstance(entry, dict) and {"tensors", "raised"} <= entry.keys()
+
+
+def compare(before_path: Path, after_path: Path) -> int:
+    before = load(before_path)
+    after = load(after_path)
     if set(before) != set(after):
         print(f"different cases: {sorted(set(before) ^ set(after))}")
         return 1
@@ -203,8 +230,33 @@ def compare(before_path: str, after_path: str) -> int:
     return 1 if mismatches else 0
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = p.add_subparsers(dest="command", required=True, metavar="record|compare")
+    recording = commands.add_parser("record", help="run the cases and save their tensors")
+    recording.add_argument("path", type=Path, help="the snapshot to write (a new file)")
+    comparing = commands.add_parser("compare", help="compare two snapshots bit for bit")
+    comparing.add_argument("before", type=Path)
+    comparing.add_argument("after", type=Path)
+    args = p.parse_args(argv)
+    if args.command == "record":
+        if args.path.exists():
+            p.error(f"record: {args.path} already exists; name a new file (it is never replaced)")
+        if not args.path.parent.is_dir():
+            p.error(f"record: {args.path.parent} is not a folder; create it or name another path")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Record a snapshot (checked before the minutes the cases take) or compare two."""
+    args = parse_args(argv)
+    if args.command == "record":
+        record(args.path)
+        return 0
+    return compare(args.before, args.after)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "record":
-        record(sys.argv[2])
-    else:
-        sys.exit(compare(sys.argv[2], sys.argv[3]))
+    sys.exit(main())

@@ -297,8 +297,10 @@ def test_make_corpus_writes_readable_deterministic_shards(tmp_path: Path) -> Non
     assert found["train"] and found["val"]
     assert sorted(found["train"] + found["val"]) == sorted(docs.values())
 
+    kept = {path: path.read_bytes() for path in (tmp_path / "one").iterdir()}
     stale = run_make_corpus("--source", str(src), "--out", str(tmp_path / "one"))
-    assert stale.returncode != 0 and "already holds shards" in stale.stderr
+    assert stale.returncode != 0 and "already exists and is not an empty folder" in stale.stderr
+    assert {path: path.read_bytes() for path in (tmp_path / "one").iterdir()} == kept
 
     capped = run_make_corpus(
         "--source",
@@ -338,3 +340,25 @@ def test_markov_batches_are_the_whole_row_search_ones(vocab: int) -> None:
         got = chain.batch(step, 6, 40, rows)
         assert got.dtype == torch.long and got.shape == (rows.stop - rows.start, 41)
         assert torch.equal(got, whole_row_walk(chain, step, 6, 40, rows)), (vocab, step)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--val-fraction", "0.001"], "no document went to the val split"),
+        (["--shard-tokens", "0"], "--shard-tokens 0 must be >= 1"),
+        (["--max-tokens", "-5"], "--max-tokens -5 must be >= 1"),
+        (["--source", "missing"], "is not a folder"),
+    ],
+)
+def test_make_corpus_refuses_before_it_writes_and_leaves_no_folder(
+    tmp_path: Path, flags: list[str], named: str
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "one.py").write_text("a single document\n")
+    out = tmp_path / "deep" / "corpus"
+    proc = run_make_corpus("--source", str(src), *flags, "--out", str(out))
+    assert proc.returncode != 0 and named in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"], "a folder was left behind"

@@ -3,7 +3,10 @@ FLOP count, and one run end to end on CPU/gloo."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -261,3 +264,60 @@ def test_rule_names_the_report_and_is_refused_with_train(
     with pytest.raises(SystemExit):
         profile_step.parse_args()
     assert "--optimizer dion2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--preset", "tiny", "--steps", "0"], "--steps 0"),
+        (["--preset", "tiny", "--warmup", "-1"], "--warmup -1"),
+        (["--preset", "tiny", "--layers", "0"], "--layers 0"),
+    ],
+)
+def test_counts_that_profile_nothing_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    named: str,
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", *flags])
+    with pytest.raises(SystemExit) as refused:
+        profile_step.parse_args()
+    assert refused.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_from_json_names_the_file_and_what_is_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A foreign JSON (say, a sweep's results.json), a truncated one and a missing one each
+    stop ``--from-json`` with the file and the cause, never a KeyError."""
+    foreign = tmp_path / "results.json"
+    foreign.write_text(json.dumps({"model": "tiny", "runs": []}))
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text('{"name": "tiny", "phases": {')
+    for path, problem in (
+        (foreign, "lacks name, world_size, plan, phases"),
+        (truncated, "not valid JSON"),
+        (tmp_path / "missing.json", "cannot be read"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["profile_step.py", "--from-json", str(path)])
+        with pytest.raises(SystemExit) as refused:
+            profile_step.main()
+        message = str(refused.value.code)
+        assert message.startswith(f"--from-json {path}: ") and problem in message, message
+
+
+def test_the_kernel_profiler_refuses_counts_below_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tools/profile_step.py (a module of the same name: loaded by path)."""
+    spec = importlib.util.spec_from_file_location("kernel_profile", ROOT / "tools/profile_step.py")
+    assert spec is not None and spec.loader is not None
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    for flag in ("--layers", "--rows", "--replicate"):
+        monkeypatch.setattr(sys, "argv", ["profile_step.py", flag, "0"])
+        with pytest.raises(SystemExit) as refused:
+            kernels.main()
+        assert refused.value.code == 2 and f"{flag} 0 must be >= 1" in capsys.readouterr().err

@@ -382,8 +382,16 @@ def fake_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *argv: str) -> d
     monkeypatch.setattr(sweep, "collect", collect)
     monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
     logs = tmp_path / "logs"
-    sweep.main([*argv, "--logs", str(logs), "--model", "tiny", "--", "--data", "x", *TINY])
+    data = _text(tmp_path.parent)  # one file for the sweeps of a test: their flags match
+    sweep.main([*argv, "--logs", str(logs), "--model", "tiny", "--", "--data", str(data), *TINY])
     return json.loads((logs / "results.json").read_text())
+
+
+def _text(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    text = folder / "text.txt"
+    text.write_bytes(bytes(range(32, 127)) * 200)
+    return text
 
 
 def test_a_resumed_sweep_runs_what_the_first_part_left(
@@ -411,3 +419,90 @@ def test_a_resumed_sweep_runs_what_the_first_part_left(
     other.write_text(json.dumps({**part, "model": "another"}))
     with pytest.raises(SystemExit, match=r"--resume-from .*other.json: its model 'another'"):
         fake_sweep(monkeypatch, tmp_path / "again", "--resume-from", str(other))
+
+
+FAKE_TRAIN = """
+import json, sys
+from pathlib import Path
+
+argv = sys.argv[1:]
+out = Path(argv[argv.index("--out") + 1])
+if argv[argv.index("--optimizer") + 1] == "adamw":
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("RuntimeError: rank 1: data file x.bin shrank while the job ran", file=sys.stderr)
+    sys.exit(1)
+record = {"step": 1, "loss": float("nan"), "tokens": 1, "elapsed": 0.1, "data_wait_s": 0.0}
+(out / "metrics.jsonl").write_text(json.dumps(record) + "\\n")
+sys.exit(1)
+"""
+
+
+def test_a_crashed_run_is_reported_as_crashed_with_its_log_and_fails_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two runs that both exit 1: AdamW's without a loss (a crash: its log's end is shown and
+    kept, and the sweep exits non-zero), Muon's after logging a NaN loss (a divergence)."""
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(sweep, "SCRIPT", script)
+    monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+    logs = tmp_path / "logs"
+    argv = ["--logs", str(logs), "--model", "tiny", "--runs", "adamw", "muon --lr 0.02"]
+    with pytest.raises(SystemExit) as failed:
+        sweep.main([*argv, "--", "--data", str(_text(tmp_path)), *TINY])
+    message = str(failed.value.code)
+    assert message.startswith("1 run(s) crashed") and "adamw" in message and "muon" not in message
+    results = json.loads((logs / "results.json").read_text())
+    status = {r["config"]["optimizer"]: r["status"] for r in results["runs"]}
+    assert status == {"adamw": "crashed", "muon": "diverged"}
+    (adamw,) = [r for r in results["runs"] if r["config"]["optimizer"] == "adamw"]
+    assert any("data file x.bin shrank" in line for line in adamw["log_tail"])
+    printed = capsys.readouterr().out
+    assert "data file x.bin shrank" in printed and "adamw defaults seed 0: crashed" in printed
+    table = (logs / "table.md").read_text()
+    assert "| crashed |" in table and "| diverged |" in table
+
+
+@pytest.mark.parametrize(
+    ("own", "training", "named"),
+    [
+        (["--gpus", "-1"], [], "--gpus -1"),
+        (["--nproc", "0"], [], "--nproc 0"),
+        (["--budget-s", "-5"], [], "--budget-s -5.0"),
+        (["--runs", "sgd --lr 0.1"], [], "'sgd'"),
+        (["--also", "sgd"], [], "'sgd'"),
+        ([], ["--data", "missing_*.bin"], "--data 'missing_*.bin' matches no file"),
+        ([], ["--eval-data", "missing_*.bin"], "--eval-data 'missing_*.bin' matches no file"),
+    ],
+)
+def test_bad_input_is_refused_before_any_run_or_folder(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    own: list[str],
+    training: list[str],
+    named: str,
+) -> None:
+    monkeypatch.setattr(sweep, "start", lambda *a: pytest.fail("a run was started"))
+    logs = tmp_path / "logs"
+    data = ["--data", str(_text(tmp_path / "corpus"))]
+    argv = ["--logs", str(logs), "--model", "tiny", *own, "--", *data, *TINY, *training]
+    with pytest.raises(SystemExit) as refused:
+        sweep.main(argv)
+    message = f"{refused.value.code}\n{capsys.readouterr().err}"
+    assert refused.value.code not in (0, None), message
+    assert named in message, message
+    assert not logs.exists(), "a refused sweep left its --logs folder"
+
+
+def test_a_used_logs_folder_is_refused_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sweep, "start", lambda *a: pytest.fail("a run was started"))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "results.json").write_text("{}")
+    argv = ["--logs", str(logs), "--model", "tiny", "--runs", "adamw"]
+    with pytest.raises(SystemExit, match=f"--logs {logs} already exists"):
+        sweep.main([*argv, "--", "--data", str(_text(tmp_path)), *TINY])
+    assert (logs / "results.json").read_text() == "{}"

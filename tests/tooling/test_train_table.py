@@ -20,6 +20,9 @@ import train_table
     [
         (["--skip", "10"], ["--steps", "4"], ["--skip 10", "--steps 4"]),
         (["--nproc", "2"], ["--batch-size", "1"], ["--batch-size 1", "--nproc 2"]),
+        (["--repeats", "0"], [], ["--repeats 0"]),
+        (["--nproc", "-1"], [], ["--nproc -1"]),
+        ([], ["--data", "missing_*.bin"], ["--data 'missing_*.bin' matches no file"]),
     ],
 )
 def test_arguments_that_give_no_table_fail_before_the_first_launch(
@@ -42,7 +45,21 @@ def test_arguments_that_give_no_table_fail_before_the_first_launch(
     assert refused.value.code not in (0, None), message
     for flag in named:
         assert flag in message, message
-    assert not logs.exists() or not any(logs.iterdir()), "a run was launched"
+    assert not logs.exists(), "a refused comparison left its --logs folder"
+
+
+def test_a_used_logs_folder_is_refused_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "results.json").write_text("{}")
+    monkeypatch.setattr(train_table, "launch", lambda *a: pytest.fail("a run was launched"))
+    argv = ["--model", "tiny", "--logs", str(logs), "--skip", "1", "--", *TINY]
+    monkeypatch.setattr(sys, "argv", ["train_table.py", *argv])
+    with pytest.raises(SystemExit, match=f"--logs {logs} already exists"):
+        train_table.main()
+    assert (logs / "results.json").read_text() == "{}"
 
 
 def test_from_json_names_the_file_and_what_is_wrong(tmp_path: Path) -> None:
