@@ -211,8 +211,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--cuda-graph",
-        action="store_true",
-        help="capture the Muon optimizer step in a CUDA graph (gradients kept between steps)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Muon(cuda_graph=...): 'auto' (the default) captures the optimizer step in a CUDA "
+        "graph where the job allows (CUDA, no --overlap), 'on' always, 'off' never",
     )
     p.add_argument(
         "--overlap",
@@ -453,7 +455,7 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
             adjust_lr=args.adjust_lr,
             comm_dtype=dtypes[args.comm_dtype],
             ns_dtype=dtypes[args.ns_dtype],
-            cuda_graph=args.cuda_graph,
+            cuda_graph={"auto": "auto", "on": True, "off": False}[args.cuda_graph],
             rule=name,
             overlap=args.overlap,
             **qk_clip_options(model, args.qk_clip),
@@ -838,8 +840,6 @@ def train(
     model = build_model(args, mesh, env)
     opt = build_optimizer(optimizer_name, model, args)
     base_lrs = [group["lr"] for group in opt.param_groups]
-    # A captured Muon step reads the gradient tensors in place: keep them (zeroed) between steps.
-    keep_grads = args.cuda_graph and optimizer_name != "adamw"
     if optimizer_name != "adamw":
         log(env, "muon_dist routing table:\n" + opt.routing_table())  # type: ignore[attr-defined]
     # overlap="auto": the choice is shown once, when made.
@@ -886,7 +886,7 @@ def train(
             (loss_sum * (env.world_size / global_tokens)).backward()
             timer.backward_done()
             opt.step()
-            opt.zero_grad(set_to_none=not keep_grads)
+            opt.zero_grad()
             timer.stop()
             times = timer.slowest(data_wait)
             total = loss_sum.detach().clone()
