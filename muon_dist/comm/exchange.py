@@ -2,7 +2,7 @@
 of results back, one all-to-all per bucket and direction, behind one object
 (:class:`BucketExchange`). :class:`PackedExchange` moves whole pieces in packed buffers
 (their layout is :mod:`muon_dist.plan.packing`); Dion2's variant moves only the chosen
-slices (:class:`muon_dist.step.dion2_bucket.SelectedExchange`, its buffers
+slices (:class:`muon_dist.step.wings.dion2_bucket.SelectedExchange`, its buffers
 :mod:`muon_dist.comm.dion2_exchange`).
 """
 

@@ -25,8 +25,8 @@ class ExecutionSettings:
     ``nonfinite`` what a non-finite gradient or result does; ``cuda_graph`` whether the
     step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps;
     ``overlap="backward"`` starts the buckets from gradient hooks during backward
-    (:mod:`muon_dist.step.backward`), ``"auto"`` times both modes and keeps the faster
-    (:mod:`muon_dist.step.overlap_choice`).
+    (:mod:`muon_dist.step.launch.backward`), ``"auto"`` times both modes and keeps the faster
+    (:mod:`muon_dist.step.launch.overlap_choice`).
     """
 
     backend: str = _DEFAULT["backend"]

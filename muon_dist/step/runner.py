@@ -1,10 +1,10 @@
 """The step machinery behind :meth:`muon_dist.Muon.step`, built once per set of groups.
 
 A step, in order: stage the host's values into device memory (:class:`StepInputs`), agree
-on the gradients (:mod:`muon_dist.step.agreement`), run the Muon phase
-(:mod:`muon_dist.step.muon_phase`), run torch's fused AdamW on the other groups, and queue the
-outcome's host copy. Under ``cuda_graph=True`` that device work is captured once and
-replayed (:mod:`muon_dist.step.cuda_graph`).
+on the gradients (:mod:`muon_dist.step.agree.agreement`), run the Muon phase
+(:mod:`muon_dist.step.program.muon_phase`), run torch's fused AdamW on the other groups, and
+queue the outcome's host copy. Under ``cuda_graph=True`` that device work is captured once and
+replayed (:mod:`muon_dist.step.launch.cuda_graph`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from muon_dist.plan.views import MatrixView, matrix_views, named_params
 from muon_dist.rules.registry import rule_of
 from muon_dist.state.tensors import local, storage
 from muon_dist.step.adamw_phase import AdamWPhase
-from muon_dist.step.agreement import Agreement
-from muon_dist.step.backward import BackwardStart
+from muon_dist.step.agree.agreement import Agreement
+from muon_dist.step.agree.grad_check import check_grad
+from muon_dist.step.agree.report import Outcome
 from muon_dist.step.changes import BuiltFrom
-from muon_dist.step.cuda_graph import StepGraph
-from muon_dist.step.grad_check import check_grad
-from muon_dist.step.muon_phase import MuonEntry, MuonPhase
-from muon_dist.step.report import Outcome
-from muon_dist.step.scalars import StepInputs
+from muon_dist.step.launch.backward import BackwardStart
+from muon_dist.step.launch.cuda_graph import StepGraph
+from muon_dist.step.program.muon_phase import MuonEntry, MuonPhase
+from muon_dist.step.shard.scalars import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class StepRunner:
         its failure flagged, so every rank leaves everything as it was and learns of the
         failure; it returns its error for the caller to raise. ``overlap``: this step's
         buckets started from gradient hooks (:meth:`grad_ready`), else it is the plain step
-        (the same on every rank, :mod:`muon_dist.step.overlap_choice`).
+        (the same on every rank, :mod:`muon_dist.step.launch.overlap_choice`).
         """
         failure = refusal
         grads: list[torch.Tensor | None] = [None] * len(self.params)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from muon_dist.plan.bucket_map import BucketMap
 from muon_dist.plan.build import BucketPlan
-from muon_dist.step import muon_phase
+from muon_dist.step.program import muon_phase
 
 
 @contextmanager

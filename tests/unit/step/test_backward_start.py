@@ -15,8 +15,8 @@ import torch
 from dispatch_count import CountOps
 
 from muon_dist.runtime import Task
-from muon_dist.step import backward
-from muon_dist.step.backward import BackwardStart
+from muon_dist.step.launch import backward
+from muon_dist.step.launch.backward import BackwardStart
 
 # Buckets in plan order, by the tensors they need: tensor 2 is in the first two.
 BUCKETS = ([0, 1], [2], [2, 3], [4, 5])

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import muon_dist
-from muon_dist.step.shard_io import (
+from muon_dist.step.shard.shard_io import (
     DECAY_CAUTIOUS,
     DECAY_IN_WRITE,
     DECAY_TENSOR,

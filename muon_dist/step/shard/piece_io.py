@@ -25,15 +25,15 @@ from muon_dist.rules.ops import (
 )
 from muon_dist.rules.registry import rule_of
 from muon_dist.state.muon_state import MuonState
-from muon_dist.step.dion2_feedback import ErrorFeedback, Feedback
-from muon_dist.step.piece_writes import Batch, BatchedWrite, FusedWrite, SingleWrite, Write
-from muon_dist.step.scalars import MuonScalars
-from muon_dist.step.shard_io import (
+from muon_dist.step.shard.piece_writes import Batch, BatchedWrite, FusedWrite, SingleWrite, Write
+from muon_dist.step.shard.scalars import MuonScalars
+from muon_dist.step.shard.shard_io import (
     DECAY_CAUTIOUS,
     WRITE_FUSED,
     WRITE_SINGLE,
     ShardIO,
 )
+from muon_dist.step.wings.dion2_feedback import ErrorFeedback, Feedback
 
 
 class LocalGrads:
@@ -90,14 +90,14 @@ class _Reads:
 @dataclass(frozen=True)
 class PieceForms:
     """Per piece (plan view index): its tensor, group, step class, and where its shard I/O
-    happens (:mod:`muon_dist.step.shard_io`, decided at bind time)."""
+    happens (:mod:`muon_dist.step.shard.shard_io`, decided at bind time)."""
 
     tensor_of: tuple[int, ...]
     group_of: tuple[int, ...]
     groups: tuple[dict[str, Any], ...]  # per piece
     class_of: tuple[int, ...]
     io: tuple[ShardIO, ...]
-    write_parts: tuple[ErrorFeedback | None, ...]  # the rule's (:mod:`muon_dist.step.rule_parts`)
+    write_parts: tuple[ErrorFeedback | None, ...]  # the rule's (step.wings.rule_parts)
 
 
 class PieceIO:

@@ -1,7 +1,7 @@
 """The three forms a write of updates to local-shard pieces takes (which one, per view, is
-its :class:`muon_dist.step.shard_io.ShardIO` record's ``write``): fused, batched, single.
+its :class:`muon_dist.step.shard.shard_io.ShardIO` record's ``write``): fused, batched, single.
 
-Each form is laid out once per tuple of pieces (:meth:`muon_dist.step.piece_io.PieceIO.write`)
+Each form is laid out once per tuple of pieces (:meth:`muon_dist.step.shard.piece_io.PieceIO.write`)
 with the views and one-element scalars it needs, and writes a step's updates with no further
 decision but the ones a step's values make (Magma's per-row steps, an unchecked step's mask).
 """
@@ -22,8 +22,8 @@ from muon_dist.rules.ops import (
     shared_step_updates_,
     updates_,
 )
-from muon_dist.step.dion2_feedback import Feedback
-from muon_dist.step.scalars import MuonScalars
+from muon_dist.step.shard.scalars import MuonScalars
+from muon_dist.step.wings.dion2_feedback import Feedback
 
 
 @dataclass(frozen=True)

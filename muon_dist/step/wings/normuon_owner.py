@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from muon_dist.state.normuon_moments import RowMoments, StackRows
-from muon_dist.step.owner_part import OwnerPart
+from muon_dist.step.bucket.owner_part import OwnerPart
 
 
 class RowNormalization(OwnerPart):

@@ -1,5 +1,5 @@
 """The Muon phase started during backward (``Muon(..., overlap="backward")``, and the
-steps ``overlap="auto"`` overlaps, :mod:`muon_dist.step.overlap_choice`).
+steps ``overlap="auto"`` overlaps, :mod:`muon_dist.step.launch.overlap_choice`).
 
 FSDP2 calls each sharded parameter's post-accumulate-grad hooks right after its gradient's
 reduce-scatter (and, under HSDP, all-reduce), in ``foreach_reduce``. From there a bucket
@@ -50,8 +50,8 @@ import torch
 from muon_dist.kernels.streams import side_stream
 from muon_dist.options.schema import MUON_OPTIONS
 from muon_dist.runtime import Pipeline
-from muon_dist.step.muon_phase import MuonPhase
-from muon_dist.step.scalars import StepInputs
+from muon_dist.step.program.muon_phase import MuonPhase
+from muon_dist.step.shard.scalars import StepInputs
 
 logger = logging.getLogger(__name__)
 

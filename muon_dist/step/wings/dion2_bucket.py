@@ -38,8 +38,8 @@ from muon_dist.plan.packing import flat_views
 from muon_dist.plan.views import Box, MatrixView, PartSplit
 from muon_dist.rules.dion2_slices import add_slice_norms_, top_slices
 from muon_dist.runtime.scheduler import Task
-from muon_dist.step.bucket_io import BucketTools
-from muon_dist.step.bucket_task import run_bucket
+from muon_dist.step.bucket.bucket_io import BucketTools
+from muon_dist.step.bucket.bucket_task import run_bucket
 
 
 class DeviceSelection:

@@ -16,9 +16,9 @@ from muon_dist.plan.indices import TensorIndex
 from muon_dist.rules.base import RulePart
 from muon_dist.rules.ops import mask_stack_, matrix_sums
 from muon_dist.state.normuon_moments import RowMoments
-from muon_dist.step.failures import Failures
-from muon_dist.step.owner_part import OwnerPart
-from muon_dist.step.rule_parts import recipe_parts
+from muon_dist.step.agree.failures import Failures
+from muon_dist.step.bucket.owner_part import OwnerPart
+from muon_dist.step.wings.rule_parts import recipe_parts
 
 
 class Orthogonalizer:
@@ -50,7 +50,7 @@ class Orthogonalizer:
         self._owners: dict[int, OwnerPart] = {}  # per stack, made on its first step
 
     def _owner(self, stack: int, recipe: RulePart) -> OwnerPart:
-        """The rule's owner part for a stack (:mod:`muon_dist.step.rule_parts`)."""
+        """The rule's owner part for a stack (:mod:`muon_dist.step.wings.rule_parts`)."""
         owner = self._owners.get(stack)
         if owner is None:
             owner = self._owners[stack] = recipe_parts(recipe).owner(

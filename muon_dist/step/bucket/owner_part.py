@@ -1,5 +1,5 @@
 """What an owner does around Newton–Schulz on a stack: Muon's plain form, which every rule's
-owner part (:mod:`muon_dist.step.rule_parts`) changes."""
+owner part (:mod:`muon_dist.step.wings.rule_parts`) changes."""
 
 from __future__ import annotations
 

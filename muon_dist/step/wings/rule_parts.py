@@ -2,9 +2,9 @@
 reader of a rule's capability flags (``normalizes_rows``, ``selects_slices``).
 
 A rule's *owner part* changes what the owner does around Newton–Schulz on a stack (NorMuon's
-row normalization, :mod:`muon_dist.step.normuon_owner`; Dion2's chosen slices,
-:mod:`muon_dist.step.dion2_owner`); its *write part* what the write of an update does besides
-(Dion2's error feedback, :mod:`muon_dist.step.dion2_feedback`). Muon has neither: its owner
+row normalization, :mod:`muon_dist.step.wings.normuon_owner`; Dion2's chosen slices,
+:mod:`muon_dist.step.wings.dion2_owner`); its *write part* what the write of an update does besides
+(Dion2's error feedback, :mod:`muon_dist.step.wings.dion2_feedback`). Muon has neither: its owner
 part is plain Newton–Schulz (:class:`OwnerPart`).
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 from muon_dist.rules.base import Rule, RulePart
 from muon_dist.rules.registry import RULES, rule_of
 from muon_dist.state.normuon_moments import RowMoments
-from muon_dist.step.dion2_feedback import ErrorFeedback
-from muon_dist.step.dion2_owner import ChosenSlices
-from muon_dist.step.normuon_owner import RowNormalization
-from muon_dist.step.owner_part import OwnerPart
+from muon_dist.step.bucket.owner_part import OwnerPart
+from muon_dist.step.wings.dion2_feedback import ErrorFeedback
+from muon_dist.step.wings.dion2_owner import ChosenSlices
+from muon_dist.step.wings.normuon_owner import RowNormalization
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The Muon phase of a step, bound once to a plan: one order for every step.
 
-agree (by the caller) → scalars (:mod:`muon_dist.step.scalars`) → [momentum, Magma,
-decay] (:mod:`muon_dist.state.muon_state`) → buckets (:mod:`muon_dist.step.bucket_task`:
-Newton–Schulz input read by :mod:`muon_dist.step.piece_io`, gather, orthogonalize here,
-scatter, update written by :mod:`muon_dist.step.piece_io`). A transactional step
+agree (by the caller) → scalars (:mod:`muon_dist.step.shard.scalars`) → [momentum, Magma,
+decay] (:mod:`muon_dist.state.muon_state`) → buckets (:mod:`muon_dist.step.bucket.bucket_task`:
+Newton–Schulz input read by :mod:`muon_dist.step.shard.piece_io`, gather, orthogonalize here,
+scatter, update written by :mod:`muon_dist.step.shard.piece_io`). A transactional step
 (``nonfinite="skip_step"``) holds the bracketed state updates and the weight updates in a
 :class:`SkipTransaction` until all ranks agree that every Newton–Schulz result is finite;
 fusion changes which kernel runs a stage, never the order.
@@ -45,17 +45,17 @@ from muon_dist.runtime import Task, run_tasks
 from muon_dist.state.muon_state import MuonState
 from muon_dist.state.normuon_moments import row_moments
 from muon_dist.state.tensors import local
-from muon_dist.step.agreement import Agreement
-from muon_dist.step.bucket_io import BucketIO, BucketTools
-from muon_dist.step.bucket_task import bucket_task
-from muon_dist.step.dion2_bucket import Dion2Buckets, selected_bucket_task, selected_buckets
-from muon_dist.step.failures import Failures
-from muon_dist.step.orthogonalizer import Orthogonalizer
-from muon_dist.step.piece_io import LocalGrads, PieceForms, PieceIO
-from muon_dist.step.rule_parts import group_parts, row_moment_tensors
-from muon_dist.step.scalars import MuonScalars, StepInputs
-from muon_dist.step.shard_io import format_shard_io_table, shard_io
-from muon_dist.step.transaction import SkipTransaction
+from muon_dist.step.agree.agreement import Agreement
+from muon_dist.step.agree.failures import Failures
+from muon_dist.step.bucket.bucket_io import BucketIO, BucketTools
+from muon_dist.step.bucket.bucket_task import bucket_task
+from muon_dist.step.bucket.orthogonalizer import Orthogonalizer
+from muon_dist.step.shard.piece_io import LocalGrads, PieceForms, PieceIO
+from muon_dist.step.shard.scalars import MuonScalars, StepInputs
+from muon_dist.step.shard.shard_io import format_shard_io_table, shard_io
+from muon_dist.step.shard.transaction import SkipTransaction
+from muon_dist.step.wings.dion2_bucket import Dion2Buckets, selected_bucket_task, selected_buckets
+from muon_dist.step.wings.rule_parts import group_parts, row_moment_tensors
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ class MuonPhase:
 
     def shard_io_table(self) -> str:
         """Where each view's shard read, write, momentum, decay and Dion2's feedback
-        happen, as printable text (:mod:`muon_dist.step.shard_io`)."""
+        happen, as printable text (:mod:`muon_dist.step.shard.shard_io`)."""
         return format_shard_io_table(self.pieces.forms.io)
 
     # -- plan time ----------------------------------------------------------------------

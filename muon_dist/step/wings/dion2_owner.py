@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from muon_dist.rules.dion2_slices import selected_orthogonalize
-from muon_dist.step.owner_part import OwnerPart
+from muon_dist.step.bucket.owner_part import OwnerPart
 
 
 class ChosenSlices(OwnerPart):

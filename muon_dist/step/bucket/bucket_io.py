@@ -12,10 +12,10 @@ import torch
 from muon_dist.comm.exchange import Exchanges
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import LocalSlices
-from muon_dist.step.failures import Failures
-from muon_dist.step.orthogonalizer import Orthogonalizer
-from muon_dist.step.piece_io import PieceIO
-from muon_dist.step.transaction import SkipTransaction
+from muon_dist.step.agree.failures import Failures
+from muon_dist.step.bucket.orthogonalizer import Orthogonalizer
+from muon_dist.step.shard.piece_io import PieceIO
+from muon_dist.step.shard.transaction import SkipTransaction
 
 
 @dataclass
@@ -24,7 +24,7 @@ class BucketIO:
     held by the transaction while it is open, cast to the exchanges' dtype, and a failure
     recorded instead of raised (``step()`` raises it once every rank knows). ``early``:
     between ``open_early`` and the end of ``close_early``, a step begun from gradient hooks
-    (:mod:`muon_dist.step.backward`), whose held updates must not pin their stacks."""
+    (:mod:`muon_dist.step.launch.backward`), whose held updates must not pin their stacks."""
 
     io: PieceIO
     transaction: SkipTransaction

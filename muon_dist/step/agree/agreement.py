@@ -18,7 +18,7 @@ their norms: every rank applies the owner's update to a replica, so replicas nee
 gradients (the data-parallel wrapper averages them), and a difference fails the step.
 
 The host reads the outcome later, from a copy queued at the end of the step
-(:mod:`muon_dist.step.report`).
+(:mod:`muon_dist.step.agree.report`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from muon_dist.comm.groups import Peers
 from muon_dist.options.schema import OPTIONS
-from muon_dist.step.report import NONFINITE, TOO_LARGE, Compared, Report
-from muon_dist.step.scalars import Segments, StepInputs
+from muon_dist.step.agree.report import NONFINITE, TOO_LARGE, Compared, Report
+from muon_dist.step.shard.scalars import Segments, StepInputs
 
 # Group entries that are no option and are compared as numbers: the step counts.
 _COUNTS = ("steps", "skipped_steps")

@@ -2,7 +2,7 @@
 
 One skeleton for every bucket: the transport (:class:`muon_dist.comm.exchange.BucketExchange`)
 is the plain packed exchange, or Dion2's, which moves only the chosen slices
-(:func:`muon_dist.step.dion2_bucket.selected_bucket_task`). Where every piece lies, in the
+(:func:`muon_dist.step.wings.dion2_bucket.selected_bucket_task`). Where every piece lies, in the
 stacks and in the exchange buffers, is laid out once per plan
 (:mod:`muon_dist.plan.bucket_map`); buffers are fresh every step, so a step takes their views
 anew, but a few per run of like pieces instead of one or two per piece.
@@ -16,7 +16,7 @@ from muon_dist.comm.exchange import BucketExchange, PackedExchange
 from muon_dist.plan.bucket_map import BucketMap, region_views
 from muon_dist.plan.build import BucketPlan
 from muon_dist.runtime.scheduler import Task, TaskBody
-from muon_dist.step.bucket_io import BucketTools
+from muon_dist.step.bucket.bucket_io import BucketTools
 
 
 def bucket_task(bucket: BucketPlan, where: BucketMap, tools: BucketTools) -> Task:
