@@ -31,7 +31,8 @@ from muon_dist.step.agree.report import Outcome
 from muon_dist.step.changes import BuiltFrom
 from muon_dist.step.launch.backward import BackwardStart
 from muon_dist.step.launch.cuda_graph import StepGraph
-from muon_dist.step.program.muon_phase import MuonEntry, MuonPhase
+from muon_dist.step.program.muon_phase import MuonPhase
+from muon_dist.step.shard.entries import MuonEntry
 from muon_dist.step.shard.scalars import StepInputs
 
 logger = logging.getLogger(__name__)

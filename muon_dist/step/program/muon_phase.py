@@ -17,7 +17,6 @@ fresh buffers, a few per run of like pieces.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,127 +24,47 @@ import torch
 from muon_dist.comm.exchange import Exchanges
 from muon_dist.comm.groups import CommGroups, Peers
 from muon_dist.options.settings import ExecutionSettings
-from muon_dist.plan.bucket_map import BucketMap, bucket_map
-from muon_dist.plan.build import (
-    Plan,
-    covers_exactly,
-    local_boxes,
-    local_pieces,
-    local_rows,
-    mesh_coords,
-    placement_of,
-)
-from muon_dist.plan.indices import GroupIndex, TensorIndex
-from muon_dist.plan.views import Box, MatrixView, PartSplit
+from muon_dist.plan.bucket_map import BucketMap, StackSpec, bucket_map
+from muon_dist.plan.build import Plan, covers_exactly, local_pieces
+from muon_dist.plan.indices import TensorIndex
+from muon_dist.plan.recipes import StackRecipe
 from muon_dist.rules.forms import fused_form
-from muon_dist.rules.normuon import ROW_MOMENT
 from muon_dist.rules.ops import decay_
 from muon_dist.rules.registry import rule_of
 from muon_dist.runtime import Task, run_tasks
 from muon_dist.state.muon_state import MuonState
-from muon_dist.state.normuon_moments import row_moments
 from muon_dist.state.tensors import local
 from muon_dist.step.agree.agreement import Agreement
 from muon_dist.step.agree.failures import Failures
 from muon_dist.step.bucket.bucket_io import BucketIO, BucketTools
 from muon_dist.step.bucket.bucket_task import bucket_task
 from muon_dist.step.bucket.orthogonalizer import Orthogonalizer
+from muon_dist.step.shard.entries import MuonEntry, row_matrices
 from muon_dist.step.shard.piece_io import LocalGrads, PieceForms, PieceIO
 from muon_dist.step.shard.scalars import MuonScalars, StepInputs
 from muon_dist.step.shard.shard_io import format_shard_io_table, shard_io
 from muon_dist.step.shard.transaction import SkipTransaction
-from muon_dist.step.wings.dion2_bucket import Dion2Buckets, selected_bucket_task, selected_buckets
-from muon_dist.step.wings.rule_parts import group_parts, row_moment_tensors
+from muon_dist.step.wings.base import Wing, WingSite
+from muon_dist.step.wings.registry import wing_of
 
 
-@dataclass(frozen=True)
-class MuonEntry:
-    """One matrix view of a Muon parameter, in plan order.
-
-    A parameter cut by ``split_sizes`` has one entry per row block; its matrices are
-    numbered across its views from ``first_matrix`` on (Magma keeps one score per matrix).
-    ``tensor_index`` is the parameter's position among the Muon parameters, ``group_index``
-    its group's position among all groups.
-    """
-
-    param: torch.Tensor
-    group: dict[str, Any]
-    view: MatrixView
-    name: str
-    first_matrix: int
-    tensor_index: TensorIndex
-    group_index: GroupIndex
-
-
-def _row_matrices(entries: Sequence[MuonEntry], comm: CommGroups) -> torch.Tensor:
-    """For each dim-0 row of this rank's shard, which of the parameter's matrices it is in
-    (``entries`` are all the views of one parameter)."""
-    first = entries[0]
-    placement = placement_of(first.param, first.name, first.view, comm.holders.ranks)
-    lo, hi = local_rows(placement, comm.rank)
-    rows = torch.arange(lo, hi)
-    matrices = torch.zeros_like(rows)
-    for e in entries:
-        start, stop = e.view.box(0, e.view.count)[0]
-        inside = (rows >= start) & (rows < stop)
-        matrices[inside] = e.first_matrix + (rows[inside] - start) // e.view.dim0_step
-    return matrices.to(local(first.param).device)
-
-
-def _primary_owner(entry: MuonEntry, comm: CommGroups, replica_mode: str) -> bool:
-    """Whether the matrices of a view this rank owns are their primary copies: always, but
-    under ``replica_mode="redundant"``, where each replica has an owner, only in the first
-    replica (coordinate 0 on every replicated mesh dim)."""
-    if replica_mode != "redundant":
-        return True
-    placement = placement_of(entry.param, entry.name, entry.view, comm.holders.ranks)
-    coord = mesh_coords(placement).get(comm.rank)
-    replicated = [d for d, tensor_dim in enumerate(placement.shard_dims) if tensor_dim is None]
-    return coord is not None and all(coord[d] == 0 for d in replicated)
-
-
-def _dion2_selects(entries: Sequence[MuonEntry]) -> dict[int, tuple[float, PartSplit | None]]:
-    """The views whose rule selects slices: their fraction and parts."""
-    return {
-        i: (float(e.group["dion2_fraction"]), e.view.part_split(e.group["adjust_lr"]))
-        for i, e in enumerate(entries)
-        if group_parts(e.group).chosen_slices
-    }
-
-
-def _dion2_buckets(
-    plan: Plan,
-    maps: Sequence[BucketMap],
-    entries: Sequence[MuonEntry],
-    selects: dict[int, tuple[float, PartSplit | None]],
-    selected: frozenset[int],
-    comm: CommGroups,
-    exchanges: Exchanges,
-    settings: ExecutionSettings,
-) -> Dion2Buckets:
-    """The phase's Dion2 side, from the views whose rule selects slices (``selects``:
-    fraction, parts) and the buckets that move only those slices."""
-    return Dion2Buckets(
-        plan,
-        maps,
-        [e.view for e in entries],
-        selects,
-        selected,
-        lambda view: _local_box(entries[view], comm),
-        exchanges,
-        settings,
-    )
-
-
-def _local_box(entry: MuonEntry, comm: CommGroups) -> Box:
-    """The box of ``entry``'s view this rank holds."""
-    placement = placement_of(entry.param, entry.name, entry.view, comm.holders.ranks)
-    return local_boxes(placement)[comm.rank]
+def _bind_wings(site: WingSite) -> dict[str, Wing]:
+    """One wing per wing class the groups' rules declare, over the views of those rules,
+    bound in plan order; keyed by each rule's name, as a stack's recipe names it."""
+    views: dict[type[Wing], set[int]] = {}
+    rules: dict[str, type[Wing]] = {}
+    for i, e in enumerate(site.entries):
+        rule = rule_of(e.group)
+        kind = rules.setdefault(rule.name, wing_of(rule))
+        views.setdefault(kind, set()).add(i)
+    wings = {kind: kind(site, frozenset(members)) for kind, members in views.items()}
+    return {name: wings[kind] for name, kind in rules.items()}
 
 
 def _bucket_maps(plan: Plan, peers: Peers, packed: Collection[int]) -> list[BucketMap]:
-    """Every bucket's map, stacks numbered across the plan; the buckets ``packed`` (Dion2's
-    selected exchange, which packs only the chosen slices) never use a buffer as stacks."""
+    """Every bucket's map, stacks numbered across the plan; the buckets ``packed`` (moved by
+    a wing's exchange, as Dion2's, which packs only the chosen slices) never use a buffer
+    as stacks."""
     maps: list[BucketMap] = []
     for index, bucket in enumerate(plan.buckets):
         first = sum(len(m.stacks) for m in maps)
@@ -180,6 +99,12 @@ def _fusable(
         ):
             fusable_writes.update(views)
     return frozenset(fusable_reads), frozenset(fusable_writes)
+
+
+def _recipe(spec: StackSpec) -> StackRecipe:
+    if spec.recipe is None:
+        raise RuntimeError(f"muon_dist: stack {spec.index} has no recipe; this is a bug")
+    return spec.recipe
 
 
 def _fused(
@@ -222,46 +147,38 @@ class MuonPhase:
         self.groups = [entries[views[0]].group for views in self.views_of]
         self._group_of = [entries[views[0]].group_index for views in self.views_of]
         exchanges = Exchanges(comm.exchange, settings.comm_dtype, self.device, comm.world_size)
-        selects = _dion2_selects(entries)
-        selected = selected_buckets(plan, selects, exchanges.peers.ranks, settings)
-        self.maps = _bucket_maps(plan, exchanges.peers, selected)
+        site = WingSite(plan, self.entries, self.views_of, comm, exchanges, settings, self.device)
+        self.wings = _bind_wings(site)
+        bound = list({id(w): w for w in self.wings.values()}.values())
+        packed = frozenset(i for w in bound for i in w.packed)
+        self.maps = _bucket_maps(plan, exchanges.peers, packed)
+        for wing in bound:
+            wing.lay_out(self.maps)
+        self._bound = bound
         self._make_state(state, comm)
-        self._make_step(group_count, comm, exchanges, selects, selected)
+        self._make_step(group_count, comm, exchanges)
 
     def _make_state(self, state: dict[torch.Tensor, dict[str, Any]], comm: CommGroups) -> None:
-        """The momenta and Magma scores, the local gradients, NorMuon's row moments."""
-        entries, settings, plan = self.entries, self.settings, self.plan
+        """The momenta and Magma scores, the local gradients, the wings' state."""
+        entries = self.entries
         magma_rows = {
-            j: _row_matrices([entries[i] for i in views], comm)
+            j: row_matrices([entries[i] for i in views], comm)
             for j, views in enumerate(self.views_of)
             if self.groups[j]["magma"]
         }
         self.state = MuonState(self.params, self.groups, magma_rows, comm.holders)
         self.grads = LocalGrads(self.shards, self.state)
         self.state.bind(state, self._momenta(state))
-        # NorMuon's per-row second moments; their all-reduce runs among the holders.
-        self.row_moments = row_moments(
-            [e.view for e in entries],
-            [_primary_owner(e, comm, settings.replica_mode) for e in entries],
-            self.views_of,
-            self.groups,
-            row_moment_tensors(self.groups),
-            [(b, m.stacks) for b, m in zip(plan.buckets, self.maps, strict=True)],
-            comm.holders,
-            self.device,
-            settings.backend,
-        )
-        self.row_moments.bind(self._moment_tensors(state))
+        for wing in self._bound:
+            wing.bind_state(state)
 
     def _make_step(
         self,
         group_count: int,
         comm: CommGroups,
         exchanges: Exchanges,
-        selects: dict[int, tuple[float, PartSplit | None]],
-        selected: frozenset[int],
     ) -> None:
-        """The device scalars, the bucket tasks' collaborators, and the Dion2 side."""
+        """The device scalars and the bucket tasks' collaborators."""
         entries, settings, plan, agreement = self.entries, self.settings, self.plan, self.agreement
         # Per matrix of every stack, in plan order, its Muon tensor.
         stacks = [stack for m in self.maps for stack in m.stacks]
@@ -276,18 +193,16 @@ class MuonPhase:
             forms, self.shards, self.state, self.grads, self.scalars, settings.backend
         )
         self.io = BucketIO(self.pieces, self.transaction, self.failures, settings)
+        wings = self.wings
         self.orthogonalizer = Orthogonalizer(
             settings,
-            self.row_moments,
+            lambda spec: wings[_recipe(spec).rule.name].owner(spec),
             self.failures,
             stack_tensor,
             [stack.shape[0] for stack in stacks],
             self.scalars.dropped,
         )
         self.tools = BucketTools(exchanges, self.io, self.orthogonalizer)
-        self.dion2 = _dion2_buckets(
-            plan, self.maps, self.entries, selects, selected, comm, exchanges, settings
-        )
 
     @property
     def error(self) -> Exception | None:
@@ -305,14 +220,12 @@ class MuonPhase:
     def _momenta(self, state: dict[torch.Tensor, dict[str, Any]]) -> list[torch.Tensor]:
         return [local(state[p]["momentum_buffer"]) for p in self.params]
 
-    def _moment_tensors(self, state: dict[torch.Tensor, dict[str, Any]]) -> dict[int, torch.Tensor]:
-        return {j: state[self.params[j]][ROW_MOMENT] for j in self.row_moments.spans}
-
     def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
-        """Point at the momentum buffers, Magma scores and NorMuon moments (again after a
-        state load)."""
+        """Point at the momentum buffers, Magma scores and the wings' state tensors (again
+        after a state load)."""
         self.state.bind(state, self._momenta(state))
-        self.row_moments.bind(self._moment_tensors(state))
+        for wing in self._bound:
+            wing.bind_state(state)
         self.pieces.bind()
 
     # -- the step -----------------------------------------------------------------------
@@ -325,9 +238,9 @@ class MuonPhase:
     def bucket(self, index: int) -> Task:
         """Bucket ``index``'s task, in plan order."""
         bucket, where = self.plan.buckets[index], self.maps[index]
-        if index in self.dion2.selected:
-            return selected_bucket_task(bucket, index, where, self.tools, self.dion2)
-        return bucket_task(bucket, where, self.tools)
+        exchanges = (w.exchange(index, where) for w in self._bound)
+        exchange = next((x for x in exchanges if x is not None), None)
+        return bucket_task(bucket, where, self.tools, exchange)
 
     def run(
         self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, *, transactional: bool
@@ -342,14 +255,14 @@ class MuonPhase:
             self.transaction.begin()
         else:
             self._advance_state(store_all=False)
-        self.row_moments.start()
+        self._start_wings()
         run_tasks(
             (self.bucket(i) for i in range(len(self.plan.buckets))), self.settings.max_inflight
         )
         self._agree_on_results(self.orthogonalizer.finite(), transactional)
         if transactional:
             self._commit(inputs)
-        self.row_moments.finish(self.scalars.keep_of)
+        self._finish_wings()
 
     def open_early(self) -> None:
         """Open a step whose buckets start before the agreement (``overlap="backward"``): no
@@ -359,7 +272,7 @@ class MuonPhase:
         self.agreement.clear_results()
         self.scalars.dropped.zero_()
         self.transaction.begin()
-        self.row_moments.start()
+        self._start_wings()
         self.io.early = True
 
     def close_early(self, inputs: StepInputs, *, transactional: bool) -> None:
@@ -372,7 +285,15 @@ class MuonPhase:
         self._agree_on_results(finite, transactional)
         self.io.early = False
         self._commit(inputs)
-        self.row_moments.finish(self.scalars.keep_of)
+        self._finish_wings()
+
+    def _start_wings(self) -> None:
+        for wing in self._bound:
+            wing.start()
+
+    def _finish_wings(self) -> None:
+        for wing in self._bound:
+            wing.finish(self.scalars.keep_of)
 
     def _agree_on_results(self, finite: torch.Tensor, transactional: bool) -> None:
         """Flag every matrix whose result is not ``finite`` (a scratch mask, negated in place)
@@ -446,7 +367,7 @@ def _scalars_and_forms(
         device=phase.device,
     )
     tensor_of = [e.tensor_index for e in entries]
-    parts = [group_parts(e.group) for e in entries]
+    write_parts = [phase.wings[rule_of(e.group).name].write_part() for e in entries]
     backend, momenta = phase.settings.backend, phase.state.momenta
     fused_reads = _fused(phase.fusable_reads, tensor_of, phase.shards, momenta, backend)
     fused_writes = _fused(phase.fusable_writes, tensor_of, phase.shards, momenta, backend)
@@ -455,7 +376,7 @@ def _scalars_and_forms(
         group_of=tuple(e.group_index for e in entries),
         groups=tuple(e.group for e in entries),
         class_of=class_of,
-        write_parts=tuple(p.write for p in parts),
+        write_parts=tuple(write_parts),
         io=tuple(
             shard_io(
                 e.view.label(e.name),
@@ -463,7 +384,7 @@ def _scalars_and_forms(
                 fused_write=i in fused_writes,
                 cautious=bool(e.group["cautious_wd"]),
                 magma=bool(e.group["magma"]),
-                feedback=parts[i].write is not None,
+                feedback=write_parts[i] is not None,
             )
             for i, e in enumerate(entries)
         ),

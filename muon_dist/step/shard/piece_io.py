@@ -25,7 +25,15 @@ from muon_dist.rules.ops import (
 )
 from muon_dist.rules.registry import rule_of
 from muon_dist.state.muon_state import MuonState
-from muon_dist.step.shard.piece_writes import Batch, BatchedWrite, FusedWrite, SingleWrite, Write
+from muon_dist.step.shard.piece_writes import (
+    Batch,
+    BatchedWrite,
+    Feedback,
+    FusedWrite,
+    SingleWrite,
+    Write,
+    WritePart,
+)
 from muon_dist.step.shard.scalars import MuonScalars
 from muon_dist.step.shard.shard_io import (
     DECAY_CAUTIOUS,
@@ -33,7 +41,6 @@ from muon_dist.step.shard.shard_io import (
     WRITE_SINGLE,
     ShardIO,
 )
-from muon_dist.step.wings.dion2_feedback import ErrorFeedback, Feedback
 
 
 class LocalGrads:
@@ -97,7 +104,7 @@ class PieceForms:
     groups: tuple[dict[str, Any], ...]  # per piece
     class_of: tuple[int, ...]
     io: tuple[ShardIO, ...]
-    write_parts: tuple[ErrorFeedback | None, ...]  # the rule's (step.wings.rule_parts)
+    write_parts: tuple[WritePart | None, ...]  # the rule's wing's
 
 
 class PieceIO:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -23,7 +24,21 @@ from muon_dist.rules.ops import (
     updates_,
 )
 from muon_dist.step.shard.scalars import MuonScalars
-from muon_dist.step.wings.dion2_feedback import Feedback
+
+
+class Feedback(Protocol):
+    """A piece's pass on its momentum with the write of its update (Dion2's error feedback,
+    :func:`muon_dist.rules.ops.error_feedback_`): the momentum view and β, read at every
+    write."""
+
+    def args(self) -> tuple[torch.Tensor, float]: ...
+
+
+class WritePart(Protocol):
+    """What a rule's write does besides adding the update (its wing's): each written
+    piece's :class:`Feedback`."""
+
+    def of_piece(self, momentum: torch.Tensor, group: dict[str, Any]) -> Feedback: ...
 
 
 @dataclass(frozen=True)
