@@ -66,3 +66,35 @@ def local_box(entry: MuonEntry, comm: CommGroups) -> Box:
     """The box of ``entry``'s view this rank holds."""
     placement = placement_of(entry.param, entry.name, entry.view, comm.holders.ranks)
     return local_boxes(placement)[comm.rank]
+
+
+@dataclass(frozen=True)
+class MuonTensors:
+    """The Muon parameters of a plan, numbered as Muon tensors: their views (``entries``,
+    in plan order, and each tensor's ``views_of``), parameters, local shards, groups and
+    group indices, and the device they are on."""
+
+    entries: tuple[MuonEntry, ...]
+    params: tuple[torch.Tensor, ...]
+    shards: tuple[torch.Tensor, ...]
+    views_of: tuple[tuple[int, ...], ...]
+    groups: tuple[dict[str, Any], ...]
+    group_of: tuple[int, ...]
+    device: torch.device
+
+    @classmethod
+    def of(cls, entries: Sequence[MuonEntry]) -> MuonTensors:
+        params = list({id(e.param): e.param for e in entries}.values())
+        views_of: list[list[int]] = [[] for _ in params]
+        for index, e in enumerate(entries):
+            views_of[e.tensor_index].append(index)
+        shards = tuple(local(p) for p in params)
+        return cls(
+            tuple(entries),
+            tuple(params),
+            shards,
+            tuple(tuple(views) for views in views_of),
+            tuple(entries[views[0]].group for views in views_of),
+            tuple(entries[views[0]].group_index for views in views_of),
+            shards[0].device,
+        )

@@ -44,12 +44,14 @@ class WritePart(Protocol):
 @dataclass(frozen=True)
 class Batch:
     """Pieces written together: their positions in the tuple, their parameter views, their
-    tensors' keep flags and their feedbacks (None where the rule has none)."""
+    tensors' keep flags and their feedbacks (None where the rule has none); ``unchecked``
+    where they write a transaction's held updates (non-finite where not kept)."""
 
     positions: tuple[int, ...]
     targets: tuple[torch.Tensor, ...]
     keeps: tuple[torch.Tensor, ...]
     feedbacks: tuple[Feedback | None, ...]
+    unchecked: bool
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class FusedWrite:
     decays: tuple[torch.Tensor, ...]
     steps: tuple[torch.Tensor, ...]
 
-    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars, unchecked: bool) -> None:
+    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         batch = self.batch
         fused_updates_(
             list(batch.targets),
@@ -87,10 +89,10 @@ class BatchedWrite:
     dtype: torch.dtype = torch.float32
     runs: Runs = ()
 
-    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars, unchecked: bool) -> None:
+    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         batch = self.batch
         mine = [updates[i] for i in batch.positions]
-        if unchecked and self.shared is None:
+        if batch.unchecked and self.shared is None:
             mine = [drop_unkept(u, keep) for u, keep in zip(mine, batch.keeps, strict=True)]
         for update, keep, fed in zip(mine, batch.keeps, batch.feedbacks, strict=True):
             if fed is not None:
@@ -107,7 +109,7 @@ class BatchedWrite:
             scalars.class_step_of[self.shared],
             scratch,
             flat_views(scratch, self.runs),
-            scalars.ok if unchecked else None,
+            scalars.ok if batch.unchecked else None,
         )
 
 
@@ -124,10 +126,11 @@ class SingleWrite:
     keep: torch.Tensor
     cautious: torch.Tensor | None
     feedback: Feedback | None
+    unchecked: bool
 
-    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars, unchecked: bool) -> None:
+    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         update = updates[self.position]
-        if unchecked:
+        if self.unchecked:
             update = drop_unkept(update, self.keep)
         magma_step = scalars.magma_step_of.get(self.index)
         post_orthogonalize_(
