@@ -31,6 +31,7 @@ from muon_dist.step.agree.report import Outcome
 from muon_dist.step.changes import BuiltFrom
 from muon_dist.step.launch.backward import BackwardStart
 from muon_dist.step.launch.cuda_graph import StepGraph
+from muon_dist.step.program.binding import bind
 from muon_dist.step.program.muon_phase import MuonPhase
 from muon_dist.step.shard.entries import MuonEntry
 from muon_dist.step.shard.modes import StepMode
@@ -126,7 +127,11 @@ class StepRunner:
         # overlap="backward" (or "auto", in its overlapped steps): the Muon phase's buckets
         # start from gradient hooks.
         self.early = (
-            BackwardStart(self.muon, [self.names[i] for i in self.muon_positions], self.modes[1])
+            BackwardStart(
+                self.muon,
+                [self.names[i] for i in self.muon_positions],
+                self.muon.programs[self.modes[1]],
+            )
             if self.muon is not None and settings.starts_in_backward
             else None
         )
@@ -187,7 +192,7 @@ class StepRunner:
         )
         logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
         return MuonPhase(
-            plan, entries, state, settings, group_count, comm, self.agreement, self.inputs
+            bind(plan, entries, state, settings, group_count, comm, self.agreement, self.inputs)
         )
 
     def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
@@ -380,7 +385,7 @@ class StepRunner:
             self.early.finish(muon_grads)
         elif self.muon is not None:
             self.abandon()
-            self.muon.run(muon_grads, self.modes[0])
+            self.muon.programs[self.modes[0]].run(muon_grads)
 
 
 def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:

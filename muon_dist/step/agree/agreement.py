@@ -214,6 +214,29 @@ class Agreement:
         flag["verdict"].zero_()
         compare["norms"].fill_(-math.inf)
         compare["negated_norms"].fill_(-math.inf)
+        self._flag_grads(grads, inputs)
+        if self.holders.size > 1:
+            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
+        torch.amax(self._checked, dim=0, out=self.found_inf)
+        self.found_inf.clamp_(max=1.0)
+        if self._compared.numel():
+            # max + (-min) > 0 where ranks differ; -inf + -inf where no rank has a value.
+            spread = torch.cat(
+                [
+                    compare["values"] + compare["negated"],
+                    compare["norms"] + compare["negated_norms"],
+                ]
+            )
+            digests = compare["digests"]
+            differs = (spread > 0).any() | (digests.amax() > digests.amin())
+            torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
+            self._differs = differs
+        self._set_keep()
+
+    def _flag_grads(self, grads: Sequence[torch.Tensor | None], inputs: StepInputs) -> None:
+        """This rank's verdict on each local gradient (non-finite, or above its norm limit)
+        and, for replicas, its norm to compare across ranks."""
+        flag, compare = self._flag, self._compare
         positions = tuple(i for i, g in enumerate(grads) if g is not None)
         if positions:
             index, replicated = self._index(positions)
@@ -232,23 +255,6 @@ class Agreement:
                 mine = torch.where(finite, norms, -math.inf).index_select(0, replicated[0])
                 compare["norms"].index_copy_(0, replicated[1], mine.to(self.flags.dtype))
                 compare["negated_norms"].index_copy_(0, replicated[1], (-mine).to(self.flags.dtype))
-        if self.holders.size > 1:
-            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
-        torch.amax(self._checked, dim=0, out=self.found_inf)
-        self.found_inf.clamp_(max=1.0)
-        if self._compared.numel():
-            # max + (-min) > 0 where ranks differ; -inf + -inf where no rank has a value.
-            spread = torch.cat(
-                [
-                    compare["values"] + compare["negated"],
-                    compare["norms"] + compare["negated_norms"],
-                ]
-            )
-            digests = compare["digests"]
-            differs = (spread > 0).any() | (digests.amax() > digests.amin())
-            torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
-            self._differs = differs
-        self._set_keep()
 
     def ranks_differ(self) -> bool:
         """Whether the ranks' options differed in the last :meth:`decide`: a host read, made

@@ -6,7 +6,7 @@ reduce-scatter (and, under HSDP, all-reduce), in ``foreach_reduce``. From there 
 whose every tensor has its final gradient starts: its momentum and Newton–Schulz input,
 gather, Newton–Schulz and scatter run while backward goes on. ``step()`` starts the
 buckets no hook started, waits for all, agrees on the gradients and results, and only then
-writes the parameters and commits the momenta (:meth:`MuonPhase.close`), so a
+writes the parameters and commits the momenta (:meth:`StepProgram.close`), so a
 non-finite gradient anywhere still leaves everything as it was on every rank.
 
 Every rank issues the same collectives in the same order: buckets start strictly in plan
@@ -50,8 +50,7 @@ import torch
 from muon_dist.kernels.streams import side_stream
 from muon_dist.options.schema import MUON_OPTIONS
 from muon_dist.runtime import Pipeline
-from muon_dist.step.program.muon_phase import MuonPhase
-from muon_dist.step.shard.modes import StepMode
+from muon_dist.step.program.muon_phase import MuonPhase, StepProgram
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +123,9 @@ class BackwardStart:
     it can. A hook that starts buckets records the norms of the gradients they are the
     first to read, in one kernel, then starts them on the side stream."""
 
-    def __init__(self, phase: MuonPhase, names: Sequence[str], mode: StepMode) -> None:
+    def __init__(self, phase: MuonPhase, names: Sequence[str], program: StepProgram) -> None:
         self.phase = phase
-        self.mode = mode  # the early mode its steps run in (StepMode.EARLY[_TRANSACTIONAL])
+        self.program = program  # the early mode's (StepMode.EARLY[_TRANSACTIONAL])
         self.names = list(names)  # per Muon tensor
         # Per bucket, in plan order, the Muon tensors it needs (the same on every rank).
         self._needs = [
@@ -238,7 +237,7 @@ class BackwardStart:
 
     def _begin(self) -> None:
         self._read_early = [tuple(g[k] for k in _READ_EARLY) for g in self._groups]
-        self.phase.open(self.mode)
+        self.program.open()
         self._pipeline = Pipeline(self.phase.settings.max_inflight)
         self._started = 0
         self._open = True
@@ -246,7 +245,7 @@ class BackwardStart:
     def _start_next(self) -> None:
         """Start the next bucket in plan order: one pipeline round, as ``run_tasks`` makes
         per bucket, so the collectives are the plain step's, in its order."""
-        self._pipeline.add(self.phase.bucket(self._started, self.mode))
+        self._pipeline.add(self.program.bucket(self._started))
         self._started += 1
         self._pipeline.round()
 
@@ -311,7 +310,7 @@ class BackwardStart:
     def finish(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Finish the step after the agreement: start the buckets no hook started, wait for
         all, then close the step by its program (agreement on the results, the commit where
-        kept: :meth:`MuonPhase.close`)."""
+        kept: :meth:`StepProgram.close`)."""
         with self._side_stream():
             if not self._open:
                 self._begin()
@@ -320,7 +319,7 @@ class BackwardStart:
                 while self._started < len(self._needs):
                     self._start_next()
                 self._pipeline.finish()
-                self.phase.close(self.mode)
+                self.program.close()
             finally:
                 self._open = False
                 self._reported.clear()

@@ -33,7 +33,7 @@ from muon_dist.step.shard.entries import MuonEntry, MuonTensors, row_matrices
 from muon_dist.step.shard.modes import StepMode
 from muon_dist.step.shard.piece_io import PieceForms, PieceIO
 from muon_dist.step.shard.piece_reads import LocalGrads
-from muon_dist.step.shard.scalars import MuonScalars
+from muon_dist.step.shard.scalars import MuonScalars, StepInputs
 from muon_dist.step.shard.shard_io import Fused, shard_io
 from muon_dist.step.shard.transaction import SkipTransaction
 from muon_dist.step.wings.base import Wing, WingSite
@@ -42,14 +42,20 @@ from muon_dist.step.wings.registry import wing_of
 
 @dataclass(frozen=True)
 class Bound:
-    """A Muon phase's parts, bound to its plan: the tensors, bucket maps and wings (by rule
-    name), the device scalars, the piece I/O (with the state and gradients it reads), the
-    owner's Newton–Schulz, where failures are flagged, the transaction, and per step mode
-    what the bucket tasks work with."""
+    """A Muon phase's parts, bound to its plan: the plan, settings, agreement and staged
+    host values (``inputs``) it was bound with; the tensors, bucket maps and wings (by rule
+    name; ``unique_wings`` each once, in plan order), the device scalars, the piece I/O
+    (with the state and gradients it reads), the owner's Newton–Schulz, where failures are
+    flagged, the transaction, and per step mode what the bucket tasks work with."""
 
+    plan: Plan
+    settings: ExecutionSettings
+    agreement: Agreement
+    inputs: StepInputs
     tensors: MuonTensors
     maps: list[BucketMap]
     wings: dict[str, Wing]
+    unique_wings: tuple[Wing, ...]
     scalars: MuonScalars
     pieces: PieceIO
     orthogonalizer: Orthogonalizer
@@ -66,6 +72,7 @@ def bind(
     group_count: int,
     comm: CommGroups,
     agreement: Agreement,
+    inputs: StepInputs,
 ) -> Bound:
     """Bind a phase of ``plan`` (whose views are ``entries``) to its tensors and state."""
     tensors = MuonTensors.of(entries)
@@ -73,20 +80,9 @@ def bind(
     site = WingSite(
         plan, tensors.entries, tensors.views_of, comm, exchanges, settings, tensors.device
     )
-    wings = _bind_wings(site)
-    unique = list({id(w): w for w in wings.values()}.values())
-    maps = _bucket_maps(plan, exchanges.peers, frozenset(i for w in unique for i in w.packed))
-    for wing in unique:
-        wing.lay_out(maps)
-    magma_rows = {
-        j: row_matrices([entries[i] for i in views], comm)
-        for j, views in enumerate(tensors.views_of)
-        if tensors.groups[j]["magma"]
-    }
-    muon_state = MuonState(tensors.params, tensors.groups, magma_rows, comm.holders)
-    muon_state.bind(state, [local(state[p]["momentum_buffer"]) for p in tensors.params])
-    for wing in unique:
-        wing.bind_state(state)
+    wings, unique, maps = _wings_and_maps(site)
+    muon_state = _state(tensors, comm)
+    bind_state(tensors, muon_state, unique, state)
     # Per matrix of every stack, in plan order, its Muon tensor.
     stacks = [stack for m in maps for stack in m.stacks]
     stack_tensor = [entries[i].tensor_index for stack in stacks for i in stack.views]
@@ -95,7 +91,7 @@ def bind(
     grads = LocalGrads(tensors.shards, muon_state)
     pieces = PieceIO(forms, tensors.shards, muon_state, grads, scalars, settings.backend)
     failures = Failures(agreement, comm.rank, [e.tensor_index for e in entries])
-    orthogonalizer = Orthogonalizer(
+    ortho = Orthogonalizer(
         settings,
         lambda spec: wings[_recipe(spec).rule.name].owner(spec),
         failures,
@@ -105,14 +101,60 @@ def bind(
     )
     transaction = SkipTransaction()
     tools = {
-        mode: BucketTools(
-            exchanges, BucketIO(pieces, transaction, failures, settings, mode), orthogonalizer
-        )
+        mode: BucketTools(exchanges, BucketIO(pieces, transaction, failures, settings, mode), ortho)
         for mode in StepMode
     }
     return Bound(
-        tensors, maps, wings, scalars, pieces, orthogonalizer, failures, transaction, tools
+        plan,
+        settings,
+        agreement,
+        inputs,
+        tensors,
+        maps,
+        wings,
+        unique,
+        scalars,
+        pieces,
+        ortho,
+        failures,
+        transaction,
+        tools,
     )
+
+
+def _wings_and_maps(site: WingSite) -> tuple[dict[str, Wing], tuple[Wing, ...], list[BucketMap]]:
+    """The wings (by rule name, and each once in plan order), and the bucket maps laid out
+    for them: the buckets a wing's own exchange moves never use a buffer as stacks."""
+    wings = _bind_wings(site)
+    unique = tuple({id(w): w for w in wings.values()}.values())
+    packed = frozenset(i for w in unique for i in w.packed)
+    maps = _bucket_maps(site.plan, site.exchanges.peers, packed)
+    for wing in unique:
+        wing.lay_out(maps)
+    return wings, unique, maps
+
+
+def _state(tensors: MuonTensors, comm: CommGroups) -> MuonState:
+    """The momenta and Magma scores (Magma's rows: which matrix each local row is in)."""
+    magma_rows = {
+        j: row_matrices([tensors.entries[i] for i in views], comm)
+        for j, views in enumerate(tensors.views_of)
+        if tensors.groups[j]["magma"]
+    }
+    return MuonState(tensors.params, tensors.groups, magma_rows, comm.holders)
+
+
+def bind_state(
+    tensors: MuonTensors,
+    muon_state: MuonState,
+    wings: Sequence[Wing],
+    state: dict[torch.Tensor, dict[str, Any]],
+) -> None:
+    """Point at the momentum buffers, Magma scores and the wings' state tensors (again
+    after a state load)."""
+    muon_state.bind(state, [local(state[p]["momentum_buffer"]) for p in tensors.params])
+    for wing in wings:
+        wing.bind_state(state)
 
 
 def _bind_wings(site: WingSite) -> dict[str, Wing]:

@@ -21,55 +21,33 @@ from typing import Any
 
 import torch
 
-from muon_dist.comm.groups import CommGroups
-from muon_dist.options.settings import ExecutionSettings
-from muon_dist.plan.build import Plan
 from muon_dist.runtime import Task, run_tasks
-from muon_dist.state.tensors import local
-from muon_dist.step.agree.agreement import Agreement
 from muon_dist.step.bucket.bucket_task import bucket_task
-from muon_dist.step.program.advance import advance_state
-from muon_dist.step.program.binding import bind
-from muon_dist.step.program.stages import PROGRAMS, Stage
-from muon_dist.step.shard.entries import MuonEntry
-from muon_dist.step.shard.modes import StepMode
-from muon_dist.step.shard.scalars import StepInputs
-from muon_dist.step.shard.shard_io import MOMENTUM_AT_COMMIT, MOMENTUM_BEFORE, format_shard_io_table
-from muon_dist.step.wings.base import Wing
+from muon_dist.step.program.advance import advance_state, advancing
+from muon_dist.step.program.binding import Bound, bind_state
+from muon_dist.step.program.stages import PROGRAMS, Program, Stage
+from muon_dist.step.shard.shard_io import MOMENTUM_AT_COMMIT, MOMENTUM_BEFORE
 
 
 class MuonPhase:
-    """The Muon phase of every step for one plan: its parts bound once
-    (:class:`muon_dist.step.program.binding.Bound`), and each mode's program run over them.
-    ``inputs`` are the step's host values, staged by the runner before each step."""
+    """The Muon phase of every step for one plan: its parts, bound once
+    (:func:`muon_dist.step.program.binding.bind`), and each mode's program run over them.
+    Its ``inputs`` are the step's host values, staged by the runner before each step."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        entries: Sequence[MuonEntry],
-        state: dict[torch.Tensor, dict[str, Any]],
-        settings: ExecutionSettings,
-        group_count: int,
-        comm: CommGroups,
-        agreement: Agreement,
-        inputs: StepInputs,
-    ) -> None:
-        self.plan, self.settings, self.agreement, self.inputs = plan, settings, agreement, inputs
-        bound = bind(plan, entries, state, settings, group_count, comm, agreement)
+    def __init__(self, bound: Bound) -> None:
+        self.plan, self.settings = bound.plan, bound.settings
+        self.agreement, self.inputs = bound.agreement, bound.inputs
         self.tensors = bound.tensors
         self.maps = bound.maps
         self.wings = bound.wings  # by rule name
+        self.unique_wings = bound.unique_wings  # each once
         self.scalars = bound.scalars
         self.pieces = bound.pieces
         self.orthogonalizer = bound.orthogonalizer
         self.failures = bound.failures
         self.transaction = bound.transaction
         self.tools = bound.tools  # per mode
-
-    @property
-    def bound_wings(self) -> list[Wing]:
-        """Each wing once, in the order the plan's views first name them."""
-        return list({id(w): w for w in self.wings.values()}.values())
+        self.programs = {mode: StepProgram(self, program) for mode, program in PROGRAMS.items()}
 
     @property
     def error(self) -> Exception | None:
@@ -80,15 +58,12 @@ class MuonPhase:
     def shard_io_table(self) -> str:
         """Where each view's shard read, write, momentum, decay and Dion2's feedback
         happen, as printable text (:mod:`muon_dist.step.shard.shard_io`)."""
-        return format_shard_io_table(self.pieces.forms.io)
+        return self.pieces.forms.table()
 
     def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
         """Point at the momentum buffers, Magma scores and the wings' state tensors (again
         after a state load)."""
-        momenta = [local(state[p]["momentum_buffer"]) for p in self.tensors.params]
-        self.pieces.state.bind(state, momenta)
-        for wing in self.bound_wings:
-            wing.bind_state(state)
+        bind_state(self.tensors, self.pieces.state, self.unique_wings, state)
         self.pieces.bind()
 
     # -- the step -----------------------------------------------------------------------
@@ -98,66 +73,81 @@ class MuonPhase:
         if self.pieces.grads.set(grads):
             self.pieces.forget_writes()
 
-    def bucket(self, index: int, mode: StepMode) -> Task:
-        """Bucket ``index``'s task, in plan order, in a step of ``mode``."""
-        bucket, where = self.plan.buckets[index], self.maps[index]
-        exchanges = (w.exchange(index, where) for w in self.bound_wings)
+
+class StepProgram:
+    """One mode's program (:data:`muon_dist.step.program.stages.PROGRAMS`) bound to a
+    phase: which tensors each of its state advances moves and what its bucket tasks work
+    with are decided here, once; a step then runs its stages."""
+
+    def __init__(self, phase: MuonPhase, program: Program) -> None:
+        self.phase, self.stages = phase, program
+        mode = program.mode
+        self._tools = phase.tools[mode]
+        self._before = advancing(phase.tensors, phase.pieces.forms.io, mode, MOMENTUM_BEFORE)
+        self._at_commit = advancing(phase.tensors, phase.pieces.forms.io, mode, MOMENTUM_AT_COMMIT)
+
+    def bucket(self, index: int) -> Task:
+        """Bucket ``index``'s task, in plan order."""
+        phase = self.phase
+        bucket, where = phase.plan.buckets[index], phase.maps[index]
+        exchanges = (w.exchange(index, where) for w in phase.unique_wings)
         exchange = next((x for x in exchanges if x is not None), None)
-        return bucket_task(bucket, where, self.tools[mode], exchange)
+        return bucket_task(bucket, where, self._tools, exchange)
 
-    def run(self, grads: Sequence[torch.Tensor | None], mode: StepMode) -> None:
-        """One Muon phase of ``mode`` on the local gradients ``grads`` (None where absent),
-        after the agreement decided on them: the program's opening, every bucket, its
-        closing."""
-        self.set_grads(grads)
-        self.open(mode)
-        buckets = (self.bucket(i, mode) for i in range(len(self.plan.buckets)))
-        run_tasks(buckets, self.settings.max_inflight)
-        self.close(mode)
+    def run(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """One Muon phase on the local gradients ``grads`` (None where absent), after the
+        agreement decided on them: the opening, every bucket, the closing."""
+        phase = self.phase
+        phase.set_grads(grads)
+        self.open()
+        buckets = (self.bucket(i) for i in range(len(phase.plan.buckets)))
+        run_tasks(buckets, phase.settings.max_inflight)
+        self.close()
 
-    def open(self, mode: StepMode) -> None:
-        """The stages of ``mode``'s program before its buckets."""
-        for stage in PROGRAMS[mode].opening:
-            self.run_stage(stage, mode)
+    def open(self) -> None:
+        """The stages before the buckets."""
+        for stage in self.stages.opening:
+            self._run(stage)
 
-    def close(self, mode: StepMode) -> None:
-        """The stages of ``mode``'s program after its buckets."""
-        for stage in PROGRAMS[mode].closing:
-            self.run_stage(stage, mode)
+    def close(self) -> None:
+        """The stages after the buckets."""
+        for stage in self.stages.closing:
+            self._run(stage)
 
-    def run_stage(self, stage: Stage, mode: StepMode) -> None:
-        """One stage of a program (:class:`Stage` says what each does)."""
-        scalars, agreement = self.scalars, self.agreement
+    def _run(self, stage: Stage) -> None:
+        """One stage (:class:`Stage` says what each does)."""
+        phase = self.phase
+        scalars, agreement, pieces = phase.scalars, phase.agreement, phase.pieces
         match stage:
             case Stage.OPEN:
-                self.failures.reset()
+                phase.failures.reset()
                 agreement.clear_results()
             case Stage.SCALARS:
-                scalars.stage(agreement.keep, agreement.found_inf, self.inputs)
+                scalars.stage(agreement.keep, agreement.found_inf, phase.inputs)
                 scalars.drop_unkept()
             case Stage.DROP_NONE:
                 scalars.drop_none()
             case Stage.ADVANCE:
-                advance_state(self.tensors, self.pieces, scalars, mode, MOMENTUM_BEFORE)
+                advance_state(phase.tensors, pieces, scalars, self._before)
             case Stage.HOLD:
-                self.transaction.begin()
+                phase.transaction.begin()
             case Stage.START:
-                for wing in self.bound_wings:
+                for wing in phase.unique_wings:
                     wing.start()
             case Stage.AGREE | Stage.AGREE_KEPT:
-                finite = self.orthogonalizer.finite()
+                finite = phase.orthogonalizer.finite()
                 if stage is Stage.AGREE_KEPT:
                     finite.logical_or_(scalars.dropped)
                 bad = finite.logical_not_().float()
-                agreement.count_bad_results(self.orthogonalizer.stack_tensor, bad)
+                agreement.count_bad_results(phase.orthogonalizer.stack_tensor, bad)
                 agreement.agree_on_results()
             case Stage.SKIP:
                 agreement.skip_on_results()
             case Stage.COMMIT:
-                held = self.transaction.end()
-                scalars.stage(agreement.keep, agreement.found_inf, self.inputs)
-                advance_state(self.tensors, self.pieces, scalars, mode, MOMENTUM_AT_COMMIT)
-                self.pieces.commit(held)
+                held = phase.transaction.end()
+                scalars.stage(agreement.keep, agreement.found_inf, phase.inputs)
+                advance_state(phase.tensors, pieces, scalars, self._at_commit)
+                pieces.commit(held)
             case Stage.FINISH:
-                for wing in self.bound_wings:
+                for wing in phase.unique_wings:
                     wing.finish(scalars.keep_of)

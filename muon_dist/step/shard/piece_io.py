@@ -39,6 +39,7 @@ from muon_dist.step.shard.shard_io import (
     WRITE_FUSED,
     WRITE_SINGLE,
     ShardIO,
+    format_shard_io_table,
 )
 from muon_dist.step.shard.transaction import Held
 
@@ -54,6 +55,10 @@ class PieceForms:
     class_of: tuple[int, ...]
     io: tuple[ShardIO, ...]
     write_parts: tuple[WritePart | None, ...]  # the rule's wing's
+
+    def table(self) -> str:
+        """The records as printable text, one row per view."""
+        return format_shard_io_table(self.io)
 
 
 class PieceIO:
@@ -149,7 +154,7 @@ class PieceIO:
         tuples, the same object every step."""
         writes = self._writes.get(id(pieces))
         if writes is None:
-            writes = self._writes[id(pieces)] = self._plan_writes(pieces, unchecked=False)
+            writes = self._writes[id(pieces)] = self._plan_writes(pieces)
         for batch in writes:
             batch.write(updates, self._scalars)
 
@@ -158,16 +163,55 @@ class PieceIO:
         false, and which a zero step does not cancel: each form selects them away."""
         writes = self._writes.get(held.key)
         if writes is None:
-            writes = self._writes[held.key] = self._plan_writes(held.pieces, unchecked=True)
+            planned = self._plan_writes(held.pieces)
+            writes = self._writes[held.key] = tuple(w.of_held() for w in planned)
         for batch in writes:
             batch.write(held.updates, self._scalars)
 
-    def _plan_writes(self, pieces: Sequence[LocalSlices], unchecked: bool) -> tuple[Write, ...]:
+    def _plan_writes(self, pieces: Sequence[LocalSlices]) -> tuple[Write, ...]:
         """The tuple's writes: its fused pieces in one batch, its batched pieces per step
         class and dtype (tensors with a local gradient) or in one batch (without), each
-        single piece alone; ``unchecked`` where they write a transaction's held updates.
-        Which tensors have a local gradient may change between steps: :meth:`forget_writes`
-        makes them planned again."""
+        single piece alone. Which tensors have a local gradient may change between steps:
+        :meth:`forget_writes` makes them planned again."""
+        forms, scalars = self.forms, self._scalars
+        fused, own, singles, classes = self._sort_writes(pieces)
+        writes: list[Write] = []
+        if fused:
+            writes.append(
+                FusedWrite(
+                    self._batch(pieces, fused),
+                    tuple(scalars.decay_of[forms.tensor_of[pieces[i][0]]] for i in fused),
+                    tuple(scalars.step_of[pieces[i][0]] for i in fused),
+                )
+            )
+        writes += singles
+        if own:
+            writes.append(
+                BatchedWrite(
+                    self._batch(pieces, own),
+                    self._backend,
+                    steps=tuple(scalars.step_of[pieces[i][0]] for i in own),
+                )
+            )
+        for cls, by_dtype in classes.items():
+            for dtype, positions in by_dtype.items():
+                batch = self._batch(pieces, positions)
+                writes.append(
+                    BatchedWrite(
+                        batch,
+                        self._backend,
+                        shared=cls,
+                        dtype=dtype,
+                        runs=shape_runs(tuple(t.shape) for t in batch.targets),
+                    )
+                )
+        return tuple(writes)
+
+    def _sort_writes(
+        self, pieces: Sequence[LocalSlices]
+    ) -> tuple[list[int], list[int], list[Write], dict[int, dict[torch.dtype, list[int]]]]:
+        """The tuple's positions by form: fused; batched without a local gradient; each
+        single piece's write; batched with one, per step class and dtype."""
         forms, scalars = self.forms, self._scalars
         fused: list[int] = []
         own: list[int] = []
@@ -188,7 +232,6 @@ class PieceIO:
                         scalars.keep_of[j],
                         scalars.cautious_of[j] if forms.io[index].decay == DECAY_CAUTIOUS else None,
                         self._feedback(index, slices),
-                        unchecked,
                     )
                 )
             elif self.grads.local[j]:
@@ -196,47 +239,14 @@ class PieceIO:
                 classes.setdefault(forms.class_of[index], {}).setdefault(dtype, []).append(i)
             else:
                 own.append(i)
-        writes: list[Write] = []
-        if fused:
-            writes.append(
-                FusedWrite(
-                    self._batch(pieces, fused, unchecked),
-                    tuple(scalars.decay_of[forms.tensor_of[pieces[i][0]]] for i in fused),
-                    tuple(scalars.step_of[pieces[i][0]] for i in fused),
-                )
-            )
-        writes += singles
-        if own:
-            writes.append(
-                BatchedWrite(
-                    self._batch(pieces, own, unchecked),
-                    self._backend,
-                    steps=tuple(scalars.step_of[pieces[i][0]] for i in own),
-                )
-            )
-        for cls, by_dtype in classes.items():
-            for dtype, positions in by_dtype.items():
-                batch = self._batch(pieces, positions, unchecked)
-                writes.append(
-                    BatchedWrite(
-                        batch,
-                        self._backend,
-                        shared=cls,
-                        dtype=dtype,
-                        runs=shape_runs(tuple(t.shape) for t in batch.targets),
-                    )
-                )
-        return tuple(writes)
+        return fused, own, singles, classes
 
-    def _batch(
-        self, pieces: Sequence[LocalSlices], positions: Sequence[int], unchecked: bool
-    ) -> Batch:
+    def _batch(self, pieces: Sequence[LocalSlices], positions: Sequence[int]) -> Batch:
         return Batch(
             tuple(positions),
             tuple(self._pieces(*pieces[i])[0] for i in positions),
             tuple(self._scalars.keep_of[self.forms.tensor_of[pieces[i][0]]] for i in positions),
             tuple(self._feedback(*pieces[i]) for i in positions),
-            unchecked,
         )
 
     def _feedback(self, index: int, slices: Slices) -> Feedback | None:

@@ -84,9 +84,9 @@ class AdvancingRead:
     store: bool
 
     def read(self, grads: LocalGrads, outs: Sequence[torch.Tensor]) -> None:
-        group = self.group
+        group, pieces = self.group, grads.pieces(self.grads)
         pre_orthogonalize_(
-            grads.pieces(self.grads),
+            pieces,
             list(self.momenta),
             [outs[i] for i in self.positions],
             beta=rule_of(group).momentum_carry(group),
@@ -108,9 +108,9 @@ class MixingRead:
     group: dict[str, Any]
 
     def read(self, grads: LocalGrads, outs: Sequence[torch.Tensor]) -> None:
-        group = self.group
+        group, pieces = self.group, grads.pieces(self.grads)
         ns_inputs_(
-            grads.pieces(self.grads),
+            pieces,
             list(self.momenta),
             [outs[i] for i in self.positions],
             nesterov_mix(group["momentum"], group["nesterov"]),

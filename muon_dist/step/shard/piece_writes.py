@@ -9,7 +9,7 @@ decision but the ones a step's values make (Magma's per-row steps, an unchecked 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -51,7 +51,7 @@ class Batch:
     targets: tuple[torch.Tensor, ...]
     keeps: tuple[torch.Tensor, ...]
     feedbacks: tuple[Feedback | None, ...]
-    unchecked: bool
+    unchecked: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,10 @@ class FusedWrite:
     batch: Batch
     decays: tuple[torch.Tensor, ...]
     steps: tuple[torch.Tensor, ...]
+
+    def of_held(self) -> FusedWrite:
+        """The same write of a transaction's held updates."""
+        return replace(self, batch=replace(self.batch, unchecked=True))
 
     def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         batch = self.batch
@@ -88,6 +92,10 @@ class BatchedWrite:
     shared: int | None = None  # the step class
     dtype: torch.dtype = torch.float32
     runs: Runs = ()
+
+    def of_held(self) -> BatchedWrite:
+        """The same write of a transaction's held updates."""
+        return replace(self, batch=replace(self.batch, unchecked=True))
 
     def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         batch = self.batch
@@ -126,7 +134,11 @@ class SingleWrite:
     keep: torch.Tensor
     cautious: torch.Tensor | None
     feedback: Feedback | None
-    unchecked: bool
+    unchecked: bool = False
+
+    def of_held(self) -> SingleWrite:
+        """The same write of a transaction's held updates."""
+        return replace(self, unchecked=True)
 
     def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         update = updates[self.position]

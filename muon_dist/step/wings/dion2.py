@@ -27,6 +27,7 @@ from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import BucketMap, StackSpec
 from muon_dist.plan.build import Plan
 from muon_dist.plan.dion2_selection import BucketSelection, Rect, take
+from muon_dist.rules.base import RulePart
 from muon_dist.rules.dion2_slices import add_slice_norms_, selected_orthogonalize, top_slices
 from muon_dist.step.bucket.orthogonalizer import OwnerPart
 from muon_dist.step.shard.entries import local_box
@@ -34,23 +35,19 @@ from muon_dist.step.wings.base import Wing, WingSite
 
 
 class ChosenSlices(OwnerPart):
-    """Newton–Schulz on the chosen slices (``fraction`` of them) of each matrix of stack
-    ``stack`` stored ``transposed`` or not: those its selected exchange left in ``chosen``,
-    else chosen here. Its stacks, a share of the slices, replay from graphs whatever their
-    size: launching their Newton–Schulz costs the host more than the GPU's work."""
+    """Newton–Schulz on the chosen slices (the recipe ``part``'s fraction of them) of each
+    matrix of stack ``stack``, stored as ``part`` says: those its selected exchange left in
+    ``chosen``, else chosen here. Its stacks, a share of the slices, replay from graphs
+    whatever their size: launching their Newton–Schulz costs the host more than the GPU's
+    work."""
 
     graphed = True
 
     def __init__(
-        self,
-        fraction: float,
-        transposed: bool,
-        backend: str,
-        chosen: dict[int, list[torch.Tensor]],
-        stack: int,
+        self, part: RulePart, backend: str, chosen: dict[int, list[torch.Tensor]], stack: int
     ) -> None:
-        self._fraction, self._transposed, self._backend = fraction, transposed, backend
-        self._chosen, self._stack = chosen, stack
+        self._fraction, self._transposed = float(part.fraction or 0.0), bool(part.transposed)
+        self._backend, self._chosen, self._stack = backend, chosen, stack
 
     def run(
         self,
@@ -114,7 +111,7 @@ class Dion2Wing(Wing):
         )
         self._layouts: dict[int, DeviceSelection] = {}
         self._maps: Sequence[BucketMap] = ()
-        self.choice = SliceChoice(site, bool(self._selected))
+        self.choice = SliceChoice(site, self._selected)
 
     @property
     def packed(self) -> frozenset[int]:
@@ -154,13 +151,7 @@ class Dion2Wing(Wing):
         part = spec.recipe.rule if spec.recipe is not None else None
         if part is None or part.fraction is None:
             return OwnerPart()
-        return ChosenSlices(
-            part.fraction,
-            bool(part.transposed),
-            self.site.settings.backend,
-            self.choice.chosen,
-            spec.index,
-        )
+        return ChosenSlices(part, self.site.settings.backend, self.choice.chosen, spec.index)
 
     def write_part(self) -> ErrorFeedback:
         return _FEEDBACK
@@ -177,8 +168,8 @@ class SliceChoice:
     all-to-alls and a bucket's host copy of its choice waits for nothing else; the chosen
     slices of each stack, per part, left in :attr:`chosen` for its owner part."""
 
-    def __init__(self, site: WingSite, selects: bool) -> None:
-        peers = site.exchanges.peers
+    def __init__(self, site: WingSite, selected: frozenset[int]) -> None:
+        peers, selects = site.exchanges.peers, bool(selected)
         self._norm_peers = dedicated(peers, "dion2 norms") if selects else peers
         self._backend = site.settings.backend
         self.stream: torch.cuda.Stream | None = None

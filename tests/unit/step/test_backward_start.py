@@ -16,14 +16,14 @@ from dispatch_count import CountOps
 from muon_dist.runtime import Task
 from muon_dist.step.launch import backward
 from muon_dist.step.launch.backward import BackwardStart
-from muon_dist.step.shard.modes import StepMode
 
 # Buckets in plan order, by the tensors they need: tensor 2 is in the first two.
 BUCKETS = ([0, 1], [2], [2, 3], [4, 5])
 
 
 class Phase:
-    """What BackwardStart uses of a MuonPhase; each bucket reads its gradients' sums."""
+    """What BackwardStart uses of a MuonPhase and of its early program; each bucket reads its
+    gradients' sums."""
 
     def __init__(self, buckets: Sequence[Sequence[int]], tensors: int) -> None:
         group: defaultdict[str, float] = defaultdict(float)  # every option 0.0
@@ -43,13 +43,14 @@ class Phase:
         for j, grad in enumerate(grads):
             self._set_one(j, grad)
 
-    def open(self, mode: StepMode) -> None:
+    # It is its own early program too (open, bucket, close).
+    def open(self) -> None:
         pass
 
-    def close(self, mode: StepMode) -> None:
+    def close(self) -> None:
         pass
 
-    def bucket(self, index: int, mode: StepMode) -> Task:
+    def bucket(self, index: int) -> Task:
         return Task((f"bucket {index}",), self._read(index))
 
     def _read(self, index: int) -> Generator[None, None, None]:
@@ -62,7 +63,7 @@ def _start(buckets: Sequence[Sequence[int]] = BUCKETS) -> tuple[BackwardStart, P
     tensors = 1 + max(j for b in buckets for j in b)
     phase = Phase(buckets, tensors)
     names = [f"t{j}" for j in range(tensors)]
-    return BackwardStart(phase, names, StepMode.EARLY), phase  # type: ignore[arg-type]
+    return BackwardStart(phase, names, phase), phase  # type: ignore[arg-type]
 
 
 def _in_backward(body: Callable[[], None]) -> None:
