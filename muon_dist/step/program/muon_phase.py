@@ -56,7 +56,7 @@ class MuonPhase:
         return self.failures.error
 
     def shard_io_table(self) -> str:
-        """Where each view's shard read, write, momentum, decay and Dion2's feedback
+        """Where each view's shard read, write, momentum, decay and write part's feedback
         happen, as printable text (:mod:`muon_dist.step.shard.shard_io`)."""
         return self.pieces.forms.table()
 
