@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import muon_dist
-from muon_dist.step.backward import BackwardStart
+from muon_dist.step.launch.backward import BackwardStart
 
 Timings = dict[str, dict[bool, list[float]]]  # per timed function, per "started a bucket"
 

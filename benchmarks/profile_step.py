@@ -65,6 +65,7 @@ import train  # noqa: E402  (the example, from its folder)
 import muon_dist  # noqa: E402
 from muon_dist.kernels.dispatch import prefer_gram  # noqa: E402
 from muon_dist.kernels.gram import DEFAULT_RESTARTS, segments  # noqa: E402
+from muon_dist.options.schema import MUON_OPTIONS  # noqa: E402
 from muon_dist.plan.build import build_plan, ns_cost, placement_of  # noqa: E402
 from muon_dist.plan.views import matrix_views  # noqa: E402
 from muon_dist.rules.registry import RULES, rule_of  # noqa: E402
@@ -288,7 +289,8 @@ def plan_flops(
     where a group's rule orthogonalizes a selection of slices (Dion2)."""
     placements, work, steps = [], [], []
     muon_groups = [g for g in groups if g.get("algorithm") == "muon"]
-    if any(rule_of(g).selects_slices for g in muon_groups):
+    defaults = {o.key: o.default for o in MUON_OPTIONS}
+    if any(rule_of(g).stack_part(defaults | g, False).fraction is not None for g in muon_groups):
         # Newton–Schulz runs on the slices each step chooses: no count from the plan alone.
         return {
             "ranks": None,

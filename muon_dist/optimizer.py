@@ -3,9 +3,9 @@
 This module is the torch-facing shell: construction, validation, param groups,
 ``state_dict`` and hooks. What a step computes lives in :mod:`muon_dist.rules.ops`; the
 step machinery in :mod:`muon_dist.step.runner` (and the Muon phase it runs,
-:mod:`muon_dist.step.muon_phase`), the device-side agreement on gradients in
-:mod:`muon_dist.step.agreement`, capture in :mod:`muon_dist.step.cuda_graph`, and the rank and
-checkpoint checks in :mod:`muon_dist.state.checks`.
+:mod:`muon_dist.step.program.muon_phase`), the device-side agreement on gradients in
+:mod:`muon_dist.step.agree.agreement`, capture in :mod:`muon_dist.step.launch.cuda_graph`,
+and the rank and checkpoint checks in :mod:`muon_dist.state.checks`.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from muon_dist.state.group_state import (
 )
 from muon_dist.state.rebind import follow_params
 from muon_dist.state.tensors import local
-from muon_dist.step.backward import register_grad_hooks
-from muon_dist.step.cuda_graph import CaptureChoice
-from muon_dist.step.overlap_choice import OverlapChoice
-from muon_dist.step.report import apply_policy
+from muon_dist.step.agree.report import apply_policy
+from muon_dist.step.launch.backward import register_grad_hooks
+from muon_dist.step.launch.cuda_graph import CaptureChoice
+from muon_dist.step.launch.overlap_choice import OverlapChoice
 from muon_dist.step.runner import StepRunner
 
 logger = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ class Muon(torch.optim.Optimizer):
     def overlap_mode(self) -> str:
         """The mode steps run in: ``"none"`` or ``"backward"``, the ``overlap`` setting's or
         the one ``overlap="auto"`` chose, or ``"measuring"`` while ``"auto"`` times its
-        trial steps (:mod:`muon_dist.step.auto_overlap`)."""
+        trial steps (:mod:`muon_dist.step.launch.auto_overlap`)."""
         return self._overlap.mode
 
     @property
@@ -323,7 +323,7 @@ class Muon(torch.optim.Optimizer):
     @property
     def uncaptured_reason(self) -> str | None:
         """Why steps run eagerly under ``cuda_graph="auto"`` (None: they are captured, or
-        ``cuda_graph`` is True or False); :mod:`muon_dist.step.cuda_graph`."""
+        ``cuda_graph`` is True or False); :mod:`muon_dist.step.launch.cuda_graph`."""
         return None if self._capture is None else self._capture.uncaptured_reason
 
     # -- step ---------------------------------------------------------------------------

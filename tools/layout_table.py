@@ -30,6 +30,9 @@ FOLDERS = (
     "runtime",
     "kernels",
 )
+# Folders with rooms of their own, top of the stack first (tests/tooling/test_architecture.py
+# holds their imports to this order).
+SUBFOLDERS = {"step": ("launch", "program", "wings", "bucket", "agree", "shard")}
 NAME_WIDTH = 27
 WIDTH = 100
 
@@ -71,10 +74,27 @@ def layout() -> str:
             lines += _line(f"muon_dist/{folder}/", summary(base / "__init__.py"), 0)
             for module in modules:
                 lines += _line(module.name, summary(module), 2)
+            lines += _rooms(base, SUBFOLDERS.get(folder, ()))
         else:
             for module in modules:
                 lines += _line(f"muon_dist/{module.name}", summary(module), 0)
     return "```\n" + "\n".join(lines) + "\n```"
+
+
+def _rooms(base: Path, rooms: tuple[str, ...]) -> list[str]:
+    """The sub-folders ``rooms`` of ``base`` and their modules, indented one step further."""
+    found = {p.name for p in base.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    if found != set(rooms):
+        raise ValueError(
+            f"{base.relative_to(ROOT)}/ has sub-folders {sorted(found)}, tools/layout_table.py's "
+            f"SUBFOLDERS {sorted(rooms)}: list each at its place"
+        )
+    lines: list[str] = []
+    for room in rooms:
+        lines += _line(f"{room}/", summary(base / room / "__init__.py"), 2)
+        for module in sorted(p for p in (base / room).glob("*.py") if p.name != "__init__.py"):
+            lines += _line(module.name, summary(module), 4)
+    return lines
 
 
 def replace_section(text: str, block: str) -> str:

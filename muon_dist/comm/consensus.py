@@ -8,7 +8,7 @@ error its own checks raised, or None), so a refusal on one rank reaches the othe
 the check itself, never through a timeout. Only when something differs is a second
 all-gather made, of the whole descriptions, to name the keys, the ranks and their values.
 The constructor, ``add_param_group`` and ``load_state_dict`` call it; the values a
-scheduler changes between steps are agreed inside the step (:mod:`muon_dist.step.agreement`).
+scheduler changes between steps are agreed inside the step (:mod:`muon_dist.step.agree.agreement`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 of results back, one all-to-all per bucket and direction, behind one object
 (:class:`BucketExchange`). :class:`PackedExchange` moves whole pieces in packed buffers
 (their layout is :mod:`muon_dist.plan.packing`); Dion2's variant moves only the chosen
-slices (:class:`muon_dist.step.dion2_bucket.SelectedExchange`, its buffers
-:mod:`muon_dist.comm.dion2_exchange`).
+slices (:class:`muon_dist.comm.dion2_exchange.SelectedExchange`).
 """
 
 from __future__ import annotations
@@ -46,10 +45,6 @@ class BucketExchange(Protocol):
         ``read`` into the send buffer, its own pieces read by ``own`` into the stacks (or
         sent to itself, where the receive buffer is the stacks), the received ones put in
         place."""
-        ...
-
-    def chosen(self, position: int) -> list[torch.Tensor] | None:
-        """The slices chosen in the stack at ``position`` (None: every slice)."""
         ...
 
     def scatter(self, results: list[torch.Tensor]) -> ScatterSteps:
@@ -131,9 +126,6 @@ class PackedExchange:
                 flat_views(received, where.gather_recv.runs),
             )
         return stacks
-
-    def chosen(self, position: int) -> list[torch.Tensor] | None:
-        return None
 
     def scatter(self, results: list[torch.Tensor]) -> ScatterSteps:
         where, x = self._where, self._exchanges

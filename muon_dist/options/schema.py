@@ -6,7 +6,7 @@ validation runs their checks, ``load_state_dict`` fills the keys an older checkp
 with their defaults (the behaviour before the key existed), the step checks the
 ``per_step`` values at every step, and the tests hold the constructor's signature and the
 README's options table to them. Every option must be the same on every rank that holds the
-parameters (:mod:`muon_dist.comm.consensus` at construction, :mod:`muon_dist.step.agreement`
+parameters (:mod:`muon_dist.comm.consensus` at construction, :mod:`muon_dist.step.agree.agreement`
 at each step).
 
 When a change takes effect: a ``per_step`` option is read by every step; a ``layout`` option
@@ -399,7 +399,7 @@ SETTINGS: tuple[Option, ...] = (
         cuda_graph,
         "bool | str",
         "capture the whole step in one CUDA graph after ``graph_warmup`` eager steps and"
-        ' replay it (:mod:`muon_dist.step.cuda_graph`); ``"auto"`` captures where the job'
+        ' replay it (:mod:`muon_dist.step.launch.cuda_graph`); ``"auto"`` captures where the job'
         " allows (CUDA parameters, ``overlap`` off, NCCL collectives) and otherwise runs"
         " eagerly, saying why in one INFO log line; ``True`` captures or raises; ``False``"
         " runs eagerly.",
@@ -412,9 +412,9 @@ SETTINGS: tuple[Option, ...] = (
         "str",
         "``\"backward\"`` starts each bucket's Newton–Schulz and exchanges from FSDP2's"
         " gradient hooks during backward, and ``step()`` finishes them and commits"
-        ' (:mod:`muon_dist.step.backward`); ``"auto"`` times 4 steps of each mode after 2'
+        ' (:mod:`muon_dist.step.launch.backward`); ``"auto"`` times 4 steps of each mode after 2'
         " warm-up steps and keeps the faster for the rest of the run, the same on every rank"
-        " (``opt.overlap_mode``; :mod:`muon_dist.step.auto_overlap`). Under both, Muon"
+        " (``opt.overlap_mode``; :mod:`muon_dist.step.launch.auto_overlap`). Under both, Muon"
         " parameters must be DTensors sharded by ``fully_shard``, and ``cuda_graph`` not True"
         ' (``"auto"`` then runs eagerly).',
     ),

@@ -24,10 +24,10 @@ class ExecutionSettings:
     pipelined buckets; ``replica_mode`` how replicated matrices are shared out;
     ``nonfinite`` what a non-finite gradient or result does; ``cuda_graph`` whether the
     step is captured and replayed as one CUDA graph after ``graph_warmup`` eager steps
-    (``"auto"``: where the job allows, :func:`muon_dist.step.cuda_graph.capture_blocker`);
+    (``"auto"``: where the job allows, :func:`muon_dist.step.launch.cuda_graph.capture_blocker`);
     ``overlap="backward"`` starts the buckets from gradient hooks during backward
-    (:mod:`muon_dist.step.backward`), ``"auto"`` times both modes and keeps the faster
-    (:mod:`muon_dist.step.overlap_choice`).
+    (:mod:`muon_dist.step.launch.backward`), ``"auto"`` times both modes and keeps the faster
+    (:mod:`muon_dist.step.launch.overlap_choice`).
     """
 
     backend: str = _DEFAULT["backend"]

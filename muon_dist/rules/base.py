@@ -55,12 +55,10 @@ class Rule:
     """
 
     name: ClassVar[str]
-    # The owner normalizes each output row of Newton–Schulz's result (NorMuon), which needs
-    # every holder's per-row second moments (:mod:`muon_dist.state.normuon_moments`).
-    normalizes_rows: ClassVar[bool] = False
-    # Newton–Schulz runs on a selection of each matrix's slices, and the momentum decays only
-    # there (Dion2's error feedback, applied with the update's write).
-    selects_slices: ClassVar[bool] = False
+    # The rule's wing: what it adds to the step (its owner part, write part, exchange, hooks,
+    # state tensors), as "module:Class". The step imports it by this name
+    # (:mod:`muon_dist.step.wings.registry`): a rule sits below the step and does not import it.
+    wing: ClassVar[str] = "muon_dist.step.wings.muon:MuonWing"
     # Per-parameter state besides the momentum, kept in fp32 whatever the parameter's dtype.
     fp32_state: ClassVar[tuple[str, ...]] = ()
 

@@ -3,7 +3,7 @@ error feedback on the momentum of the slices it orthogonalized.
 
 :func:`reference` is the rule for one matrix in plain torch; the batched form is
 :mod:`muon_dist.rules.dion2_slices`, the distributed selection
-:mod:`muon_dist.plan.dion2_selection`, the step's parts ``muon_dist/step/dion2_*.py``.
+:mod:`muon_dist.plan.dion2_selection`, the step's part its wing (:mod:`muon_dist.step.wings.dion2`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Dion2(Rule):
     """Muon's step on the top slices of each matrix, with error feedback."""
 
     name = "dion2"
-    selects_slices = True
+    wing = "muon_dist.step.wings.dion2:Dion2Wing"
 
     def momentum_carry(self, group: dict[str, Any]) -> float:
         # The decay hits only the slices it orthogonalized, after the step (error feedback).

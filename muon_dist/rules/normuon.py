@@ -2,7 +2,8 @@
 update normalized by a running second moment.
 
 :func:`reference` is the rule for one matrix in plain torch; the owner's batched form is
-:mod:`muon_dist.rules.normuon_rows` with :mod:`muon_dist.state.normuon_moments`.
+:mod:`muon_dist.rules.normuon_rows` with :mod:`muon_dist.state.normuon_moments`, bound to a
+step by its wing (:mod:`muon_dist.step.wings.normuon`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class NorMuon(Rule):
     """Muon's step on row-normalized orthogonalized updates."""
 
     name = "normuon"
-    normalizes_rows = True
+    wing = "muon_dist.step.wings.normuon:NorMuonWing"
     fp32_state = (ROW_MOMENT,)
 
     def state_shapes(self, views: Sequence[ViewShape]) -> dict[str, tuple[int, ...]]:

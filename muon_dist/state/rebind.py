@@ -1,6 +1,6 @@
 """Parameters whose storage was replaced after the step was built, and their state moved.
 
-The step binds views of each parameter's local tensor once (:mod:`muon_dist.step.piece_io`).
+The step binds views of each parameter's local tensor once (:mod:`muon_dist.step.shard.piece_io`).
 ``p.data = ...``, ``module.to(torch.bfloat16)`` or FSDP2's own resets give a parameter new
 storage; the bound views would keep updating the old one while the model reads the new,
 so the step looks at where each local tensor lives (a pointer per parameter, no device

@@ -16,8 +16,8 @@ import torch
 from torch.optim.adamw import adamw as adamw_update
 
 from muon_dist.state.tensors import local
-from muon_dist.step.agreement import Agreement
-from muon_dist.step.scalars import StepInputs
+from muon_dist.step.agree.agreement import Agreement
+from muon_dist.step.shard.scalars import StepInputs
 
 
 class AdamWPhase:

@@ -1,10 +1,10 @@
 """The step machinery behind :meth:`muon_dist.Muon.step`, built once per set of groups.
 
 A step, in order: stage the host's values into device memory (:class:`StepInputs`), agree
-on the gradients (:mod:`muon_dist.step.agreement`), run the Muon phase
-(:mod:`muon_dist.step.muon_phase`), run torch's fused AdamW on the other groups, and queue the
-outcome's host copy. Under ``cuda_graph=True`` that device work is captured once and
-replayed (:mod:`muon_dist.step.cuda_graph`).
+on the gradients (:mod:`muon_dist.step.agree.agreement`), run the Muon phase
+(:mod:`muon_dist.step.program.muon_phase`), run torch's fused AdamW on the other groups, and
+queue the outcome's host copy. Under ``cuda_graph=True`` that device work is captured once and
+replayed (:mod:`muon_dist.step.launch.cuda_graph`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,17 @@ from muon_dist.plan.views import MatrixView, matrix_views, named_params
 from muon_dist.rules.registry import rule_of
 from muon_dist.state.tensors import local, storage
 from muon_dist.step.adamw_phase import AdamWPhase
-from muon_dist.step.agreement import Agreement
-from muon_dist.step.backward import BackwardStart
+from muon_dist.step.agree.agreement import Agreement
+from muon_dist.step.agree.grad_check import check_grad
+from muon_dist.step.agree.report import Outcome
 from muon_dist.step.changes import BuiltFrom
-from muon_dist.step.cuda_graph import StepGraph
-from muon_dist.step.grad_check import check_grad
-from muon_dist.step.muon_phase import MuonEntry, MuonPhase
-from muon_dist.step.report import Outcome
-from muon_dist.step.scalars import StepInputs
+from muon_dist.step.launch.backward import BackwardStart
+from muon_dist.step.launch.cuda_graph import StepGraph
+from muon_dist.step.program.binding import bind
+from muon_dist.step.program.muon_phase import MuonPhase
+from muon_dist.step.shard.entries import MuonEntry
+from muon_dist.step.shard.modes import StepMode
+from muon_dist.step.shard.scalars import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -115,18 +118,24 @@ class StepRunner:
             groups,
             [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
         )
+        self.inputs = StepInputs.allocate(
+            len(groups), len(self.params), self.agreement.stage_size, self.device
+        )
+        # The mode of a step run whole at step(), and of one started from gradient hooks.
+        self.modes = StepMode.pair(settings.nonfinite)
         self.muon = self._muon_phase(entries, state, settings, len(groups), comm)
         # overlap="backward" (or "auto", in its overlapped steps): the Muon phase's buckets
         # start from gradient hooks.
         self.early = (
-            BackwardStart(self.muon, [self.names[i] for i in self.muon_positions])
+            BackwardStart(
+                self.muon,
+                [self.names[i] for i in self.muon_positions],
+                self.muon.programs[self.modes[1]],
+            )
             if self.muon is not None and settings.starts_in_backward
             else None
         )
         self._muon_index = {id(self.params[i]): j for j, i in enumerate(self.muon_positions)}
-        self.inputs = StepInputs.allocate(
-            len(groups), len(self.params), self.agreement.stage_size, self.device
-        )
         # Per AdamW group, its parameters' positions.
         members: dict[int, list[int]] = {}
         for position, (_, group, _) in enumerate(named):
@@ -182,7 +191,9 @@ class StepRunner:
             shares=[_travelling_share(e.group, settings, comm.exchange.size) for e in entries],
         )
         logger.debug("muon_dist: built a plan with %d buckets", len(plan.buckets))
-        return MuonPhase(plan, entries, state, settings, group_count, comm, self.agreement)
+        return MuonPhase(
+            bind(plan, entries, state, settings, group_count, comm, self.agreement, self.inputs)
+        )
 
     def bind_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
         """Point at the state tensors (again after a state load, which replaces them)."""
@@ -237,8 +248,10 @@ class StepRunner:
         its failure flagged, so every rank leaves everything as it was and learns of the
         failure; it returns its error for the caller to raise. ``overlap``: this step's
         buckets started from gradient hooks (:meth:`grad_ready`), else it is the plain step
-        (the same on every rank, :mod:`muon_dist.step.overlap_choice`).
+        (the same on every rank, :mod:`muon_dist.step.launch.overlap_choice`): the step's
+        mode (:class:`StepMode`), whose program the Muon phase runs.
         """
+        mode = self.modes[1] if overlap else self.modes[0]
         failure = refusal
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         if failure is None:
@@ -259,43 +272,38 @@ class StepRunner:
         )
         if failure is not None:
             with self.built.restored():
-                self._body(groups, grads, overlap, refused=True)
+                self._body(groups, grads, mode, failure)
             return failure
         if self.graph is None or self.previous is not None:
-            self._body(groups, grads, overlap)
+            self._body(groups, grads, mode)
             return self.crash()
 
         def body() -> None:
-            self._body(groups, grads, overlap)
+            self._body(groups, grads, mode)
 
         key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
         self.graph.run(body, key, grads)
         return self.crash()
 
-    def mirror(
-        self,
-        muon_grads: Sequence[torch.Tensor | None],
-        *,
-        transactional: bool,
-        overlap: bool,
-        redo: bool,
-    ) -> None:
-        """Run this step's Muon collectives, keeping nothing: a rank whose rebuilt plan the
-        other ranks do not share joins theirs (starting its buckets again where they all
-        do, ``redo``), and the step fails on every rank."""
-        early = self.early if overlap else None
-        self.agreement.refuse_all(keep_results=early is not None)
-        self._muon_phase_of_step(early, muon_grads, transactional, redo=redo)
+    def mirror(self, muon_grads: Sequence[torch.Tensor | None], mode: StepMode) -> None:
+        """Run this step's Muon collectives in ``mode``, keeping nothing: a rank whose
+        rebuilt plan the other ranks do not share joins theirs, and the step fails on every
+        rank."""
+        self.agreement.refuse_all()
+        self._muon_phase_of_step(muon_grads, mode)
 
     def _redo(
-        self, early: BackwardStart, muon_grads: Sequence[torch.Tensor | None], refused: bool
+        self,
+        early: BackwardStart,
+        muon_grads: Sequence[torch.Tensor | None],
+        refusal: Exception | None,
     ) -> torch.Tensor | None:
         """This rank's ask that every rank start the buckets the hooks started again: what
         they read changed (:meth:`BackwardStart.changed`), this rank refused the step (they
         read the values it refused), or they are the replaced step's, which this rank drops
         while the other ranks, not rebuilt, would finish theirs."""
         replaced = None if self.previous is None else self.previous.early
-        if refused or (replaced is not None and replaced.started):
+        if refusal is not None or (replaced is not None and replaced.started):
             return torch.ones((), device=self.device)
         return early.changed(muon_grads)
 
@@ -331,52 +339,53 @@ class StepRunner:
         self,
         groups: Sequence[dict[str, Any]],
         grads: Sequence[torch.Tensor | None],
-        overlap: bool,
-        refused: bool = False,
+        mode: StepMode,
+        refusal: Exception | None = None,
     ) -> None:
-        """The device work of one step: everything a captured step replays. A rank that
-        refused the step runs the collectives only (its groups may be what it refused)."""
+        """The device work of one step of ``mode``: everything a captured step replays. A
+        rank that refused the step (``refusal``) runs the collectives only (its groups may
+        be what it refused)."""
         muon_grads = [grads[i] for i in self.muon_positions]
-        early = self.early if overlap else None
-        self.agreement.decide(
-            grads,
-            self.inputs,
-            keep_results=early is not None,
-            redo=None if early is None else self._redo(early, muon_grads, refused),
-        )
-        redo = early is not None and self.agreement.redo_asked()
-        transactional = self.settings.nonfinite == "skip_step"
-        if self.previous is not None:
-            if self.agreement.ranks_differ():
-                self.previous.mirror(
-                    muon_grads, transactional=transactional, overlap=overlap, redo=redo
-                )
-                self.agreement.publish()
-                return
-            self.previous.abandon()
-            self.previous = None
-        self._muon_phase_of_step(early, muon_grads, transactional, redo=redo)
-        if not refused:
+        early = self.early if mode.early else None
+        asks = None if early is None else self._redo(early, muon_grads, refusal)
+        self.agreement.decide(grads, self.inputs, redo=asks)
+        # A rank asked that every rank start the buckets the hooks started again.
+        runner = self.previous if self.previous is not None and self._mirrors() else self
+        if early is not None and self.agreement.redo_asked() and runner.early is not None:
+            runner.early.redo()
+        if runner is not self:
+            runner.mirror(muon_grads, mode)
+            self.agreement.publish()
+            return
+        self._muon_phase_of_step(muon_grads, mode)
+        if refusal is None:
             self.adamw.run(groups, grads)
         self.agreement.publish()
 
+    def _mirrors(self) -> bool:
+        """Whether this step joins the previous plan's collectives: the ranks' options
+        differed (read on the host, only while a previous plan is kept); once they agree,
+        the previous plan is dropped."""
+        if self.previous is None:
+            return False
+        if self.agreement.ranks_differ():
+            return True
+        self.previous.abandon()
+        self.previous = None
+        return False
+
     def _muon_phase_of_step(
-        self,
-        early: BackwardStart | None,
-        muon_grads: Sequence[torch.Tensor | None],
-        transactional: bool,
-        *,
-        redo: bool,
+        self, muon_grads: Sequence[torch.Tensor | None], mode: StepMode
     ) -> None:
         """The Muon phase after the agreement: finished from what the hooks started where
-        ``early``, else run whole, after dropping what an overlapped step left open (its
-        hooks ran, its ``step()`` raised before this point: ``overlap="auto"`` switches
-        modes between steps)."""
-        if early is not None:
-            early.finish(muon_grads, self.inputs, transactional=transactional, redo=redo)
+        the step is early, else run whole, after dropping what an overlapped step left open
+        (its hooks ran, its ``step()`` raised before this point: ``overlap="auto"``
+        switches modes between steps)."""
+        if mode.early and self.early is not None:
+            self.early.finish(muon_grads)
         elif self.muon is not None:
             self.abandon()
-            self.muon.run(muon_grads, self.inputs, transactional=transactional)
+            self.muon.programs[self.modes[0]].run(muon_grads)
 
 
 def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:

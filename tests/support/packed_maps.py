@@ -8,14 +8,14 @@ from contextlib import contextmanager
 
 from muon_dist.plan.bucket_map import BucketMap
 from muon_dist.plan.build import BucketPlan
-from muon_dist.step import muon_phase
+from muon_dist.step.program import binding
 
 
 @contextmanager
 def packed_only() -> Iterator[None]:
     """Every bucket map laid out without the calling rank: every buffer packed. Only steps
     built (optimizers constructed) inside the context are affected."""
-    original: Callable[..., BucketMap] = muon_phase.bucket_map
+    original: Callable[..., BucketMap] = binding.bucket_map
 
     def packed(
         bucket: BucketPlan,
@@ -26,8 +26,8 @@ def packed_only() -> Iterator[None]:
     ) -> BucketMap:
         return original(bucket, first, world_size, ranks)
 
-    muon_phase.bucket_map = packed
+    binding.bucket_map = packed
     try:
         yield
     finally:
-        muon_phase.bucket_map = original
+        binding.bucket_map = original

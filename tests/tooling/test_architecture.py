@@ -3,7 +3,9 @@
 kernels, runtime <- rules <- plan <- options <- routing, comm <- state <- step <- the top
 (optimizer, qk_clip, integrations). A module imports from its own folder or a lower layer,
 never from a higher one or from a sibling layer (routing and comm do not know each other).
-Where the tests of each layer live is checked beside this file, in test_test_layout.py.
+Inside step/ the sub-folders are sub-layers along the step: shard <- agree <- bucket <-
+wings <- program <- launch <- step/'s own modules (runner, adamw_phase, changes). Where the
+tests of each layer live is checked beside this file, in test_test_layout.py.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ LAYERS = {
     "": 7,  # optimizer.py, qk_clip.py, __init__.py
     "integrations": 8,
 }
+# Sub-layers of a layer with sub-folders, bottom first; "" is the layer's own modules.
+SUB_LAYERS = {"step": ("shard", "agree", "bucket", "wings", "program", "launch", "")}
+MAX_MODULES_PER_FOLDER = 8
 
 
 def _modules() -> dict[str, Path]:
@@ -71,6 +76,59 @@ def test_imports_run_down_the_layers() -> None:
             if LAYERS[theirs] >= LAYERS[mine]:
                 wrong.append(f"{module} imports {imported}")
     assert wrong == []
+
+
+def _sub_layer(module: str) -> tuple[str, int] | None:
+    """The layer and sub-layer of a module of a layer with sub-folders (None elsewhere)."""
+    parts = module.split(".")
+    rooms = SUB_LAYERS.get(parts[1]) if len(parts) > 2 else None
+    if rooms is None:
+        return None
+    room = parts[2] if len(parts) > 3 else ""
+    return parts[1], rooms.index(room)
+
+
+def test_every_sub_folder_has_a_sub_layer() -> None:
+    found = {(s[0], SUB_LAYERS[s[0]][s[1]]) for m in _modules() if (s := _sub_layer(m))}
+    assert found == {(layer, room) for layer, rooms in SUB_LAYERS.items() for room in rooms}
+
+
+def test_imports_run_down_the_sub_layers() -> None:
+    """Inside step/: shard <- agree <- bucket <- wings <- program <- launch <- runner; a
+    module imports from its own sub-folder or a lower one."""
+    modules = _modules()
+    wrong = []
+    for module, path in modules.items():
+        mine = _sub_layer(module)
+        if mine is None:
+            continue
+        for imported in _imports(path) & set(modules):
+            theirs = _sub_layer(imported)
+            if theirs is not None and theirs[0] == mine[0] and theirs[1] > mine[1]:
+                wrong.append(f"{module} imports {imported}")
+    assert wrong == []
+
+
+def test_no_folder_holds_more_than_eight_modules_of_a_sub_layered_layer() -> None:
+    too_many = []
+    for layer in SUB_LAYERS:
+        for folder in [PACKAGE / layer, *(p for p in (PACKAGE / layer).iterdir() if p.is_dir())]:
+            count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+            if count > MAX_MODULES_PER_FOLDER:
+                too_many.append(f"{folder.relative_to(ROOT)}: {count}")
+    assert too_many == []
+
+
+def test_every_rule_declares_a_wing_named_for_it() -> None:
+    """A rule's wing (its "module:Class") is a Wing in muon_dist/step/wings/, in a module
+    named for the rule (Muon's is the base every other wing changes)."""
+    from muon_dist.step.wings.base import Wing
+    from muon_dist.step.wings.registry import wing_of
+
+    for rule in RULES.values():
+        module, _, _ = rule.wing.partition(":")
+        assert module == f"muon_dist.step.wings.{rule.name}", rule.name
+        assert issubclass(wing_of(rule), Wing)
 
 
 def _reads_rule(node: ast.AST) -> bool:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import muon_dist
 from muon_dist.comm import dion2_exchange, exchange
-from muon_dist.step import auto_overlap
+from muon_dist.step.launch import auto_overlap
 
 IN = 7
 # Uneven widths: no dimension divides 2 or 3 ranks, so some shards are uneven or empty.

@@ -16,8 +16,8 @@ from torch import nn
 import muon_dist
 from muon_dist.comm.groups import CommGroups, Peers
 from muon_dist.options.schema import SETTINGS
-from muon_dist.step import auto_overlap
-from muon_dist.step.auto_overlap import (
+from muon_dist.step.launch import auto_overlap
+from muon_dist.step.launch.auto_overlap import (
     BACKWARD,
     DECISION_STEP,
     NONE,
@@ -29,7 +29,7 @@ from muon_dist.step.auto_overlap import (
     medians,
     trial_mode,
 )
-from muon_dist.step.overlap_choice import HostClock, OverlapChoice
+from muon_dist.step.launch.overlap_choice import HostClock, OverlapChoice
 
 ALONE = CommGroups(0, 1, Peers((0,), None), Peers((0,), None))
 
@@ -117,7 +117,7 @@ def test_one_rank_measures_then_keeps_its_choice(
     choice.clock = ScriptedClock(seconds)
     assert choice.mode == "measuring"
     chosen = min(seconds, key=lambda m: seconds[m])
-    with caplog.at_level(logging.INFO, logger="muon_dist.step.overlap_choice"):
+    with caplog.at_level(logging.INFO, logger="muon_dist.step.launch.overlap_choice"):
         overlapping = _ended(choice, DECISION_STEP + 1)
         assert choice.mode == chosen and choice.medians == seconds
         overlapping += _ended(choice, 5)

@@ -118,7 +118,7 @@ def test_distributed_failure_mode(name: str) -> None:
 
 def test_nonfinite_newton_schulz_result_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gradients are checked first, so a non-finite result means a fault or an overflow."""
-    import muon_dist.step.orthogonalizer as optimizer_module
+    import muon_dist.step.bucket.orthogonalizer as optimizer_module
 
     def broken(stack: torch.Tensor, **_: object) -> torch.Tensor:
         return torch.full_like(stack, float("nan"))
@@ -136,7 +136,7 @@ def test_nonfinite_newton_schulz_result_raises(monkeypatch: pytest.MonkeyPatch) 
 def test_nonfinite_newton_schulz_result_skips_under_skip_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import muon_dist.step.orthogonalizer as optimizer_module
+    import muon_dist.step.bucket.orthogonalizer as optimizer_module
 
     w, b = _pair()
     opt = muon_dist.Muon([w, b], nonfinite="skip_step", weight_decay=0.1)

@@ -13,6 +13,7 @@ from torch import nn
 
 import muon_dist
 from muon_dist.plan.views import matrix_view
+from muon_dist.step.program.binding import fusable
 
 # Exact comparisons run Newton–Schulz in fp32: bf16 products round with the batch shape.
 FP32 = {"comm_dtype": torch.float32, "ns_dtype": torch.float32}
@@ -285,10 +286,11 @@ def test_passes_fuse_only_where_a_shard_is_read_or_written_once() -> None:
     )
     muon = opt.runner.muon
     assert muon is not None
-    entries = muon.entries
+    entries = muon.tensors.entries
     labels = [e.name for e in entries]
-    fused_reads = {labels[i] for i in muon.fusable_reads}
-    fused_writes = {labels[i] for i in muon.fusable_writes}
+    reads, writes = fusable(muon.plan, muon.tensors)
+    fused_reads = {labels[i] for i in reads}
+    fused_writes = {labels[i] for i in writes}
     split_views = {"group3.param0[0:4]", "group3.param0[4:12]"}
     assert len(entries) == 5 and split_views <= set(labels)
     assert fused_reads == {"group0.param0", "group2.param0", *split_views}

@@ -181,10 +181,10 @@ def test_a_new_rule_is_one_class_and_one_registry_line(accumulate: Rule) -> None
 class NorAccumulate(Rule):
     """A toy rule with an owner part: the undecayed momentum of :class:`Accumulate`, and
     NorMuon's row normalization on the owner (its step part, made by
-    :func:`muon_dist.step.rule_parts.parts_of` from ``normalizes_rows``)."""
+    NorMuon's wing, which it declares)."""
 
     name = "noraccumulate"
-    normalizes_rows = True
+    wing = normuon.NorMuon.wing
     fp32_state = (normuon.ROW_MOMENT,)
 
     def state_shapes(self, views: Sequence[ViewShape]) -> dict[str, tuple[int, ...]]:

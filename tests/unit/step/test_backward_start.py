@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Generator, Sequence
 from types import SimpleNamespace
-from typing import Any
 from unittest import mock
 
 import pytest
@@ -15,23 +14,25 @@ import torch
 from dispatch_count import CountOps
 
 from muon_dist.runtime import Task
-from muon_dist.step import backward
-from muon_dist.step.backward import BackwardStart
+from muon_dist.step.launch import backward
+from muon_dist.step.launch.backward import BackwardStart
 
 # Buckets in plan order, by the tensors they need: tensor 2 is in the first two.
 BUCKETS = ([0, 1], [2], [2, 3], [4, 5])
 
 
 class Phase:
-    """What BackwardStart uses of a MuonPhase; each bucket reads its gradients' sums."""
+    """What BackwardStart uses of a MuonPhase and of its early program; each bucket reads its
+    gradients' sums."""
 
     def __init__(self, buckets: Sequence[Sequence[int]], tensors: int) -> None:
         group: defaultdict[str, float] = defaultdict(float)  # every option 0.0
-        self.entries = [SimpleNamespace(tensor_index=j, group=group) for j in range(tensors)]
+        entries = [SimpleNamespace(tensor_index=j, group=group) for j in range(tensors)]
+        self.tensors = SimpleNamespace(entries=entries, device=torch.device("cpu"))
         self.plan = SimpleNamespace(buckets=[SimpleNamespace(views=list(b)) for b in buckets])
         self.settings = SimpleNamespace(max_inflight=2)
-        self.device = torch.device("cpu")
         self.grads = SimpleNamespace(tensors={}, set_one=self._set_one)
+        self.pieces = SimpleNamespace(grads=self.grads)
         self.transaction = SimpleNamespace(end=lambda: None, held_bytes=lambda: 0)
         self.reads: list[tuple[int, list[float]]] = []  # (bucket, its gradients' sums)
 
@@ -42,10 +43,11 @@ class Phase:
         for j, grad in enumerate(grads):
             self._set_one(j, grad)
 
-    def open_early(self) -> None:
+    # It is its own early program too (open, bucket, close).
+    def open(self) -> None:
         pass
 
-    def close_early(self, _inputs: Any, *, transactional: bool) -> None:
+    def close(self) -> None:
         pass
 
     def bucket(self, index: int) -> Task:
@@ -60,7 +62,8 @@ class Phase:
 def _start(buckets: Sequence[Sequence[int]] = BUCKETS) -> tuple[BackwardStart, Phase]:
     tensors = 1 + max(j for b in buckets for j in b)
     phase = Phase(buckets, tensors)
-    return BackwardStart(phase, [f"t{j}" for j in range(tensors)]), phase  # type: ignore[arg-type]
+    names = [f"t{j}" for j in range(tensors)]
+    return BackwardStart(phase, names, phase), phase  # type: ignore[arg-type]
 
 
 def _in_backward(body: Callable[[], None]) -> None:

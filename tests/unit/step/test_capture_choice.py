@@ -16,7 +16,7 @@ from torch import nn
 import muon_dist
 from muon_dist.comm.groups import CommGroups, Peers
 from muon_dist.options.settings import ExecutionSettings
-from muon_dist.step.cuda_graph import CaptureChoice, StepGraph, capture_blocker
+from muon_dist.step.launch.cuda_graph import CaptureChoice, StepGraph, capture_blocker
 
 SOLO = Peers((0,), None)
 COMM = CommGroups(0, 1, SOLO, SOLO)

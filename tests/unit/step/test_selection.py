@@ -14,12 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from muon_dist.comm.dion2_exchange import DeviceSelection
 from muon_dist.comm.groups import Peers
 from muon_dist.plan.bucket_map import bucket_map
 from muon_dist.plan.build import ViewPlacement, build_plan, local_boxes
 from muon_dist.plan.dion2_selection import BucketSelection, HostRect, PieceGrid, grid
 from muon_dist.plan.views import matrix_view
-from muon_dist.step.dion2_bucket import DeviceSelection, add_norms
+from muon_dist.step.wings.dion2 import add_norms
 
 
 @st.composite

@@ -9,19 +9,22 @@ import torch
 from torch import nn
 
 import muon_dist
-from muon_dist.step.shard_io import (
+from muon_dist.step.shard.modes import StepMode
+from muon_dist.step.shard.shard_io import (
     DECAY_CAUTIOUS,
     DECAY_IN_WRITE,
     DECAY_TENSOR,
     FEEDBACK_BESIDE,
     FEEDBACK_IN_WRITE,
     FEEDBACK_NONE,
+    MOMENTUM_AT_COMMIT,
     MOMENTUM_BEFORE,
     MOMENTUM_IN_READ,
     READ_FUSED,
     WRITE_BATCHED,
     WRITE_FUSED,
     WRITE_SINGLE,
+    Fused,
     format_shard_io_table,
     shard_io,
 )
@@ -35,16 +38,16 @@ def test_every_combination_has_one_place_for_each_part() -> None:
     ):
         if fused_write and (cautious or magma):
             continue  # the plan never fuses those writes (the update's sign, per-row steps)
-        r = shard_io(
-            "w",
-            fused_read=fused_read,
-            fused_write=fused_write,
-            cautious=cautious,
-            magma=magma,
-            feedback=feedback,
+        fused = (Fused.READ if fused_read else Fused.NONE) | (
+            Fused.WRITE if fused_write else Fused.NONE
         )
+        group = {"cautious_wd": cautious, "magma": magma}
+        r = shard_io("w", fused, group, object() if feedback else None)
         assert (r.read == READ_FUSED) == fused_read == (r.momentum == MOMENTUM_IN_READ)
         assert (r.momentum == MOMENTUM_BEFORE) != fused_read
+        assert r.momentum_at(StepMode.PLAIN) == r.momentum
+        held = [m for m in StepMode if m is not StepMode.PLAIN]
+        assert {r.momentum_at(m) for m in held} == {MOMENTUM_AT_COMMIT}
         expected_write = (
             WRITE_FUSED if fused_write else WRITE_SINGLE if cautious or magma else WRITE_BATCHED
         )
@@ -75,7 +78,7 @@ def test_the_table_has_a_row_per_view_with_its_places() -> None:
     muon = opt.runner.muon
     assert muon is not None
     records = muon.pieces.forms.io
-    assert [r.name for r in records] == [e.view.label(e.name) for e in muon.entries]
+    assert [r.name for r in records] == [e.view.label(e.name) for e in muon.tensors.entries]
     by_name = {r.name: r for r in records}
     # CPU tensors never take the fused forms.
     assert {r.read for r in records} == {"torch"} and WRITE_FUSED not in {r.write for r in records}

@@ -1,5 +1,5 @@
 """Which overlap mode each step runs in: the ``overlap`` setting's, or under ``"auto"`` the
-trial schedule's (:mod:`muon_dist.step.auto_overlap`) and then the one the ranks chose.
+trial schedule's (:mod:`muon_dist.step.launch.auto_overlap`) and then the one the ranks chose.
 
 It belongs to the optimizer, not to one step runner: a step rebuilt after a group edit or a
 state load keeps the count, the marks and the choice (timing starts over only in a new
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.comm.groups import CommGroups
-from muon_dist.step.auto_overlap import (
+from muon_dist.step.launch.auto_overlap import (
     BACKWARD,
     DECISION_STEP,
     MEASURING,

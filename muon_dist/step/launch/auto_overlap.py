@@ -3,7 +3,7 @@
 Pure, and the same on every rank: until the choice, the mode of step ``t`` (the ``t``-th
 call of ``step()``, counted from 0) is a function of ``t`` alone, so every rank knows it
 without communication, and the gradient hooks of step ``t`` know it before its backward
-begins. What the steps measure and how the ranks agree: :mod:`muon_dist.step.overlap_choice`.
+begins. What the steps measure and how the ranks agree: :mod:`muon_dist.step.launch.overlap_choice`.
 
 - ``WARMUP_STEPS`` (2) plain steps are not timed: the first steps carry one-time costs
   (Triton compilation and autotuning, the allocator's growth, the first collectives) that

@@ -182,20 +182,9 @@ class MuonScalars:
         # Magma's per-row steps of its pieces, set by the step after its scores advance.
         self.magma_step_of: dict[int, torch.Tensor] = {}
 
-    def stage(
-        self,
-        keep: torch.Tensor,
-        found_inf: torch.Tensor,
-        inputs: StepInputs,
-        *,
-        drop: bool,
-    ) -> None:
-        """This step's scalars from the agreed ``keep`` and ``found_inf``; with ``drop``
-        also which stacked matrices are dropped (zeroed before Newton–Schulz)."""
+    def stage(self, keep: torch.Tensor, found_inf: torch.Tensor, inputs: StepInputs) -> None:
+        """This step's scalars from the agreed ``keep`` and ``found_inf``."""
         self.keep.copy_(keep)
-        if drop:
-            torch.index_select(self.keep, 0, self._stack_tensor, out=self.dropped)
-            self.dropped.logical_not_()
         kept = self.keep.float()
         lr = inputs.lr.index_select(0, self._group_of)
         rate = decay_rate(lr, inputs.weight_decay.index_select(0, self._group_of), kept)
@@ -207,3 +196,13 @@ class MuonScalars:
         decay_factor(decay_rate(inputs.lr, inputs.weight_decay, ok), out=self.group_decay)
         class_lr = inputs.lr.index_select(0, self._class_group)
         step_size(class_lr, ok, self._class_neg_scale, out=self.class_step)
+
+    def drop_unkept(self) -> None:
+        """Mark the stacked matrices of the tensors the staged ``keep`` drops (zeroed before
+        Newton–Schulz)."""
+        torch.index_select(self.keep, 0, self._stack_tensor, out=self.dropped)
+        self.dropped.logical_not_()
+
+    def drop_none(self) -> None:
+        """Drop no stacked matrix (a step whose buckets start before the agreement)."""
+        self.dropped.zero_()

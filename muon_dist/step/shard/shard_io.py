@@ -13,13 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Flag
+from typing import Any
+
+from muon_dist.step.shard.modes import StepMode
 
 # Reads: one fused pass that also advances the momentum, or torch's Nesterov mix and cast
 # of a momentum advanced before.
 READ_FUSED, READ_TORCH = "fused", "torch"
-# Where the momentum advances in a step that is neither transactional nor started during
-# backward (those advance it, unstored, in every read and store it at the commit).
+# Where the momentum advances and is stored: in the (fused) read, before the buckets, or,
+# where the step holds its writes (every mode but the plain one), at the commit, the reads
+# advancing it without storing it.
 MOMENTUM_IN_READ, MOMENTUM_BEFORE = "in the read", "before the buckets"
+MOMENTUM_AT_COMMIT = "at the commit"
 # Writes: one launch for all fused pieces; batched torch launches (one shared step per
 # step class where the tensor has a local gradient, else each piece's own step, one
 # foreach); one piece at a time (cautious decay needs the sign, Magma a per-row step).
@@ -47,6 +53,11 @@ class ShardIO:
     def fused_read(self) -> bool:
         return self.read == READ_FUSED
 
+    def momentum_at(self, mode: StepMode) -> str:
+        """Where the momentum advances and is stored in a step of ``mode``: the one answer
+        both the read and the state advance ask (:attr:`momentum` is the plain step's)."""
+        return MOMENTUM_AT_COMMIT if mode.holds else self.momentum
+
     @property
     def fused_write(self) -> bool:
         return self.write == WRITE_FUSED
@@ -56,27 +67,29 @@ class ShardIO:
         return self.decay == DECAY_TENSOR
 
 
-def shard_io(
-    name: str,
-    *,
-    fused_read: bool,
-    fused_write: bool,
-    cautious: bool,
-    magma: bool,
-    feedback: bool,
-) -> ShardIO:
-    """The record of a view whose read (write) takes the fused form, in a group with or
-    without cautious decay and Magma, whose rule does or does not feed errors back."""
-    single = cautious or magma
+class Fused(Flag):
+    """Which of a view's shard passes take the fused form (decided by the binding)."""
+
+    NONE = 0
+    READ = 1
+    WRITE = 2
+
+
+def shard_io(name: str, fused: Fused, group: dict[str, Any], feedback: object | None) -> ShardIO:
+    """The record of a view whose ``fused`` passes take the fused form, in ``group``
+    (cautious decay, Magma), whose rule's write part is ``feedback`` (None: none)."""
+    cautious, fused_write = bool(group["cautious_wd"]), Fused.WRITE in fused
+    single = cautious or bool(group["magma"])
     write = WRITE_FUSED if fused_write else WRITE_SINGLE if single else WRITE_BATCHED
     if fused_write:
         decay = DECAY_IN_WRITE
     else:
         decay = DECAY_CAUTIOUS if cautious else DECAY_TENSOR
-    if not feedback:
+    if feedback is None:
         fed = FEEDBACK_NONE
     else:
         fed = FEEDBACK_IN_WRITE if fused_write else FEEDBACK_BESIDE
+    fused_read = Fused.READ in fused
     return ShardIO(
         name,
         READ_FUSED if fused_read else READ_TORCH,

@@ -1,8 +1,8 @@
 """One bucket of the Muon step as a generator task: gather, orthogonalize, scatter, write.
 
 One skeleton for every bucket: the transport (:class:`muon_dist.comm.exchange.BucketExchange`)
-is the plain packed exchange, or Dion2's, which moves only the chosen slices
-(:func:`muon_dist.step.dion2_bucket.selected_bucket_task`). Where every piece lies, in the
+is the plain packed exchange, or one a rule's wing brings (Dion2's moves only the chosen
+slices, :class:`muon_dist.comm.dion2_exchange.SelectedExchange`). Where every piece lies, in the
 stacks and in the exchange buffers, is laid out once per plan
 (:mod:`muon_dist.plan.bucket_map`); buffers are fresh every step, so a step takes their views
 anew, but a few per run of like pieces instead of one or two per piece.
@@ -16,12 +16,16 @@ from muon_dist.comm.exchange import BucketExchange, PackedExchange
 from muon_dist.plan.bucket_map import BucketMap, region_views
 from muon_dist.plan.build import BucketPlan
 from muon_dist.runtime.scheduler import Task, TaskBody
-from muon_dist.step.bucket_io import BucketTools
+from muon_dist.step.bucket.bucket_io import BucketTools
 
 
-def bucket_task(bucket: BucketPlan, where: BucketMap, tools: BucketTools) -> Task:
-    """Wrap one bucket's work as a task; it yields once per collective it waits on."""
-    exchange = PackedExchange(where, bucket.communicates, tools.exchanges)
+def bucket_task(
+    bucket: BucketPlan, where: BucketMap, tools: BucketTools, exchange: BucketExchange | None
+) -> Task:
+    """Wrap one bucket's work as a task, on ``exchange`` (None: the packed exchange); it
+    yields once per collective it waits on."""
+    if exchange is None:
+        exchange = PackedExchange(where, bucket.communicates, tools.exchanges)
     return Task(bucket.names, run_bucket(where, tools, exchange))
 
 
@@ -34,10 +38,7 @@ def run_bucket(where: BucketMap, tools: BucketTools, exchange: BucketExchange) -
         tools.io.read(where.own_reads, region_views(stacks, where.own_read_regions))
 
     stacks = yield from exchange.gather(lambda outs: tools.io.read(where.gather_reads, outs), own)
-    results = [
-        tools.orthogonalize(t, s, exchange.chosen(position))
-        for position, (t, s) in enumerate(zip(stacks, where.stacks, strict=True))
-    ]
+    results = [tools.orthogonalize(t, s) for t, s in zip(stacks, where.stacks, strict=True)]
     del stacks
     tools.io.write(where.own_writes, region_views(results, where.own_write_regions))
     updates = yield from exchange.scatter(results)

@@ -9,7 +9,7 @@ import torch
 
 from muon_dist.plan.bucket_map import LocalSlices
 from muon_dist.plan.indices import TensorIndex
-from muon_dist.step.agreement import Agreement
+from muon_dist.step.agree.agreement import Agreement
 
 
 class Failures:

@@ -1,12 +1,12 @@
 """The Muon phase started during backward (``Muon(..., overlap="backward")``, and the
-steps ``overlap="auto"`` overlaps, :mod:`muon_dist.step.overlap_choice`).
+steps ``overlap="auto"`` overlaps, :mod:`muon_dist.step.launch.overlap_choice`).
 
 FSDP2 calls each sharded parameter's post-accumulate-grad hooks right after its gradient's
 reduce-scatter (and, under HSDP, all-reduce), in ``foreach_reduce``. From there a bucket
 whose every tensor has its final gradient starts: its momentum and Newton–Schulz input,
 gather, Newton–Schulz and scatter run while backward goes on. ``step()`` starts the
 buckets no hook started, waits for all, agrees on the gradients and results, and only then
-writes the parameters and commits the momenta (:meth:`MuonPhase.close_early`), so a
+writes the parameters and commits the momenta (:meth:`StepProgram.close`), so a
 non-finite gradient anywhere still leaves everything as it was on every rank.
 
 Every rank issues the same collectives in the same order: buckets start strictly in plan
@@ -50,8 +50,7 @@ import torch
 from muon_dist.kernels.streams import side_stream
 from muon_dist.options.schema import MUON_OPTIONS
 from muon_dist.runtime import Pipeline
-from muon_dist.step.muon_phase import MuonPhase
-from muon_dist.step.scalars import StepInputs
+from muon_dist.step.program.muon_phase import MuonPhase, StepProgram
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +123,13 @@ class BackwardStart:
     it can. A hook that starts buckets records the norms of the gradients they are the
     first to read, in one kernel, then starts them on the side stream."""
 
-    def __init__(self, phase: MuonPhase, names: Sequence[str]) -> None:
+    def __init__(self, phase: MuonPhase, names: Sequence[str], program: StepProgram) -> None:
         self.phase = phase
+        self.program = program  # the early mode's (StepMode.EARLY[_TRANSACTIONAL])
         self.names = list(names)  # per Muon tensor
         # Per bucket, in plan order, the Muon tensors it needs (the same on every rank).
         self._needs = [
-            frozenset(phase.entries[v].tensor_index for v in bucket.views)
+            frozenset(phase.tensors.entries[v].tensor_index for v in bucket.views)
             for bucket in phase.plan.buckets
         ]
         # This step's reported tensors and the gradients read.
@@ -138,8 +138,9 @@ class BackwardStart:
         # bucket starts and compared at step(): in-place edits of a DTensor gradient bump no
         # version counter of its local tensor, and FSDP's own writes to its neighbours do.
         self._order, self._offsets = _first_reads(self._needs)
-        self._norms = torch.zeros(len(self._order), dtype=torch.float64, device=phase.device)
-        self._groups = list({id(e.group): e.group for e in phase.entries}.values())
+        device = phase.tensors.device
+        self._norms = torch.zeros(len(self._order), dtype=torch.float64, device=device)
+        self._groups = list({id(e.group): e.group for e in phase.tensors.entries}.values())
         self._read_early: list[tuple[Any, ...]] = []  # _READ_EARLY per group at the first start
         self._callback_queued = False
         self._open = False
@@ -149,7 +150,6 @@ class BackwardStart:
         # The open step's pipeline, and how many buckets, in plan order, it has started.
         self._pipeline = Pipeline(phase.settings.max_inflight)
         self._started = 0
-        device = phase.device
         cuda = device.type == "cuda"
         self.stream = side_stream(device, "backward overlap") if cuda else None
         # The streams hooks ran on since the side stream last waited (their gradients were
@@ -194,7 +194,7 @@ class BackwardStart:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        self.phase.grads.set_one(j, grad)
+        self.phase.pieces.grads.set_one(j, grad)
         if self.stream is not None:
             self._hook_streams.add(torch.cuda.current_stream(self.stream.device))
         ready = self._ready()
@@ -237,7 +237,7 @@ class BackwardStart:
 
     def _begin(self) -> None:
         self._read_early = [tuple(g[k] for k in _READ_EARLY) for g in self._groups]
-        self.phase.open_early()
+        self.program.open()
         self._pipeline = Pipeline(self.phase.settings.max_inflight)
         self._started = 0
         self._open = True
@@ -245,7 +245,7 @@ class BackwardStart:
     def _start_next(self) -> None:
         """Start the next bucket in plan order: one pipeline round, as ``run_tasks`` makes
         per bucket, so the collectives are the plain step's, in its order."""
-        self._pipeline.add(self.phase.bucket(self._started))
+        self._pipeline.add(self.program.bucket(self._started))
         self._started += 1
         self._pipeline.round()
 
@@ -299,21 +299,19 @@ class BackwardStart:
         norms = torch.stack(_fp64_norms(then))
         return (norms != self._norms[:count]).any().float()
 
-    def finish(
-        self,
-        grads: Sequence[torch.Tensor | None],
-        inputs: StepInputs,
-        *,
-        transactional: bool,
-        redo: bool = False,
-    ) -> None:
-        """Finish the step after the agreement: start the buckets no hook started (all of
-        them again where ``redo``), wait for all, then commit where kept (see
-        :meth:`MuonPhase.close_early`)."""
-        with self._side_stream():
-            if redo and self._open:
+    def redo(self) -> None:
+        """Drop the started buckets, at ``step()``: a rank asked that every rank start them
+        again (:meth:`changed`); :meth:`finish` starts them all."""
+        if self._open:
+            with self._side_stream():
                 self.redone += 1
                 self._drop()
+
+    def finish(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Finish the step after the agreement: start the buckets no hook started, wait for
+        all, then close the step by its program (agreement on the results, the commit where
+        kept: :meth:`StepProgram.close`)."""
+        with self._side_stream():
             if not self._open:
                 self._begin()
             try:
@@ -321,7 +319,7 @@ class BackwardStart:
                 while self._started < len(self._needs):
                     self._start_next()
                 self._pipeline.finish()
-                self.phase.close_early(inputs, transactional=transactional)
+                self.program.close()
             finally:
                 self._open = False
                 self._reported.clear()

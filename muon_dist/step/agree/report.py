@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from muon_dist.step.scalars import NS_NORM_LIMIT, Segments
+from muon_dist.step.shard.scalars import NS_NORM_LIMIT, Segments
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ their norms: every rank applies the owner's update to a replica, so replicas nee
 gradients (the data-parallel wrapper averages them), and a difference fails the step.
 
 The host reads the outcome later, from a copy queued at the end of the step
-(:mod:`muon_dist.step.report`).
+(:mod:`muon_dist.step.agree.report`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from muon_dist.comm.groups import Peers
 from muon_dist.options.schema import OPTIONS
-from muon_dist.step.report import NONFINITE, TOO_LARGE, Compared, Report
-from muon_dist.step.scalars import Segments, StepInputs
+from muon_dist.step.agree.report import NONFINITE, TOO_LARGE, Compared, Report
+from muon_dist.step.shard.scalars import Segments, StepInputs
 
 # Group entries that are no option and are compared as numbers: the step counts.
 _COUNTS = ("steps", "skipped_steps")
@@ -189,8 +189,6 @@ class Agreement:
         self,
         grads: Sequence[torch.Tensor | None],
         inputs: StepInputs,
-        *,
-        keep_results: bool = False,
         redo: torch.Tensor | None = None,
     ) -> None:
         """Fill the flags for this step's local gradients and agree on them over all ranks.
@@ -199,8 +197,9 @@ class Agreement:
         gradient and the largest gradient norm Newton–Schulz can normalise (inf for AdamW),
         this rank's failure (rank + 1, or 0), and what :meth:`stage` returned. Norms are
         taken in fp64, so a finite gradient of any dtype has a finite norm, and an overflow of the
-        normalisation is told apart from a non-finite entry. Zeroes the result flags, unless
-        ``keep_results`` (a step whose buckets started before it, see :meth:`clear_results`).
+        normalisation is told apart from a non-finite entry. The result flags are the Muon
+        phase's: its program clears them before its first Newton–Schulz result
+        (:meth:`clear_results`), which a step started during backward had before this.
         ``redo`` (one element, > 0) asks every rank to start those buckets again
         (:meth:`redo_asked`).
         """
@@ -215,6 +214,29 @@ class Agreement:
         flag["verdict"].zero_()
         compare["norms"].fill_(-math.inf)
         compare["negated_norms"].fill_(-math.inf)
+        self._flag_grads(grads, inputs)
+        if self.holders.size > 1:
+            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
+        torch.amax(self._checked, dim=0, out=self.found_inf)
+        self.found_inf.clamp_(max=1.0)
+        if self._compared.numel():
+            # max + (-min) > 0 where ranks differ; -inf + -inf where no rank has a value.
+            spread = torch.cat(
+                [
+                    compare["values"] + compare["negated"],
+                    compare["norms"] + compare["negated_norms"],
+                ]
+            )
+            digests = compare["digests"]
+            differs = (spread > 0).any() | (digests.amax() > digests.amin())
+            torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
+            self._differs = differs
+        self._set_keep()
+
+    def _flag_grads(self, grads: Sequence[torch.Tensor | None], inputs: StepInputs) -> None:
+        """This rank's verdict on each local gradient (non-finite, or above its norm limit)
+        and, for replicas, its norm to compare across ranks."""
+        flag, compare = self._flag, self._compare
         positions = tuple(i for i, g in enumerate(grads) if g is not None)
         if positions:
             index, replicated = self._index(positions)
@@ -233,25 +255,6 @@ class Agreement:
                 mine = torch.where(finite, norms, -math.inf).index_select(0, replicated[0])
                 compare["norms"].index_copy_(0, replicated[1], mine.to(self.flags.dtype))
                 compare["negated_norms"].index_copy_(0, replicated[1], (-mine).to(self.flags.dtype))
-        if self.holders.size > 1:
-            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
-        torch.amax(self._checked, dim=0, out=self.found_inf)
-        self.found_inf.clamp_(max=1.0)
-        if self._compared.numel():
-            # max + (-min) > 0 where ranks differ; -inf + -inf where no rank has a value.
-            spread = torch.cat(
-                [
-                    compare["values"] + compare["negated"],
-                    compare["norms"] + compare["negated_norms"],
-                ]
-            )
-            digests = compare["digests"]
-            differs = (spread > 0).any() | (digests.amax() > digests.amin())
-            torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
-            self._differs = differs
-        if not keep_results:
-            self.clear_results()
-        self._set_keep()
 
     def ranks_differ(self) -> bool:
         """Whether the ranks' options differed in the last :meth:`decide`: a host read, made
@@ -263,13 +266,11 @@ class Agreement:
         a host read, made once per step under ``overlap="backward"``."""
         return bool(self._flag["redo"].item())
 
-    def refuse_all(self, *, keep_results: bool) -> None:
+    def refuse_all(self) -> None:
         """Keep nothing in a step whose flags this agreement did not decide (see
         :meth:`muon_dist.step.runner.StepRunner.mirror`)."""
         self.found_inf.fill_(1.0)
         self.keep.zero_()
-        if not keep_results:
-            self.clear_results()
 
     def clear_results(self) -> None:
         """Zero the result flags before the step's first Newton–Schulz result."""
@@ -290,15 +291,17 @@ class Agreement:
         self.crashed.fill_(float(rank + 1))
         self._results.index_fill_(0, tensors, 1.0)
 
-    def agree_on_results(self, skip: bool) -> None:
-        """All-reduce the result flags; under ``skip`` they also set ``found_inf`` and
-        clear ``keep``, so the still-pending writes leave everything alone."""
+    def agree_on_results(self) -> None:
+        """All-reduce the result flags."""
         if self.holders.size > 1:
             dist.all_reduce(self._results, op=dist.ReduceOp.MAX, group=self.holders.group)
-        if skip:
-            torch.maximum(self.found_inf, self._results.amax(), out=self.found_inf)
-            self.found_inf.clamp_(max=1.0)
-            self._set_keep()
+
+    def skip_on_results(self) -> None:
+        """A transactional step: the agreed result flags also set ``found_inf`` and clear
+        ``keep``, so the still-pending writes leave everything alone."""
+        torch.maximum(self.found_inf, self._results.amax(), out=self.found_inf)
+        self.found_inf.clamp_(max=1.0)
+        self._set_keep()
 
     def publish(self) -> None:
         """Queue the host copy of this step's outcome (part of a captured step)."""

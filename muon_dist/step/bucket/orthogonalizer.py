@@ -1,10 +1,10 @@
 """The owner's work on a stack of whole matrices: Newton–Schulz by the stack's recipe, with
-the rule's own part (NorMuon's row normalization, Dion2's chosen slices), and a device flag
-per matrix of whether its result is finite."""
+the owner part of the stack's rule (its wing's, :mod:`muon_dist.step.wings`), and a device
+flag per matrix of whether its result is finite."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -13,31 +13,45 @@ from muon_dist.kernels.graphs import GraphCache
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import StackSpec
 from muon_dist.plan.indices import TensorIndex
-from muon_dist.rules.base import RulePart
 from muon_dist.rules.ops import mask_stack_, matrix_sums
-from muon_dist.state.normuon_moments import RowMoments
-from muon_dist.step.failures import Failures
-from muon_dist.step.owner_part import OwnerPart
-from muon_dist.step.rule_parts import recipe_parts
+from muon_dist.step.agree.failures import Failures
+
+
+class OwnerPart:
+    """What an owner does around Newton–Schulz on a stack; this class is Muon's: Newton–Schulz
+    of the input as it is. ``graphed``: whether its Newton–Schulz replays from CUDA graphs
+    whatever the stack's size."""
+
+    graphed = False
+
+    def run(
+        self,
+        x: torch.Tensor,
+        orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+        part: int | None,
+    ) -> torch.Tensor:
+        """The owner's result for ``x`` (a stack, or one part of its matrices: ``part``)."""
+        return orthogonalize(x)
 
 
 class Orthogonalizer:
     """Newton–Schulz on every stack of a plan. ``stack_tensor`` lists, per matrix of every
     stack in plan order, its Muon tensor; ``dropped`` (the same layout) marks the matrices a
-    step drops. The sum of each matrix's result is kept (finite exactly when the result is),
-    so a step tests every result at once instead of once per stack."""
+    step drops; ``owner_of`` makes a stack's owner part (its rule's wing's). The sum of each
+    matrix's result is kept (finite exactly when the result is), so a step tests every
+    result at once instead of once per stack."""
 
     def __init__(
         self,
         settings: ExecutionSettings,
-        row_moments: RowMoments,
+        owner_of: Callable[[StackSpec], OwnerPart],
         failures: Failures,
         stack_tensor: Sequence[TensorIndex],
         stack_sizes: Sequence[int],
         dropped: torch.Tensor,
     ) -> None:
         self._settings = settings
-        self._row_moments = row_moments
+        self._owner_of = owner_of
         self._failures = failures
         self.stack_tensor = torch.tensor(
             list(stack_tensor), dtype=torch.long, device=dropped.device
@@ -49,30 +63,25 @@ class Orthogonalizer:
         self.graphs = GraphCache()  # freed with this step (the optimizer)
         self._owners: dict[int, OwnerPart] = {}  # per stack, made on its first step
 
-    def _owner(self, stack: int, recipe: RulePart) -> OwnerPart:
-        """The rule's owner part for a stack (:mod:`muon_dist.step.rule_parts`)."""
-        owner = self._owners.get(stack)
+    def _owner(self, spec: StackSpec) -> OwnerPart:
+        """The owner part of a stack, made on its first step."""
+        owner = self._owners.get(spec.index)
         if owner is None:
-            owner = self._owners[stack] = recipe_parts(recipe).owner(
-                recipe, stack, self._row_moments, self._settings.backend
-            )
+            owner = self._owners[spec.index] = self._owner_of(spec)
         return owner
 
     def finite(self) -> torch.Tensor:
         """Per matrix of every stack: whether its last result was finite (a new tensor)."""
         return torch.isfinite(self._sums)
 
-    def __call__(
-        self, stack: torch.Tensor, spec: StackSpec, chosen: Sequence[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Newton–Schulz on a ``[k, rows, cols]`` stack by its recipe; for a Dion2 stack on
-        the ``chosen`` slices of each matrix (per part, ``[matrices, count]``)."""
+    def __call__(self, stack: torch.Tensor, spec: StackSpec) -> torch.Tensor:
+        """Newton–Schulz on a ``[k, rows, cols]`` stack by its recipe, with its owner part."""
         settings = self._settings
         mask_stack_(stack, self._dropped_of_stack[spec.index], settings.backend)
         recipe = spec.recipe
         if recipe is None:
             raise RuntimeError(f"muon_dist: stack {spec.index} has no recipe; this is a bug")
-        owner = self._owner(spec.index, recipe.rule)
+        owner = self._owner(spec)
 
         def orthogonalize(x: torch.Tensor) -> torch.Tensor:
             return newton_schulz(
@@ -87,7 +96,7 @@ class Orthogonalizer:
             )
 
         def run(x: torch.Tensor, part: int | None = None) -> torch.Tensor:
-            return owner.run(x, orthogonalize, part, chosen)
+            return owner.run(x, orthogonalize, part)
 
         try:
             result = run(stack) if recipe.parts is None else recipe.parts.orthogonalize(stack, run)

@@ -1,7 +1,7 @@
 """The three forms a write of updates to local-shard pieces takes (which one, per view, is
-its :class:`muon_dist.step.shard_io.ShardIO` record's ``write``): fused, batched, single.
+its :class:`muon_dist.step.shard.shard_io.ShardIO` record's ``write``): fused, batched, single.
 
-Each form is laid out once per tuple of pieces (:meth:`muon_dist.step.piece_io.PieceIO.write`)
+Each form is laid out once per tuple of pieces (:meth:`muon_dist.step.shard.piece_io.PieceIO.write`)
 with the views and one-element scalars it needs, and writes a step's updates with no further
 decision but the ones a step's values make (Magma's per-row steps, an unchecked step's mask).
 """
@@ -9,7 +9,8 @@ decision but the ones a step's values make (Magma's per-row steps, an unchecked 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 
@@ -22,19 +23,35 @@ from muon_dist.rules.ops import (
     shared_step_updates_,
     updates_,
 )
-from muon_dist.step.dion2_feedback import Feedback
-from muon_dist.step.scalars import MuonScalars
+from muon_dist.step.shard.scalars import MuonScalars
+
+
+class Feedback(Protocol):
+    """A piece's pass on its momentum with the write of its update (Dion2's error feedback,
+    :func:`muon_dist.rules.ops.error_feedback_`): the momentum view and β, read at every
+    write."""
+
+    def args(self) -> tuple[torch.Tensor, float]: ...
+
+
+class WritePart(Protocol):
+    """What a rule's write does besides adding the update (its wing's): each written
+    piece's :class:`Feedback`."""
+
+    def of_piece(self, momentum: torch.Tensor, group: dict[str, Any]) -> Feedback: ...
 
 
 @dataclass(frozen=True)
 class Batch:
     """Pieces written together: their positions in the tuple, their parameter views, their
-    tensors' keep flags and their feedbacks (None where the rule has none)."""
+    tensors' keep flags and their feedbacks (None where the rule has none); ``unchecked``
+    where they write a transaction's held updates (non-finite where not kept)."""
 
     positions: tuple[int, ...]
     targets: tuple[torch.Tensor, ...]
     keeps: tuple[torch.Tensor, ...]
     feedbacks: tuple[Feedback | None, ...]
+    unchecked: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,11 @@ class FusedWrite:
     decays: tuple[torch.Tensor, ...]
     steps: tuple[torch.Tensor, ...]
 
-    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars, unchecked: bool) -> None:
+    def of_held(self) -> FusedWrite:
+        """The same write of a transaction's held updates."""
+        return replace(self, batch=replace(self.batch, unchecked=True))
+
+    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         batch = self.batch
         fused_updates_(
             list(batch.targets),
@@ -72,10 +93,14 @@ class BatchedWrite:
     dtype: torch.dtype = torch.float32
     runs: Runs = ()
 
-    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars, unchecked: bool) -> None:
+    def of_held(self) -> BatchedWrite:
+        """The same write of a transaction's held updates."""
+        return replace(self, batch=replace(self.batch, unchecked=True))
+
+    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         batch = self.batch
         mine = [updates[i] for i in batch.positions]
-        if unchecked and self.shared is None:
+        if batch.unchecked and self.shared is None:
             mine = [drop_unkept(u, keep) for u, keep in zip(mine, batch.keeps, strict=True)]
         for update, keep, fed in zip(mine, batch.keeps, batch.feedbacks, strict=True):
             if fed is not None:
@@ -92,7 +117,7 @@ class BatchedWrite:
             scalars.class_step_of[self.shared],
             scratch,
             flat_views(scratch, self.runs),
-            scalars.ok if unchecked else None,
+            scalars.ok if batch.unchecked else None,
         )
 
 
@@ -109,10 +134,15 @@ class SingleWrite:
     keep: torch.Tensor
     cautious: torch.Tensor | None
     feedback: Feedback | None
+    unchecked: bool = False
 
-    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars, unchecked: bool) -> None:
+    def of_held(self) -> SingleWrite:
+        """The same write of a transaction's held updates."""
+        return replace(self, unchecked=True)
+
+    def write(self, updates: Sequence[torch.Tensor], scalars: MuonScalars) -> None:
         update = updates[self.position]
-        if unchecked:
+        if self.unchecked:
             update = drop_unkept(update, self.keep)
         magma_step = scalars.magma_step_of.get(self.index)
         post_orthogonalize_(

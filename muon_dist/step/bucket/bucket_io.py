@@ -12,32 +12,33 @@ import torch
 from muon_dist.comm.exchange import Exchanges
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import LocalSlices
-from muon_dist.step.failures import Failures
-from muon_dist.step.orthogonalizer import Orthogonalizer
-from muon_dist.step.piece_io import PieceIO
-from muon_dist.step.transaction import SkipTransaction
+from muon_dist.step.agree.failures import Failures
+from muon_dist.step.bucket.orthogonalizer import Orthogonalizer
+from muon_dist.step.shard.modes import StepMode
+from muon_dist.step.shard.piece_io import PieceIO
+from muon_dist.step.shard.transaction import SkipTransaction
 
 
-@dataclass
+@dataclass(frozen=True)
 class BucketIO:
-    """The reads of Newton–Schulz inputs and the writes of updates of every bucket task:
-    held by the transaction while it is open, cast to the exchanges' dtype, and a failure
-    recorded instead of raised (``step()`` raises it once every rank knows). ``early``:
-    between ``open_early`` and the end of ``close_early``, a step begun from gradient hooks
-    (:mod:`muon_dist.step.backward`), whose held updates must not pin their stacks."""
+    """The reads of Newton–Schulz inputs and the writes of updates of every bucket task of
+    a step of ``mode``: held by the transaction where the mode holds them, cast to the
+    exchanges' dtype, and a failure recorded instead of raised (``step()`` raises it once
+    every rank knows). A step begun from gradient hooks (:mod:`muon_dist.step.launch.backward`)
+    holds copies of its updates, which must not pin their stacks until ``step()``."""
 
     io: PieceIO
     transaction: SkipTransaction
     failures: Failures
     settings: ExecutionSettings
-    early: bool = False
+    mode: StepMode
 
     def read(self, pieces: Sequence[LocalSlices], outs: Sequence[torch.Tensor]) -> None:
         """Write the Newton–Schulz input of each piece of a local shard into its ``out``,
         cast to its dtype (all pieces of one phase at once). ``pieces`` is one of a bucket
         map's tuples, the same object every step."""
         try:
-            self.io.read(pieces, outs, store=not self.transaction.open)
+            self.io.read(pieces, outs, self.mode)
         except Exception as exc:  # raised by step() once the other ranks know
             # Zero inputs orthogonalize to zero: the stack stays finite, the write a no-op.
             torch._foreach_zero_(list(outs))
@@ -53,11 +54,11 @@ class BucketIO:
                 # so replicas of a parameter round identically and stay bitwise equal. Piece
                 # by piece: a cast of whole stacks would hold both dtypes' stacks at once.
                 updates = [update.to(comm_dtype) for update in updates]
-            elif self.early:
+            elif self.mode.early:
                 # Held from backward to step(): copies of this rank's pieces only, so the
                 # bucket's whole stacks and exchange buffers are freed meanwhile.
                 updates = [update.clone() for update in updates]
-            if self.transaction.open:
+            if self.mode.holds:
                 self.transaction.hold(pieces, updates)
                 return
             self.io.write(pieces, updates)
