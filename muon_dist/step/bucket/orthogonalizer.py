@@ -60,7 +60,10 @@ class Orthogonalizer:
         self._sums = torch.zeros(len(stack_tensor), device=dropped.device)
         self._sums_of_stack = self._sums.split_with_sizes(list(stack_sizes))
         self._dropped_of_stack = dropped.split_with_sizes(list(stack_sizes))
-        self.graphs = GraphCache()  # freed with this step (the optimizer)
+        # Freed with this step (the optimizer). None where the whole step is captured: its
+        # capture already removes the launches, and a kernel's capture during the step's
+        # eager warm-up would only hold memory (or fail) for graphs never replayed.
+        self.graphs = None if settings.cuda_graph else GraphCache()
         self._owners: dict[int, OwnerPart] = {}  # per stack, made on its first step
 
     def _owner(self, spec: StackSpec) -> OwnerPart:
