@@ -9,10 +9,10 @@ The models are transformers' code (Qwen3, Qwen3-MoE with its fused 3-D expert st
 built from configs with random weights: nothing is downloaded. Each decoder layer and then
 the root get ``fully_shard`` with a bf16 ``MixedPrecisionPolicy`` (fp32 gradient
 reduction), as the README's Usage says; ``muon_dist.param_groups(model)`` routes them, and
-the Muon variants take the defaults a user gets (``Muon(groups, lr=0.02, adamw_lr=3e-4,
-weight_decay=0.1)``; ``muon`` captures the step under the default ``cuda_graph="auto"``,
-``muon-eager`` is ``cuda_graph=False``). The data are bytes (token ids 0..255): random, or
-windows of ``--data FILE``, drawn before each step's clock starts.
+the Muon variants are built as a user builds them (``Muon(groups, lr=0.02, adamw_lr=3e-4,
+weight_decay=0.1)``; ``muon`` adds ``cuda_graph="auto"``, which captures the step on CUDA,
+``muon-eager`` is ``cuda_graph=False``, Muon's default). The data are bytes (token ids
+0..255): random, or windows of ``--data FILE``, drawn before each step's clock starts.
 
 Variants run in rounds (A B C, A B C, ...), each run a fresh model and optimizer in this
 process, freed before the next. A step is timed from a common start (barrier, then
@@ -75,8 +75,8 @@ LEGEND = (
     "step, the slowest rank's (min–max over runs). optimizer ms: stream time from the end "
     "of backward to the end of zero_grad. vs AdamW: ratio of the median tokens/s (min–max "
     "over runs paired by round). peak GiB: the largest max_memory_allocated of any rank. "
-    "muon, normuon, dion2: muon_dist's defaults (cuda_graph='auto', captured on CUDA); "
-    "-eager: cuda_graph=False; -graph: cuda_graph=True."
+    "muon, normuon, dion2: cuda_graph='auto' (captured on CUDA); -eager: cuda_graph=False "
+    "(Muon's default); -graph: cuda_graph=True."
 )
 
 

@@ -212,9 +212,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cuda-graph",
         choices=("auto", "on", "off"),
-        default="auto",
-        help="Muon(cuda_graph=...): 'auto' (the default) captures the optimizer step in a CUDA "
-        "graph where the job allows (CUDA, no --overlap), 'on' always, 'off' never",
+        default="off",
+        help="Muon(cuda_graph=...): 'auto' captures the optimizer step in a CUDA graph where "
+        "the job allows (CUDA, no --overlap), 'on' always, 'off' (the default) never",
     )
     p.add_argument(
         "--overlap",

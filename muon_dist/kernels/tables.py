@@ -7,11 +7,17 @@ size from a table pays it once. Such a table, like Dion2's per-step indices, goe
 device from pinned memory: pinning a fresh buffer per copy costs more than the copy, and a
 copy from pageable memory would wait for the whole stream. A :class:`PinnedStaging` buffer
 is rewritten only once the copy that last read it is done (an event).
+
+A captured step (:class:`StepStaging`) has buffers of its own: its graph's copies read them
+at every replay, so nothing else may rewrite them, and the capture itself may neither pin
+memory nor wait on a copy it captured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -56,7 +62,41 @@ class _Ring:
         return slot.upload(values, device)
 
 
+class StepStaging:
+    """The staging buffers of one captured step, in the order of its uploads.
+
+    Each round (a warm-up step, then the capture) starts from the first buffer, so the k-th
+    table of the capture goes through the buffer the k-th table of the warm-up pinned and
+    sized, and waits, if at all, on a warm-up copy. Only the step's own rounds write them:
+    the tables stay as captured for as long as the graph replays them.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[PinnedStaging] = []
+        self._next = 0
+
+    def upload(self, values: list[int], device: torch.device) -> torch.Tensor:
+        if self._next == len(self._buffers):
+            self._buffers.append(PinnedStaging())
+        buffer = self._buffers[self._next]
+        self._next += 1
+        return buffer.upload(values, device)
+
+    @contextlib.contextmanager
+    def round(self) -> Iterator[None]:
+        """This context's address tables go through these buffers, from the first."""
+        self._next = 0
+        token = _step_staging.set(self)
+        try:
+            yield
+        finally:
+            _step_staging.reset(token)
+
+
 _rings: dict[torch.device, _Ring] = {}
+_step_staging: contextvars.ContextVar[StepStaging | None] = contextvars.ContextVar(
+    "step_staging", default=None
+)
 
 
 def address_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -65,6 +105,9 @@ def address_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.
     flat = [value for row in rows for value in row]
     if device.type != "cuda":
         return torch.tensor(flat, dtype=torch.long)
+    staging = _step_staging.get()
+    if staging is not None:
+        return staging.upload(flat, device)
     ring = _rings.get(device)
     if ring is None:
         ring = _rings[device] = _Ring()

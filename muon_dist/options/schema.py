@@ -395,14 +395,14 @@ SETTINGS: tuple[Option, ...] = (
     ),
     _set(
         "cuda_graph",
-        "auto",
+        False,
         cuda_graph,
         "bool | str",
         "capture the whole step in one CUDA graph after ``graph_warmup`` eager steps and"
         ' replay it (:mod:`muon_dist.step.launch.cuda_graph`); ``"auto"`` captures where the job'
         " allows (CUDA parameters, ``overlap`` off, NCCL collectives) and otherwise runs"
         " eagerly, saying why in one INFO log line; ``True`` captures or raises; ``False``"
-        " runs eagerly.",
+        " (the default) runs eagerly.",
     ),
     _set("graph_warmup", 2, count_from(1), "int", "eager steps before the capture."),
     _set(
@@ -416,7 +416,7 @@ SETTINGS: tuple[Option, ...] = (
         " warm-up steps and keeps the faster for the rest of the run, the same on every rank"
         " (``opt.overlap_mode``; :mod:`muon_dist.step.launch.auto_overlap`). Under both, Muon"
         " parameters must be DTensors sharded by ``fully_shard``, and ``cuda_graph`` not True"
-        ' (``"auto"`` then runs eagerly).',
+        ' (``"auto"`` runs eagerly there).',
     ),
 )
 

@@ -52,7 +52,7 @@ def _build(mesh: DeviceMesh, cuda_graph: bool | str) -> tuple[nn.Module, muon_di
 
 def fsdp_capture_worker(rank: int, world_size: int, set_to_none: bool = False) -> dict[str, object]:
     """Two identical FSDP2 models on the same batches under one lr schedule, one eager and
-    one captured (the default ``cuda_graph="auto"`` where gradients are freed between steps,
+    one captured (``cuda_graph="auto"`` where gradients are freed between steps,
     ``True`` where they are kept); every optimizer step after warm-up runs under sync debug
     mode "error".
 

@@ -106,12 +106,12 @@ def _equal(expected: list[list[torch.Tensor]], got: list[list[torch.Tensor]], wh
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_captured_step_with_zero_grad_is_bitwise_the_eager_step(set_to_none: bool) -> None:
-    """The default ``cuda_graph="auto"`` captures on CUDA; with ``zero_grad()`` between steps
+    """``cuda_graph="auto"`` captures on CUDA; with ``zero_grad()`` between steps
     (gradients freed, or zeroed in place and then replaced) each replay copies the new
     gradients into the captured ones, and every step equals the eager one bit for bit."""
     eager_params, graph_params = _params(4), _params(4)
     eager = muon_dist.Muon(_groups(eager_params), lr=LR, cuda_graph=False)
-    graphed = muon_dist.Muon(_groups(graph_params), lr=LR)
+    graphed = muon_dist.Muon(_groups(graph_params), lr=LR, cuda_graph="auto")
     steps = range(7)
     expected = _run(eager_params, eager, steps, set_to_none=set_to_none)
     got = _run(graph_params, graphed, steps, set_to_none=set_to_none)
@@ -131,6 +131,22 @@ def test_a_step_with_a_missing_gradient_runs_eagerly_between_replays() -> None:
     got = _run(graph_params, graphed, steps, set_to_none=True, missing=missing)
     assert graphed.runner.graph is not None and graphed.runner.graph.captured
     _equal(expected, got, "captured with a missing gradient at step 5")
+
+
+def test_replays_read_their_own_address_tables_while_another_step_runs_eagerly() -> None:
+    """The fused kernels' address tables travel through pinned buffers that a captured
+    step's copies read at every replay: another optimizer's eager steps between two replays
+    (enough to go round the shared buffers) must not rewrite them."""
+    eager_params, graph_params, other_params = _params(6), _params(6), _params(7)
+    eager = muon_dist.Muon(_groups(eager_params), lr=LR, cuda_graph=False)
+    graphed = muon_dist.Muon(_groups(graph_params), lr=LR, cuda_graph=True)
+    other = muon_dist.Muon(_groups(other_params), lr=LR, cuda_graph=False)
+    expected = _run(eager_params, eager, range(4), set_to_none=True)
+    got = _run(graph_params, graphed, range(3), set_to_none=True)
+    assert graphed.runner.graph is not None and graphed.runner.graph.captured
+    _run(other_params, other, range(40), set_to_none=True)  # many tables through the ring
+    got += _run(graph_params, graphed, range(3, 4), set_to_none=True)
+    _equal(expected, got, "a replay after another optimizer's eager steps")
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:

@@ -235,7 +235,7 @@ def test_graphs_are_freed_with_the_optimizer() -> None:
     before = torch.cuda.memory_allocated()
 
     def cycle() -> int:
-        # Eager steps: a captured step (the default "auto") keeps no kernel graphs.
+        # Eager steps: a captured step keeps no kernel graphs.
         opt = muon_dist.Muon(layers.parameters(), rule="dion2", cuda_graph=False)
         for _ in range(2):
             for p in layers.parameters():

@@ -35,7 +35,7 @@ def test_a_tiny_run_writes_its_json_and_table(tmp_path: Path) -> None:
     assert [r["variant"] for r in results["runs"]] == ["adamw", "muon"]
     for run in results["runs"]:
         assert len(run["step_s"]) == 3 and min(run["step_s"]) > 0 and run["peak_gib"] is None
-    # On CPU the default cuda_graph="auto" runs eagerly and says why.
+    # On CPU cuda_graph="auto" (bench_hf's muon) runs eagerly and says why.
     assert "cpu" in results["runs"][1]["note"]
     summary = results["summary"]
     assert summary["adamw"]["vs_baseline"]["median"] == 1.0

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from muon_dist.comm.groups import CommGroups
 from muon_dist.kernels.streams import side_stream
+from muon_dist.kernels.tables import StepStaging
 from muon_dist.options.settings import ExecutionSettings
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class StepGraph:
         self._stream: torch.cuda.Stream | None = None
         self._key: Hashable = None
         self._held: tuple[torch.Tensor | None, ...] = ()
+        self._staging = StepStaging()  # the address tables the graph's copies read
         self._pointers: tuple[int, ...] = ()
         self._eager = 0
         self._changes = 0
@@ -100,6 +102,11 @@ class StepGraph:
     def reset(self) -> None:
         """Forget the graph (and the gradient tensors it reads): the next steps warm up and
         capture again."""
+        if self._graph is not None:
+            # A replay may still read the tables' pinned buffers: let it finish before
+            # they are freed (new ones serve the next warm-up and capture).
+            torch.cuda.synchronize()
+            self._staging = StepStaging()
         self._graph = None
         self._held, self._pointers = (), ()
         self._eager = 0
@@ -149,7 +156,7 @@ class StepGraph:
         if self._stream is None:
             self._stream = side_stream(torch.device("cuda"), "step warm-up")
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), self._staging.round():
             body()
         torch.cuda.current_stream().wait_stream(self._stream)
         self._eager += 1
@@ -165,7 +172,10 @@ class StepGraph:
         try:
             # "thread_local": the NCCL watchdog thread polls events while this thread
             # captures; "global" would fail the capture on its calls.
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+            capturing = torch.cuda.graph(
+                graph, stream=self._stream, capture_error_mode="thread_local"
+            )
+            with capturing, self._staging.round():
                 body()
         except Exception as exc:
             if self.fallback is None:

@@ -1,4 +1,4 @@
-"""``cuda_graph="auto"`` (the default) on CPU: eager steps and one INFO line saying why;
+"""``cuda_graph="auto"`` on CPU: eager steps and one INFO line saying why;
 :func:`capture_blocker`'s other reasons; a step with a missing gradient runs uncaptured;
 the option's checks name the option, the value and the fix. The captured path itself is
 tested on CUDA (tests/gpu/test_cuda_step.py)."""
@@ -35,7 +35,7 @@ def test_auto_on_cpu_runs_eagerly_and_says_why_once(caplog: pytest.LogCaptureFix
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     with caplog.at_level(logging.INFO, logger="muon_dist"):
-        opt = muon_dist.Muon(muon_dist.param_groups(model))
+        opt = muon_dist.Muon(muon_dist.param_groups(model), cuda_graph="auto")
         for _ in range(3):
             model(torch.randn(4, 16)).square().mean().backward()
             opt.step()
@@ -71,8 +71,8 @@ def test_a_bad_cuda_graph_names_the_option_the_value_and_the_choices(
 
 
 def test_auto_with_backward_overlap_is_allowed_and_true_refused() -> None:
-    assert ExecutionSettings(overlap="backward").cuda_graph == "auto"
-    with pytest.raises(ValueError, match=r"use cuda_graph=False with it \(or the default 'auto'"):
+    assert ExecutionSettings(overlap="backward", cuda_graph="auto").cuda_graph == "auto"
+    with pytest.raises(ValueError, match=r"use cuda_graph=False \(the default\) with it"):
         ExecutionSettings(overlap="backward", cuda_graph=True)
 
 
@@ -85,7 +85,7 @@ def test_capture_blocker_reasons() -> None:
 
 
 def test_auto_resolves_to_capture_on_cuda_without_touching_the_device() -> None:
-    choice = CaptureChoice(ExecutionSettings(), CUDA, COMM)
+    choice = CaptureChoice(ExecutionSettings(cuda_graph="auto"), CUDA, COMM)
     assert choice.settings.cuda_graph is True and choice.uncaptured_reason is None
     graph = StepGraph(2)
     choice.bind(graph)
@@ -99,7 +99,7 @@ def test_auto_resolves_to_capture_on_cuda_without_touching_the_device() -> None:
 
 
 def test_a_step_with_a_missing_gradient_runs_uncaptured(caplog: pytest.LogCaptureFixture) -> None:
-    choice = CaptureChoice(ExecutionSettings(), CUDA, COMM)
+    choice = CaptureChoice(ExecutionSettings(cuda_graph="auto"), CUDA, COMM)
     graph = StepGraph(2)
     params = [nn.Parameter(torch.randn(2, 2)) for _ in range(3)]
     step = SimpleNamespace(graph=graph, names=["a", "b", "c"], params=params)
