@@ -35,7 +35,7 @@ scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 
 model=(--dim 256 --layers 4 --heads 4 --vocab 512 --seq-len 128 --batch-size "$((8 * GPUS))"
-  --steps "$STEPS" --comm-dtype fp32 --ns-dtype fp32 --no-progress)
+  --steps "$STEPS" --comm-dtype fp32 --ns-dtype fp32 --cuda-graph auto --no-progress)
 launch=(-m torch.distributed.run --standalone --nproc-per-node "$GPUS")
 
 for run in uninterrupted repeat; do
