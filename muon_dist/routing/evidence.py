@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from muon_dist.routing.families import Layout
+from muon_dist.routing.decision import Route, shape_text
+from muon_dist.routing.layouts import Layout
 from muon_dist.routing.names import name_regex
-from muon_dist.routing.observed import Observation
-from muon_dist.routing.route import Route, shape_text
+from muon_dist.routing.observation import Observation
 from muon_dist.routing.structure import ViewOptions
 
 # The options an observation of a 2-D matrix settles (the rest: experts, expert counts).

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from muon_dist.routing.families import (
+from muon_dist.routing.layouts import (
     Layout,
     ModuleRule,
     declared_experts,

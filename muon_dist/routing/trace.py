@@ -8,7 +8,7 @@ replayed on the codes, which are small CPU tensors, so every tensor derived from
 product knows which outputs it holds; ops that keep the shape (elementwise ops, norms, a
 depthwise convolution over channels) carry them along. A cut (a move whose result holds
 fewer of a parameter's outputs than its source) and a join are recorded, per parameter,
-as sets of features; :mod:`muon_dist.routing.observed` turns them into parts. Everything
+as sets of features; :mod:`muon_dist.routing.observation` turns them into parts. Everything
 else a parameter takes part in (indexed, added, expanded) makes it a table.
 """
 
@@ -232,7 +232,7 @@ class Tracer(TorchFunctionMode):
         self._stacked: set[int] = set()  # the indices of the >2-D parameters
         self._kept: list[torch.Tensor] = []
         self.outputs: set[int] = set()
-        self.paused = 0  # > 0: ops run unobserved (a twin's forward, see observe.py)
+        self.paused = 0  # > 0: ops run unobserved (a twin's forward, see forward.py)
 
     def fresh(self, inputs: Any) -> Any:
         """``inputs`` with each product swapped for an alias that holds no codes: a product

@@ -508,3 +508,23 @@ def test_without_config_or_embeddings_the_matrices_tell_the_hidden_size(
     assert caplog.text == ""
     assert views["experts.w1"] == "expert_stack 4x[24x16]"
     assert views["experts.w2"] == "expert_stack 4x[16x24]"
+
+
+def test_routing_arguments_are_declared_once() -> None:
+    """param_groups' routing keywords and their defaults are the declarations of
+    muon_dist.routing.arguments, and the README's param_groups table lists each."""
+    import inspect
+
+    from repo_paths import ROOT
+
+    from muon_dist.routing.arguments import ROUTING_ARGUMENTS
+
+    signature = inspect.signature(muon_dist.param_groups).parameters
+    for argument in ROUTING_ARGUMENTS:
+        assert signature[argument.key].default == argument.default, argument.key
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("### `param_groups` reference", 1)[1].split("####", 1)[0]
+    rows = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    assert {a.key for a in ROUTING_ARGUMENTS} <= rows
+    with pytest.raises(TypeError, match="unknown routing arguments"):
+        muon_dist.routing.param_groups.route_model(nn.Linear(4, 4), no_such=1)

@@ -23,7 +23,7 @@ from routing_cases import DEEP, OBSERVED
 from torch import nn
 
 import muon_dist
-from muon_dist.routing.observe import _repeated_blocks, observe
+from muon_dist.routing.forward import _repeated_blocks, observe
 from muon_dist.routing.param_groups import route_model
 
 

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from muon_dist.routing.inputs import Call, plans
 from muon_dist.routing.names import normalize_fqn
-from muon_dist.routing.observed import Observation, observation
+from muon_dist.routing.observation import Observation, observation
 from muon_dist.routing.shortcut import Shown, watched
 from muon_dist.routing.trace import Record, Tracer
 
@@ -53,7 +53,7 @@ _NOT_PREDICTION = re.compile(r"hidden_state|attention|past_key_values|cache|rout
 
 
 @dataclass(frozen=True)
-class Observed:
+class Observations:
     """Observations by normalised parameter name; ``error`` says why none were made;
     ``ran``: whether a forward was tried (there were inputs and observation was on)."""
 
@@ -62,7 +62,7 @@ class Observed:
     ran: bool = True
 
 
-def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True) -> Observed:
+def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True) -> Observations:
     """Observe ``model``'s forward on ``example_inputs`` (a dict of keyword arguments, a
     tuple of positional ones or one tensor) or, where None, on the model's own; ``twins``:
     repeated blocks are traced once (False traces every member, for the test that both
@@ -70,7 +70,7 @@ def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True)
     model = getattr(model, "_orig_mod", model)  # torch.compile: the module it wraps
     tried = plans(model, example_inputs)
     if not tried:
-        return Observed(error="no example_inputs and the model has no dummy inputs", ran=False)
+        return Observations(error="no example_inputs and the model has no dummy inputs", ran=False)
     named = list(_unique_parameters(model))
     failed: list[tuple[str, str]] = []  # (the try, its error)
     plainest = 0  # where the tries of the last plan (the plainest inputs) begin
@@ -92,12 +92,14 @@ def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True)
                     plan.label,
                     "; ".join(f"{where} ({error})" for where, error in failed),
                 )
-            return Observed(_observations(tracer, named))
+            return Observations(_observations(tracer, named))
     logger.info(
         "muon_dist.param_groups: the forward does not run on the meta device %s",
         "; ".join(f"{where} ({error})" for where, error in failed),
     )
-    return Observed(error=f"its forward does not run on the meta device ({failed[plainest][1]})")
+    return Observations(
+        error=f"its forward does not run on the meta device ({failed[plainest][1]})"
+    )
 
 
 def _trace(
