@@ -81,8 +81,24 @@ def _matrix_reason(transposed: bool, sizes: list[int], groups: int) -> str:
 
 def _kept_cuts(record: Record) -> list[tuple[frozenset[int], list[frozenset[int]]]]:
     """The cuts that no join puts back together (a join of exactly the cut's source)."""
-    joined = set(record.joins)
+    joined = {_closure(join, record.mixes) for join in record.joins}
     return [(whole, pieces) for whole, pieces in record.cuts.values() if whole not in joined]
+
+
+def _closure(
+    join: frozenset[int], mixes: list[tuple[frozenset[int], frozenset[int]]]
+) -> frozenset[int]:
+    """A join's features with those mixed elementwise into them before the join (rotary:
+    ``cat(x1 * cos - x2 * sin, ...)`` holds the codes of x1 alone, but joins both)."""
+    held = set(join)
+    grown = True
+    while grown:
+        grown = False
+        for a, b in mixes:
+            if (a <= held) != (b <= held):
+                held |= a | b
+                grown = True
+    return frozenset(held)
 
 
 def parts(record: Record, outputs: int) -> tuple[list[int], int] | None:

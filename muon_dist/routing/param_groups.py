@@ -30,7 +30,7 @@ from muon_dist.routing.decision import Route
 from muon_dist.routing.forward import Observations
 from muon_dist.routing.forward import observe as observe_forward
 from muon_dist.routing.heads import embedding_and_head_ids
-from muon_dist.routing.names import name_regex, normalize_fqn
+from muon_dist.routing.names import merged_regex, name_regex, normalize_fqn
 from muon_dist.routing.router import Router
 from muon_dist.routing.structure import STATE_SPACE_NAMES
 from muon_dist.routing.table import format_routing_table, routing_entries
@@ -168,17 +168,37 @@ def _audit(
     rank 0 with ``report``)."""
     reasons = {name: route.reason for name, (_, route) in routes.items()}
     audit = format_routing_table(routing_entries(groups, reasons))
-    guesses = list(dict.fromkeys(r.guess for _, r in routes.values() if r.guess is not None))
-    if guesses:
+    lines = guess_lines({name: route for name, (_, route) in routes.items()})
+    if lines:
         logger.warning(
-            "muon_dist.param_groups guessed %d routing(s) (parameter name regex, shape); check "
+            "muon_dist.param_groups guessed %d routing(s) of %d parameter(s) (parameter "
+            "name regex, shape; one line per pattern, with the parameters it covers); check "
             "them, and pass the option given to settle each:\n- %s",
-            len(guesses),
-            "\n- ".join(guesses),
+            len(lines),
+            sum(count for _, count in lines),
+            "\n- ".join(f"{line} [{count} parameter{'s' * (count != 1)}]" for line, count in lines),
         )
     logger.info("muon_dist routing:\n%s", audit)
     if report and (not dist.is_initialized() or dist.get_rank() == 0):
         print(audit)
+
+
+def guess_lines(routes: Mapping[str, Route]) -> list[tuple[str, int]]:
+    """The warning's lines and how many parameters each covers: guesses that say the same
+    of parameters (the same advice, shape and reason, their name regexes aside) are one
+    line, whose regex (in the text and in the keyword to paste) matches all of them."""
+    grouped: dict[str, list[str]] = {}
+    for name, route in routes.items():
+        if route.guess is None:
+            continue
+        regex = name_regex(name)
+        template = route.guess.replace(repr(regex), "\0R").replace(regex, "\0P")
+        grouped.setdefault(template, []).append(regex)
+    lines = []
+    for template, regexes in grouped.items():
+        merged = merged_regex(regexes)
+        lines.append((template.replace("\0R", repr(merged)).replace("\0P", merged), len(regexes)))
+    return lines
 
 
 def route_model(
@@ -213,7 +233,8 @@ def route_model(
         embedding_ids=embeddings,
         head_ids=heads,
         observed=observed.by_name,
-        unobserved=(why, observed.error is None) if observed.ran else None,
+        # Inputs may reach what the forward did not, unless the forward itself failed.
+        unobserved=(why, observed.error is None or not observed.ran) if args["observe"] else None,
     )
     routes: dict[str, tuple[torch.Tensor, Route]] = {}
     seen: set[int] = set()

@@ -24,7 +24,7 @@ from torch import nn
 
 from muon_dist.routing import evidence, guesses
 from muon_dist.routing.decision import Route, frozen, shape_text
-from muon_dist.routing.known_modules import module_layout
+from muon_dist.routing.known_modules import known_block, module_layout, plain_linear
 from muon_dist.routing.layouts import Layout, titan_layout
 from muon_dist.routing.observation import Observation
 from muon_dist.routing.structure import (
@@ -63,7 +63,7 @@ class Router:
         embedding_ids: set[int],
         head_ids: set[int],
         observed: Mapping[str, Observation],
-        unobserved: tuple[str, bool] | None,
+        unobserved: tuple[str, bool] | None,  # (why, inputs may help)
     ) -> None:
         if conv not in CONV_CHOICES:
             raise ValueError(
@@ -93,7 +93,8 @@ class Router:
         self.embedding_ids = embedding_ids
         self.head_ids = head_ids
         self.observed = observed
-        # Why the forward said nothing of a parameter, and whether it ran; None: not tried.
+        # Why the forward said nothing of a parameter, and whether other inputs may reach
+        # it; None: observation is off.
         self.unobserved = unobserved
         self._stacks: dict[str, Stacks] = {}
 
@@ -211,7 +212,7 @@ class Router:
             kept = {k: v for k, v in view.options.items() if k in ("experts", "transposed")}
             route = Route("muon", "fused= declared", frozen({**kept, **declared}))
             return self._checked(name, shape, route)
-        self._unsettled(view, name, shape, layout, seen)
+        self._unsettled(view, name, owner, shape, layout, seen)
         route = Route("muon", "; ".join(view.reasons), frozen(view.options), guess=view.guess)
         return self._checked(name, shape, route)
 
@@ -262,13 +263,16 @@ class Router:
         self,
         view: _View,
         name: str,
+        owner: nn.Module | None,
         shape: tuple[int, ...],
         layout: Layout | None,
         seen: Observation | None,
     ) -> None:
         """Where neither a class nor the forward settles a matrix: the warning for a cut
         no option says, the audit's proposal from config sums and names (a warning where
-        the name suggests fusion), or the warning that it was not observed."""
+        the name suggests fusion), or the warning that it was not observed (none for a
+        plain linear layer inside a block of the family table, which says each of its
+        other linear layers is one map)."""
         if seen is not None and seen.kind == "untraceable" and layout is None:
             view.guess = evidence.untraceable(name, shape, seen)
             return
@@ -280,8 +284,12 @@ class Router:
         if proposal is not None:
             view.reasons.append(proposal[0])
             view.guess = view.guess or proposal[1]
-        if view.guess is None and seen is None and self.unobserved is not None:
-            view.guess = evidence.unobserved(name, shape, transposed, *self.unobserved)
+        if view.guess is not None or seen is not None or self.unobserved is None:
+            return
+        if plain_linear(owner) and known_block(self.modules, name) is not None:
+            return
+        bare = self._raw(owner) and name.rpartition(".")[2] != "weight"
+        view.guess = evidence.unobserved(name, shape, transposed, *self.unobserved, bare)
 
     def _layout(self, name: str, owner: nn.Module | None, shape: tuple[int, ...]) -> Layout | None:
         """What the module classes on the parameter's path say about it (the family
