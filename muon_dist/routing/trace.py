@@ -161,6 +161,10 @@ def _compact(codes: torch.Tensor) -> torch.Tensor:
 def decode(codes: torch.Tensor) -> Iterator[tuple[int, int, frozenset[int]]]:
     """``(parameter, axis, features)`` for each parameter axis among ``codes``."""
     found = _compact(codes)
+    for dim in range(found.ndim):  # dims it repeats along (tokens, copies): one is enough
+        first = found.narrow(dim, 0, 1)
+        if found.shape[dim] > 1 and torch.equal(found, first.expand_as(found)):
+            found = first
     found = found[found >= 0].flatten().sort().values
     if not found.numel():
         return
