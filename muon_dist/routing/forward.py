@@ -374,7 +374,9 @@ def _run(model: nn.Module, calls: list[Call], tracer: Tracer, mode: Mode, blocks
         own = p.detach() if mode.real else _meta(p, mode.dtype)
         stand_ins[name] = tracer.param(params[id(p)], own)
     for name, b in model.named_buffers(remove_duplicate=False):
-        stand_ins[name] = b if mode.real else _meta(b, mode.dtype)
+        # Copies of the real buffers: a forward in training mode updates some (batch
+        # norm's running statistics), which the model must not see.
+        stand_ins[name] = b.clone() if mode.real else _meta(b, mode.dtype)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     def moved(a: Any) -> Any:
@@ -382,7 +384,22 @@ def _run(model: nn.Module, calls: list[Call], tracer: Tracer, mode: Mode, blocks
             return a
         return a.to(device) if mode.real else _meta(a, mode.dtype)
 
-    with torch.no_grad(), _hooks_off(model), tracer, blocks.hooked():
+    # A real forward draws random numbers (dropout): the caller's generators are restored.
+    devices = [device] if mode.real and device.type == "cuda" else []
+    with torch.random.fork_rng(devices, enabled=mode.real), torch.no_grad():
+        _calls(model, calls, tracer, blocks, moved, stand_ins)
+
+
+def _calls(
+    model: nn.Module,
+    calls: list[Call],
+    tracer: Tracer,
+    blocks: _Twins,
+    moved: Callable[[Any], Any],
+    stand_ins: dict[str, torch.Tensor],
+) -> None:
+    """The calls of :func:`_run`, traced, on ``stand_ins``, the inputs ``moved`` to them."""
+    with _hooks_off(model), tracer, blocks.hooked():
         for method, args, kwargs in calls:
             args, kwargs = tree_map(moved, (args, kwargs))
             with _reparametrize_module(model, stand_ins):

@@ -153,3 +153,36 @@ def test_an_unreached_bare_table_is_proposed_for_adamw(caplog: pytest.LogCapture
     groups = muon_dist.param_groups(Gated(), overrides={"query$": "adamw"})
     algorithm = {n: g["algorithm"] for g in groups for n in g["param_names"]}
     assert algorithm["query"] == "adamw"
+
+
+class ReadsValue(nn.Module):
+    """A forward that reads a value (``.item()``, which meta tensors do not have), with a
+    batch norm and dropout that a real forward in training mode would update and draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm = nn.Linear(8, 16), nn.BatchNorm1d(16)
+        self.drop, self.head = nn.Dropout(0.5), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.proj(x))
+        if h.abs().max().item() > 1e9:
+            raise ValueError("overflow")
+        a, b = self.drop(h).chunk(2, dim=-1)
+        return self.head(a * b)
+
+
+def test_a_forward_that_reads_a_value_is_observed_on_the_models_own_tensors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On meta it cannot run; on the model's own tensors it can, and it leaves the model's
+    buffers and the caller's random numbers as they were."""
+    model, x = ReadsValue(), torch.randn(4, 8)
+    before = model.norm.running_mean.clone()
+    state = torch.random.get_rng_state()
+    with caplog.at_level(logging.INFO, logger="muon_dist"):
+        routes = route_model(model, example_inputs=x)
+    assert "observed the forward on its own tensors on example_inputs" in caplog.text
+    assert dict(routes["proj.weight"][1].options) == {"split_sizes": (8, 8)}
+    assert torch.equal(model.norm.running_mean, before) and model.training
+    assert torch.equal(torch.random.get_rng_state(), state)
