@@ -55,7 +55,11 @@ def plans(model: nn.Module, example_inputs: Any) -> list[Inputs]:
         if pixels is None:
             return []
         label = f"one {pixels.shape[-2]}x{pixels.shape[-1]} image"
-        return [Inputs(label, [(None, (), {"pixel_values": pixels, **_decoder(model)})])]
+        ids = {"input_ids": torch.zeros(1, 4, dtype=torch.long)} if _requires_ids(model) else {}
+        label += " and 4 token ids" * bool(ids)  # a grounded detector reads both
+        return [Inputs(label, [(None, (), {"pixel_values": pixels, **ids, **_decoder(model)})])]
+    if main == "states":
+        return _trajectory(config)
     if main in ("input_features", "input_values"):
         audio = _audio(config, main)
         if audio is None:
@@ -73,6 +77,33 @@ def plans(model: nn.Module, example_inputs: Any) -> list[Inputs]:
     plain = Inputs("its dummy token ids", [text])
     found = [_paired_image(model, config, text), _image_plan(model, config, text), plain]
     return [plan for plan in found if plan is not None]
+
+
+def _requires_ids(model: nn.Module) -> bool:
+    """Whether the forward requires token ids (no default: Grounding DINO's text)."""
+    try:
+        found = inspect.signature(model.forward).parameters.get("input_ids")
+    except (TypeError, ValueError):
+        return False
+    return found is not None and found.default is inspect.Parameter.empty
+
+
+def _trajectory(config: Any) -> list[Inputs]:
+    """A Decision Transformer's inputs: 4 steps of states, actions, rewards, returns to go
+    and time steps, sized by its config's ``state_dim`` and ``act_dim``."""
+    states, actions = getattr(config, "state_dim", None), getattr(config, "act_dim", None)
+    if not isinstance(states, int) or not isinstance(actions, int):
+        return []
+    steps = 4
+    given = {
+        "states": torch.zeros(1, steps, states),
+        "actions": torch.zeros(1, steps, actions),
+        "rewards": torch.zeros(1, steps, 1),
+        "returns_to_go": torch.zeros(1, steps, 1),
+        "timesteps": torch.zeros(1, steps, dtype=torch.long),
+        "attention_mask": torch.ones(1, steps, dtype=torch.long),
+    }
+    return [Inputs(f"a trajectory of {steps} steps", [(None, (), given)])]
 
 
 def _token_guess(model: nn.Module) -> list[Inputs]:

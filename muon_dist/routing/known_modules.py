@@ -357,15 +357,24 @@ KNOWN_BLOCKS = frozenset(
         "JetMoeTopKGating",
         "Mistral4MLP",
         "BartAttention",
+        "GPT2MLP",
+        "DecisionTransformerGPT2MLP",
+        "SiglipAttention",
+        "SiglipMLP",
+        "CLIPAttention",
+        "CLIPMLP",
+        "DbrxRouter",
         "MultiheadAttention",  # out_proj: linear(x, W) in F.multi_head_attention_forward
     }
 )
 """Blocks whose forward applies each of its plain linear layers whole, as ``linear(x, W)``
 (written from each forward, transformers 5.23: attention projections viewed per head and
-joined again, MLP and router layers), where the forward often cannot be observed (T5 and
-the MoE encoder-decoders read values: ``.item()``, ``nonzero``). With the classes of the
-family table, whose rules name every linear layer they cut, a plain ``nn.Linear`` inside
-one is settled: one map, no warning."""
+joined again, MLP and router layers), where the forward often cannot be observed (T5,
+GPT-2, DBRX and the MoE encoder-decoders read values: ``.item()``, ``nonzero``; at a
+published size built on meta, or sharded by FSDP2, there is nothing real to run them
+on), and vision towers a forward often does not reach (SigLIP's, CLIP's). With the
+classes of the family table, whose rules name every linear layer they cut, a plain
+``nn.Linear`` inside one is settled: one map, no warning."""
 
 
 def plain_linear(module: nn.Module | None) -> bool:

@@ -97,6 +97,16 @@ PROBES: dict[str, Callable[[], nn.Module]] = {
         "MambaForCausalLM",
         **_W | {"hidden_size": 32, "num_hidden_layers": 2, "state_size": 8},
     ),
+    "decision_transformer": _make(
+        "DecisionTransformerConfig",
+        "DecisionTransformerModel",
+        state_dim=4,
+        act_dim=2,
+        hidden_size=32,
+        n_layer=1,
+        n_head=4,
+        max_ep_len=16,
+    ),
     "imagegpt": _make(
         "ImageGPTConfig", "ImageGPTForCausalImageModeling", vocab_size=17, n_embd=32, n_layer=2
     ),
