@@ -21,24 +21,16 @@ routing arguments (``overrides``, ``fused``, ``conv``, ...), told apart by name.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch import nn
 
 import muon_dist
+from muon_dist.routing.arguments import ARGUMENT_KEYS
 from muon_dist.routing.param_groups import param_groups
 
 # param_groups' keyword arguments that only routing reads (the hyper-parameters go to Muon).
-_ROUTING = frozenset(inspect.signature(param_groups).parameters) - {
-    "model",
-    "lr",
-    "adamw_lr",
-    "weight_decay",
-    "adamw_betas",
-    "adamw_eps",
-    "muon_options",
-}
+_ROUTING = frozenset((*ARGUMENT_KEYS, "report"))
 
 
 class MuonFactory:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from muon_dist.routing.families import Layout
+from muon_dist.routing.decision import Route, shape_text
+from muon_dist.routing.layouts import Layout
 from muon_dist.routing.names import name_regex
-from muon_dist.routing.observed import Observation
-from muon_dist.routing.route import Route, shape_text
+from muon_dist.routing.observation import Observation
 from muon_dist.routing.structure import ViewOptions
 
 # The options an observation of a 2-D matrix settles (the rest: experts, expert counts).
@@ -100,20 +100,31 @@ def tensor_route(name: str, shape: tuple[int, ...], seen: Observation | None) ->
     return Route("adamw", f"unknown {reason}", guess=guess)
 
 
-def unobserved(name: str, shape: tuple[int, ...], transposed: bool, why: str, ran: bool) -> str:
+def unobserved(
+    name: str, shape: tuple[int, ...], transposed: bool, why: str, inputs: bool, bare: bool
+) -> str:
     """The warning for a Muon matrix that neither its forward (``why`` it said nothing;
-    ``ran``: it ran on meta, so other inputs may reach it) nor a module class settles: the
-    one ``fused=`` that pins the route taken (one whole matrix) and, where the forward ran,
-    the inputs that let it settle the route instead (a table or a head to AdamW, a cut
-    matrix in parts); a clean log must not hide a table, a head or a fusion."""
+    ``inputs``: other inputs may reach it) nor a module class settles. A ``bare`` parameter
+    (not the weight of a linear module: a query, latent or position table) is proposed for
+    AdamW with the one ``overrides=`` to paste; a linear module's weight gets the one
+    ``fused=`` that pins the route taken (one whole matrix); and, where inputs may reach it,
+    ``example_inputs=`` that let its forward settle the route instead (a table or a head to
+    AdamW, a cut matrix in parts). A clean log must not hide a table, a head or a fusion."""
     regex = name_regex(name)
     rows = shape[1] if transposed else shape[0]
     settle = (
         "; to have its forward settle the route instead, pass example_inputs= that reach it "
         "to param_groups"
-        if ran
+        if inputs
         else ""
     )
+    if bare:
+        return (
+            f"{regex} ({shape_text(shape)}) was not observed ({why}) and is not the weight "
+            f"of a linear module: a learned table (queries, latents, positions) is indexed "
+            f"or added, not multiplied, so it belongs on AdamW; it is on Muon as one whole "
+            f"matrix until you pass overrides={{{regex!r}: 'adamw'}}{settle}"
+        )
     return (
         f"{regex} ({shape_text(shape)}) was not observed ({why}) and no module class says "
         f"how it is applied: orthogonalized on Muon as one whole matrix. To pin that route "

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from muon_dist.routing.decision import shape_text
 from muon_dist.routing.names import name_regex
-from muon_dist.routing.route import shape_text
 from muon_dist.routing.structure import (
     ConfigDims,
     Stacks,

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from muon_dist.routing.families import (
+from muon_dist.routing.layouts import (
     Layout,
     ModuleRule,
     declared_experts,
@@ -58,6 +58,7 @@ from muon_dist.routing.families import (
     parts,
     size,
 )
+from muon_dist.routing.structure import is_transposed_linear
 
 # How far above its owner a module class may speak for a parameter (JetMoeMoE speaks for
 # input_linear.weight, Zamba2MLP for gate_up_proj_adapter_list.0.1.weight).
@@ -335,8 +336,69 @@ FAMILY_RULES: Mapping[str, Mapping[str, ModuleRule]] = {
         for cls in ("Gemma3MultiModalProjector", "T5Gemma2MultiModalProjector")
     },
     **{cls: {r"level_embed": _table} for cls in _LEVEL_TABLES},
+    **{
+        cls: {r"weight": _one_map(f"{cls}: router, linear(x, weight)")}
+        for cls in ("DeepseekV3TopkRouter", "Mistral4TopkRouter")
+    },
 }
 """module class name -> {parameter path inside it (regex, whole match) -> rule}."""
+
+KNOWN_BLOCKS = frozenset(
+    {
+        "T5Attention",
+        "T5DenseActDense",
+        "T5DenseGatedActDense",
+        "SwitchTransformersAttention",
+        "SwitchTransformersDenseActDense",
+        "SwitchTransformersTop1Router",
+        "NllbMoeAttention",
+        "NllbMoeDenseActDense",
+        "NllbMoeTop2Router",
+        "JetMoeTopKGating",
+        "Mistral4MLP",
+        "BartAttention",
+        "GPT2MLP",
+        "DecisionTransformerGPT2MLP",
+        "SiglipAttention",
+        "SiglipMLP",
+        "CLIPAttention",
+        "CLIPMLP",
+        "DbrxRouter",
+        "MultiheadAttention",  # out_proj: linear(x, W) in F.multi_head_attention_forward
+    }
+)
+"""Blocks whose forward applies each of its plain linear layers whole, as ``linear(x, W)``
+(written from each forward, transformers 5.23: attention projections viewed per head and
+joined again, MLP and router layers), where the forward often cannot be observed (T5,
+GPT-2, DBRX and the MoE encoder-decoders read values: ``.item()``, ``nonzero``; at a
+published size built on meta, or sharded by FSDP2, there is nothing real to run them
+on), and vision towers a forward often does not reach (SigLIP's, CLIP's). With the
+classes of the family table, whose rules name every linear layer they cut, a plain
+``nn.Linear`` inside one is settled: one map, no warning."""
+
+
+def plain_linear(module: nn.Module | None) -> bool:
+    """An ``nn.Linear`` itself (not a subclass, whose forward may apply its weight
+    otherwise) or transformers' ``Conv1D``."""
+    linear = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
+    return module is not None and (type(module) in linear or is_transposed_linear(module))
+
+
+def known_block(modules: Mapping[str, nn.Module], name: str) -> str | None:
+    """The class of the nearest module above parameter ``name`` (within a few levels)
+    whose forward is known: a class of the family table or of :data:`KNOWN_BLOCKS`, latent
+    attention, or an experts module declaring its layout; None where there is none."""
+    path = name.split(".")
+    for depth in range(2, min(_DEPTH, len(path)) + 1):
+        module = modules.get(".".join(path[:-depth]))
+        if module is None:
+            continue
+        classes = {c.__name__ for c in type(module).__mro__}
+        if classes & (FAMILY_RULES.keys() | KNOWN_BLOCKS):
+            return type(module).__name__
+        if size(module, "kv_lora_rank") and size(module, "qk_rope_head_dim"):
+            return type(module).__name__
+    return None
 
 
 def _credited(layout: Layout | None, cls: str) -> Layout | None:

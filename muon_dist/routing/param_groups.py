@@ -18,11 +18,19 @@ import torch.distributed as dist
 from torch import nn
 
 from muon_dist.plan.views import ALGORITHMS
-from muon_dist.routing.heads import HEAD_NAMES, embedding_and_head_ids
-from muon_dist.routing.names import name_regex, normalize_fqn
-from muon_dist.routing.observe import Observed
-from muon_dist.routing.observe import observe as observe_forward
-from muon_dist.routing.route import Route
+from muon_dist.routing.arguments import (
+    ARGUMENT_KEYS,
+    EMBEDDING_PATTERNS,
+    EXPERT_KEYS,
+    HEAD_PATTERNS,
+    MIN_MATRIX_SIDE,
+    routing_arguments,
+)
+from muon_dist.routing.decision import Route
+from muon_dist.routing.forward import Observations
+from muon_dist.routing.forward import observe as observe_forward
+from muon_dist.routing.heads import embedding_and_head_ids
+from muon_dist.routing.names import merged_regex, name_regex, normalize_fqn
 from muon_dist.routing.router import Router
 from muon_dist.routing.structure import STATE_SPACE_NAMES
 from muon_dist.routing.table import format_routing_table, routing_entries
@@ -36,10 +44,6 @@ OVERRIDE_CHOICES = (*ALGORITHMS, "muon:flat", "muon:slice")
 """``"muon:flat"`` / ``"muon:slice"``: Muon with this parameter's own ``muon_mode``."""
 
 FUSED_KEYS = ("split_sizes", "num_heads", "split_groups", "transposed", "num_experts")
-EXPERT_KEYS = ("experts", "routed_experts")
-HEAD_PATTERNS = HEAD_NAMES
-EMBEDDING_PATTERNS = (r"(^|\.)(embed\w*|wte|wpe|tok_embeddings)$",)
-MIN_MATRIX_SIDE = 4
 
 
 class _Overrides:
@@ -144,21 +148,9 @@ def param_groups(
     view, lr scale and reason) is logged at INFO and printed by rank 0 with
     ``report=True``. The README's ``param_groups`` reference has every argument.
     """
-    routes = route_model(
-        model,
-        expert_keys=expert_keys,
-        num_experts=num_experts,
-        head_patterns=head_patterns,
-        embedding_patterns=embedding_patterns,
-        overrides=overrides,
-        fused=fused,
-        known_layouts=known_layouts,
-        conv=conv,
-        min_matrix_side=min_matrix_side,
-        muon_mode=muon_options.get("muon_mode", "2d"),
-        example_inputs=example_inputs,
-        observe=observe,
-    )
+    given = locals()
+    routing = {key: given[key] for key in ARGUMENT_KEYS}  # muon_dist.routing.arguments
+    routes = route_model(model, muon_mode=muon_options.get("muon_mode", "2d"), **routing)
     buckets: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]] = {}
     for name, (p, route) in routes.items():
         params, names = buckets.setdefault(route.group_key(), ([], []))
@@ -176,60 +168,73 @@ def _audit(
     rank 0 with ``report``)."""
     reasons = {name: route.reason for name, (_, route) in routes.items()}
     audit = format_routing_table(routing_entries(groups, reasons))
-    guesses = list(dict.fromkeys(r.guess for _, r in routes.values() if r.guess is not None))
-    if guesses:
+    lines = guess_lines({name: route for name, (_, route) in routes.items()})
+    if lines:
         logger.warning(
-            "muon_dist.param_groups guessed %d routing(s) (parameter name regex, shape); check "
+            "muon_dist.param_groups guessed %d routing(s) of %d parameter(s) (parameter "
+            "name regex, shape; one line per pattern, with the parameters it covers); check "
             "them, and pass the option given to settle each:\n- %s",
-            len(guesses),
-            "\n- ".join(guesses),
+            len(lines),
+            sum(count for _, count in lines),
+            "\n- ".join(f"{line} [{count} parameter{'s' * (count != 1)}]" for line, count in lines),
         )
     logger.info("muon_dist routing:\n%s", audit)
     if report and (not dist.is_initialized() or dist.get_rank() == 0):
         print(audit)
 
 
+def guess_lines(routes: Mapping[str, Route]) -> list[tuple[str, int]]:
+    """The warning's lines and how many parameters each covers: guesses that say the same
+    of parameters (the same advice, shape and reason, their name regexes aside) are one
+    line, whose regex (in the text and in the keyword to paste) matches all of them."""
+    grouped: dict[str, list[str]] = {}
+    for name, route in routes.items():
+        if route.guess is None:
+            continue
+        regex = name_regex(name)
+        template = route.guess.replace(repr(regex), "\0R").replace(regex, "\0P")
+        grouped.setdefault(template, []).append(regex)
+    lines = []
+    for template, regexes in grouped.items():
+        merged = merged_regex(regexes)
+        lines.append((template.replace("\0R", repr(merged)).replace("\0P", merged), len(regexes)))
+    return lines
+
+
 def route_model(
-    model: nn.Module,
-    *,
-    expert_keys: Sequence[str] = EXPERT_KEYS,
-    num_experts: int | None = None,
-    head_patterns: Sequence[str] | None = None,
-    embedding_patterns: Sequence[str] = EMBEDDING_PATTERNS,
-    overrides: Override | None = None,
-    fused: Mapping[str, Mapping[str, Any]] | None = None,
-    known_layouts: bool = True,
-    conv: str = "adamw",
-    min_matrix_side: int = MIN_MATRIX_SIDE,
-    muon_mode: str = "2d",
-    example_inputs: Any = None,
-    observe: bool = True,
+    model: nn.Module, *, muon_mode: str = "2d", **routing: Any
 ) -> dict[str, tuple[torch.Tensor, Route]]:
     """Every trainable parameter of ``model`` by normalised name (a tied one under its first
-    name), with its route; the arguments are :func:`param_groups`' routing arguments."""
+    name), with its route; ``routing`` holds :func:`param_groups`' routing arguments
+    (:mod:`muon_dist.routing.arguments`: those not given take their defaults)."""
+    args = routing_arguments(routing)
+    overrides, fused = args["overrides"], args["fused"]
     route_of = _Overrides(overrides)
     declared = _Declared(fused)
     modules = {normalize_fqn(n): m for n, m in model.named_modules()}
-    embeddings, heads = embedding_and_head_ids(model, head_patterns, embedding_patterns)
+    embeddings, heads = embedding_and_head_ids(
+        model, args["head_patterns"], args["embedding_patterns"]
+    )
     observed = (
-        observe_forward(model, example_inputs)
-        if observe
-        else Observed(error="observe=False", ran=False)
+        observe_forward(model, args["example_inputs"])
+        if args["observe"]
+        else Observations(error="observe=False", ran=False)
     )
     why = observed.error or "its forward on the inputs given did not reach it"
     router = Router(
         model,
         modules,
-        expert_keys=expert_keys,
-        num_experts=num_experts,
-        conv=conv,
-        min_matrix_side=min_matrix_side,
-        known_layouts=known_layouts,
+        expert_keys=args["expert_keys"],
+        num_experts=args["num_experts"],
+        conv=args["conv"],
+        min_matrix_side=args["min_matrix_side"],
+        known_layouts=args["known_layouts"],
         muon_mode=muon_mode,
         embedding_ids=embeddings,
         head_ids=heads,
         observed=observed.by_name,
-        unobserved=(why, observed.error is None) if observed.ran else None,
+        # Inputs may reach what the forward did not, unless the forward itself failed.
+        unobserved=(why, observed.error is None or not observed.ran) if args["observe"] else None,
     )
     routes: dict[str, tuple[torch.Tensor, Route]] = {}
     seen: set[int] = set()
@@ -245,7 +250,9 @@ def route_model(
     return routes
 
 
-def _log_unobserved(routes: Mapping[str, tuple[torch.Tensor, Route]], observed: Observed) -> None:
+def _log_unobserved(
+    routes: Mapping[str, tuple[torch.Tensor, Route]], observed: Observations
+) -> None:
     """Say which Muon matrices the forward did not reach, and why (routed by classes)."""
     missed = [
         n for n, (p, r) in routes.items() if r.algorithm == "muon" and n not in observed.by_name

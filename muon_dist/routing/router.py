@@ -17,15 +17,16 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from muon_dist.routing import evidence, guesses
-from muon_dist.routing.families import Layout, titan_layout
-from muon_dist.routing.known_modules import module_layout
-from muon_dist.routing.observed import Observation
-from muon_dist.routing.route import Route, frozen, shape_text
+from muon_dist.routing.decision import Route, frozen, shape_text
+from muon_dist.routing.known_modules import known_block, module_layout, plain_linear
+from muon_dist.routing.layouts import Layout, titan_layout
+from muon_dist.routing.observation import Observation
 from muon_dist.routing.structure import (
     STATE_SPACE_NAMES,
     ConfigDims,
@@ -62,7 +63,7 @@ class Router:
         embedding_ids: set[int],
         head_ids: set[int],
         observed: Mapping[str, Observation],
-        unobserved: tuple[str, bool] | None,
+        unobserved: tuple[str, bool] | None,  # (why, inputs may help)
     ) -> None:
         if conv not in CONV_CHOICES:
             raise ValueError(
@@ -92,7 +93,8 @@ class Router:
         self.embedding_ids = embedding_ids
         self.head_ids = head_ids
         self.observed = observed
-        # Why the forward said nothing of a parameter, and whether it ran; None: not tried.
+        # Why the forward said nothing of a parameter, and whether other inputs may reach
+        # it; None: observation is off.
         self.unobserved = unobserved
         self._stacks: dict[str, Stacks] = {}
 
@@ -199,17 +201,38 @@ class Router:
         declared: ViewOptions | None,
     ) -> Route:
         """The Muon route of a matrix, stack or (with conv='muon') convolution: parts,
-        orientation and experts from evidence only; a guess proposes the rest."""
-        options: ViewOptions = {}
-        reasons: list[str] = []
-        guess = None
+        orientation and experts from evidence only, by kind: what the module classes say,
+        then what the forward shows (it wins), then the caller's ``fused=``; a guess
+        proposes the rest."""
         layout = self._layout(name, owner, shape)
+        view = self._class_view(name, owner, p, shape, layout)
+        seen = self.observed.get(name) if p.ndim == 2 else None
+        _observed_view(view, name, shape, layout, seen)
+        if declared is not None:  # the caller's layout replaces parts and expert counts
+            kept = {k: v for k, v in view.options.items() if k in ("experts", "transposed")}
+            route = Route("muon", "fused= declared", frozen({**kept, **declared}))
+            return self._checked(name, shape, route)
+        self._unsettled(view, name, owner, shape, layout, seen)
+        route = Route("muon", "; ".join(view.reasons), frozen(view.options), guess=view.guess)
+        return self._checked(name, shape, route)
+
+    def _class_view(
+        self,
+        name: str,
+        owner: nn.Module | None,
+        p: torch.Tensor,
+        shape: tuple[int, ...],
+        layout: Layout | None,
+    ) -> _View:
+        """What the module classes say: the owner's type (orientation; expert weights and
+        stacks by the modules named in ``expert_keys``), then the family table's layout."""
+        view = _View()
         if p.ndim == 2:
             _, _, transposed = linear_shape(owner, shape)
             kind = type(owner).__name__ if owner is not None else "parameter"
-            reasons.append(f"{kind} {'[in, out]' if transposed else '[out, in]'}")
+            view.reasons.append(f"{kind} {'[in, out]' if transposed else '[out, in]'}")
             if transposed:
-                options["transposed"] = True
+                view.options["transposed"] = True
             if layout is None and self._raw(owner) and self._expert(name):
                 fused = (
                     ({}, "one numbered expert")
@@ -217,53 +240,56 @@ class Router:
                     else guesses.fused_experts(name, shape, self.num_experts, self.dims.experts)
                 )
                 if isinstance(fused, str):
-                    guess = fused
+                    view.guess = fused
                 else:
-                    options.update(fused[0])
-                    reasons.append(fused[1])
+                    view.options.update(fused[0])
+                    view.reasons.append(fused[1])
         elif p.ndim == 3 and self._stacked(name, shape, layout):
-            options["experts"] = True
+            view.options["experts"] = True
             if layout is None:
-                reasons.append("expert stack (module named experts), read [E, out, in]")
+                view.reasons.append("expert stack (module named experts), read [E, out, in]")
                 stacks = self._stacks_of(name.rpartition(".")[0], owner)
-                guess = guesses.stack_guess(stacks, name, owner, shape)
+                view.guess = guesses.stack_guess(stacks, name, owner, shape)
         elif p.ndim > 2:
-            reasons.append(f"{p.ndim}-D tensor, muon_mode={self.muon_mode!r}")
+            view.reasons.append(f"{p.ndim}-D tensor, muon_mode={self.muon_mode!r}")
         if layout is not None and not layout.table:
-            options.update(layout.options)
-            reasons.append(layout.reason)
-            if p.ndim == 2 and options.get("transposed"):  # the module class, not the type
-                reasons[0] = reasons[0].replace("[out, in]", "[in, out]")
-        seen = self.observed.get(name) if p.ndim == 2 else None
-        if evidence.settled(seen) is not None and seen is not None:  # the forward wins
-            if layout is not None:
-                guess = evidence.disagreement(name, shape, layout, seen)
-            kept = {k: v for k, v in options.items() if k not in evidence.OBSERVED_KEYS}
-            if {**kept, **seen.options} != options:  # the audit says what the forward added
-                options = {**kept, **seen.options}
-                reasons = [reasons[0].split(" [")[0], seen.reason, *reasons[1:]]
-        if declared is not None:  # the caller's layout replaces parts and expert counts
-            kept = {k: v for k, v in options.items() if k in ("experts", "transposed")}
-            route = Route("muon", "fused= declared", frozen({**kept, **declared}))
-            return self._checked(name, shape, route)
+            view.options.update(layout.options)
+            view.reasons.append(layout.reason)
+            if p.ndim == 2 and view.options.get("transposed"):  # the class, not the type
+                view.reasons[0] = view.reasons[0].replace("[out, in]", "[in, out]")
+        return view
+
+    def _unsettled(
+        self,
+        view: _View,
+        name: str,
+        owner: nn.Module | None,
+        shape: tuple[int, ...],
+        layout: Layout | None,
+        seen: Observation | None,
+    ) -> None:
+        """Where neither a class nor the forward settles a matrix: the warning for a cut
+        no option says, the audit's proposal from config sums and names (a warning where
+        the name suggests fusion), or the warning that it was not observed (none for a
+        plain linear layer inside a block of the family table, which says each of its
+        other linear layers is one map)."""
         if seen is not None and seen.kind == "untraceable" and layout is None:
-            guess = evidence.untraceable(name, shape, seen)
-        elif (
-            layout is None
-            and evidence.settled(seen) is None
-            and p.ndim == 2
-            and "num_experts" not in options
-        ):
-            proposal = guesses.proposal(self.dims, name, shape, options.get("transposed", False))
-            if proposal is not None:
-                reasons.append(proposal[0])
-                guess = guess or proposal[1]
-            if guess is None and seen is None and self.unobserved is not None:
-                guess = evidence.unobserved(
-                    name, shape, bool(options.get("transposed")), *self.unobserved
-                )
-        route = Route("muon", "; ".join(reasons), frozen(options), guess=guess)
-        return self._checked(name, shape, route)
+            view.guess = evidence.untraceable(name, shape, seen)
+            return
+        settled = layout is not None or evidence.settled(seen) is not None
+        if settled or len(shape) != 2 or "num_experts" in view.options:
+            return
+        transposed = bool(view.options.get("transposed"))
+        proposal = guesses.proposal(self.dims, name, shape, transposed)
+        if proposal is not None:
+            view.reasons.append(proposal[0])
+            view.guess = view.guess or proposal[1]
+        if view.guess is not None or seen is not None or self.unobserved is None:
+            return
+        if plain_linear(owner) and known_block(self.modules, name) is not None:
+            return
+        bare = self._raw(owner) and name.rpartition(".")[2] != "weight"
+        view.guess = evidence.unobserved(name, shape, transposed, *self.unobserved, bare)
 
     def _layout(self, name: str, owner: nn.Module | None, shape: tuple[int, ...]) -> Layout | None:
         """What the module classes on the parameter's path say about it (the family
@@ -324,6 +350,35 @@ class Router:
             params = [(n, p) for n, p in params if "bias" not in re.split(r"[_\W]+", n)]
             self._stacks[module_name] = Stacks.of(params, self.dims.hidden)
         return self._stacks[module_name]
+
+
+@dataclass
+class _View:
+    """A Muon route being made: its view options, the audit's reasons, and a guess."""
+
+    options: ViewOptions = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    guess: str | None = None
+
+
+def _observed_view(
+    view: _View,
+    name: str,
+    shape: tuple[int, ...],
+    layout: Layout | None,
+    seen: Observation | None,
+) -> None:
+    """What the forward shows of a 2-D matrix, where it settles the view: it wins over
+    the classes' parts and orientation, and where the family table read it otherwise the
+    guess says both."""
+    if evidence.settled(seen) is None or seen is None:
+        return
+    if layout is not None:
+        view.guess = evidence.disagreement(name, shape, layout, seen)
+    kept = {k: v for k, v in view.options.items() if k not in evidence.OBSERVED_KEYS}
+    if {**kept, **seen.options} != view.options:  # the audit says what the forward added
+        view.options = {**kept, **seen.options}
+        view.reasons = [view.reasons[0].split(" [")[0], seen.reason, *view.reasons[1:]]
 
 
 def _owner_path(name: str) -> tuple[str, str]:

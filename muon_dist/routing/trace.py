@@ -8,7 +8,7 @@ replayed on the codes, which are small CPU tensors, so every tensor derived from
 product knows which outputs it holds; ops that keep the shape (elementwise ops, norms, a
 depthwise convolution over channels) carry them along. A cut (a move whose result holds
 fewer of a parameter's outputs than its source) and a join are recorded, per parameter,
-as sets of features; :mod:`muon_dist.routing.observed` turns them into parts. Everything
+as sets of features; :mod:`muon_dist.routing.observation` turns them into parts. Everything
 else a parameter takes part in (indexed, added, expanded) makes it a table.
 """
 
@@ -161,6 +161,10 @@ def _compact(codes: torch.Tensor) -> torch.Tensor:
 def decode(codes: torch.Tensor) -> Iterator[tuple[int, int, frozenset[int]]]:
     """``(parameter, axis, features)`` for each parameter axis among ``codes``."""
     found = _compact(codes)
+    for dim in range(found.ndim):  # dims it repeats along (tokens, copies): one is enough
+        first = found.narrow(dim, 0, 1)
+        if found.shape[dim] > 1 and torch.equal(found, first.expand_as(found)):
+            found = first
     found = found[found >= 0].flatten().sort().values
     if not found.numel():
         return
@@ -181,18 +185,20 @@ class Record:
     ``"columns"``: a linear map reading those as outputs; ``"slice"``, ``"flat"``: a
     stack of matrices or one flattened matrix; ``"table"``: indexed, added or expanded;
     ``"other"``), its cuts (per source tensor: the source's features and each piece's)
-    its joins (the features of each join of its tensors) and whether it was ``merged``."""
+    its joins (the features of each join of its tensors), its mixes (features of its
+    products combined elementwise) and whether it was ``merged``."""
 
     uses: set[str] = field(default_factory=set)
     merged: bool = False  # added to another parameter's product, then not followed
     cuts: dict[int, tuple[frozenset[int], list[frozenset[int]]]] = field(default_factory=dict)
     joins: list[frozenset[int]] = field(default_factory=list)
+    mixes: list[tuple[frozenset[int], frozenset[int]]] = field(default_factory=list)
 
     def copy(self) -> Record:
         """A copy that what is recorded later leaves as it is (the feature sets are
         frozen: shared)."""
         cuts = {k: (held, list(pieces)) for k, (held, pieces) in self.cuts.items()}
-        return Record(set(self.uses), self.merged, cuts, list(self.joins))
+        return Record(set(self.uses), self.merged, cuts, list(self.joins), list(self.mixes))
 
     def absorb(self, other: Record) -> None:
         """Add what ``other`` recorded (a twin's forward inside its block) to this."""
@@ -200,6 +206,7 @@ class Record:
         self.merged |= other.merged
         self.cuts.update(other.cuts)
         self.joins += other.joins
+        self.mixes += other.mixes
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,24 @@ class _Alias:
     rows: torch.Tensor
     cols: torch.Tensor
     stacked: bool = False  # one matrix of a >2-D parameter, indexed along its first dim
+
+
+@dataclass(frozen=True)
+class _Grouped:
+    """A 2-D parameter viewed as ``[g, a, b]``: ``g`` matrices, each a block of its rows
+    (or, transposed, columns); ``rows`` ``[g, a]`` and ``cols`` ``[g, b]`` hold each
+    matrix's codes. A grouped linear map (a ``Linear`` whose weight ``bmm`` applies one
+    block per group) is one matrix per group."""
+
+    index: int
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+
+# Moves of a grouped weight that keep its matrices (each transposed where they swap the
+# last two dims).
+_GROUP_KEEPS = frozenset({"contiguous", "clone", "to", "type_as", "float", "half", "bfloat16"})
+_GROUP_VIEWS = frozenset({"view", "reshape", "unflatten", "view_as", "reshape_as"})
 
 
 def _name(func: Any) -> str:
@@ -226,13 +251,14 @@ class Tracer(TorchFunctionMode):
         super().__init__()
         self.records = [Record() for _ in range(count)]
         self._aliases: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._maps = _WeightMaps(self)
         self._codes: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._serial = itertools.count()
         self._stacks: dict[int, int] = {}  # id of a >2-D parameter or a move of it -> index
         self._stacked: set[int] = set()  # the indices of the >2-D parameters
         self._kept: list[torch.Tensor] = []
         self.outputs: set[int] = set()
-        self.paused = 0  # > 0: ops run unobserved (a twin's forward, see observe.py)
+        self.paused = 0  # > 0: ops run unobserved (a twin's forward, see forward.py)
 
     def fresh(self, inputs: Any) -> Any:
         """``inputs`` with each product swapped for an alias that holds no codes: a product
@@ -310,11 +336,16 @@ class Tracer(TorchFunctionMode):
         aliases = [a for a in flat if a in self._aliases]
         if aliases:
             self._weight(name, func, args, kwargs, aliases, flat, out)
+        grouped = [a for a in flat if a in self._maps.grouped]
+        if grouped:
+            self._maps.op(name, args, kwargs, grouped[0], out)
         stacks = [a for a in flat if id(a) in self._stacks]
         if stacks:
             self._stack(name, args, stacks[0], out)
         tracked = [a for a in flat if a in self._codes]
-        if tracked and not aliases:
+        # A product that meets a parameter (a table added to it) is followed on, unless
+        # the parameter's own use already gave the result its codes.
+        if tracked and not (isinstance(out, torch.Tensor) and out in self._codes):
             self._follow(name, func, args, kwargs, tracked, flat, out)
         return out
 
@@ -346,6 +377,17 @@ class Tracer(TorchFunctionMode):
             self._applied(record, alias, out, alias.rows[:, None])
         elif name in ("t", "T", "mT", "transpose", "swapaxes") and out.ndim == 2:
             self._aliases[out] = _Alias(alias.index, alias.cols, alias.rows, alias.stacked)
+        elif name == "einsum" and self._maps.einsum(
+            args, weight, alias.rows, alias.cols, None, out
+        ):
+            pass
+        elif name in _GROUP_VIEWS and out.ndim == 3 and out.shape[0] > 1 and not alias.stacked:
+            groups, size, width = out.shape
+            if groups * size != alias.rows.numel() or width != alias.cols.numel():
+                record.uses.add("table")
+                return
+            rows = alias.rows.reshape(groups, size)
+            self._maps.grouped[out] = _Grouped(alias.index, rows, alias.cols.expand(groups, width))
         elif tuple(out.shape[-2:]) == tuple(weight.shape[-2:]) and not any(
             o in self._codes or o.shape == out.shape for o in operands
         ):  # a cast, copy, scale or leading unit dims: the same matrix
@@ -427,14 +469,35 @@ class Tracer(TorchFunctionMode):
             self._join(func, args, kwargs, out)
         elif name not in _MIXING and isinstance(out, torch.Tensor):
             same = [t for t in tracked if t.shape == out.shape]
+            if not same:  # a product broadcast over the result (a term added per token)
+                same = [t for t in tracked if _broadcasts(t.shape, out.shape)]
+                same.sort(key=lambda t: -t.numel())
             # A 2-D weight's product before a stack's: the sum follows the one with parts.
             same.sort(key=lambda t: self._codes[t][2] <= self._stacked)
             if same:
                 _, kept, params = self._codes[same[0]]
+                self._mixed(kept, [t for t in same[1:] if t.shape == same[0].shape])
+                if kept.shape != out.shape:
+                    kept = kept.reshape((1,) * (out.ndim - kept.ndim) + tuple(kept.shape))
+                    kept = kept.expand(out.shape)
                 self._track(out, kept, params)
                 for other in tracked:  # products added to another's: followed no further
                     for p in self._codes[other][2] - params:
                         self.records[p].merged = True
+
+    def _mixed(self, kept: torch.Tensor, others: list[torch.Tensor]) -> None:
+        """Products of one parameter combined elementwise where their features differ
+        (``x1 * cos - x2 * sin`` of rotary halves, ``act(gate) * up``): noted as a mix, so
+        that a join of the results (the rotated halves joined again) counts as a join of
+        both (:mod:`muon_dist.routing.observation`)."""
+        for other in others:
+            codes = self._codes[other][1]
+            if codes is kept or not self._codes[other][2]:
+                continue
+            mine = {(p, a): f for p, a, f in decode(kept)}
+            for p, a, features in decode(codes):
+                if (p, a) in mine and features != mine[(p, a)]:
+                    self.records[p].mixes.append((mine[(p, a)], features))
 
     def _replay(self, func: Callable[..., Any], args: Any, kwargs: Any, fill: bool) -> Any:
         """``func`` on the codes of its tracked arguments (untracked tensors: -1 codes
@@ -505,6 +568,127 @@ class Tracer(TorchFunctionMode):
         """Note the parameters whose products ``output`` (a model output) holds."""
         if output in self._codes:
             self.outputs |= self._codes[output][2]
+
+
+class _WeightMaps:
+    """The products of a tracer's 2-D weights that are not plain ``linear``/``matmul``
+    calls: a weight viewed as groups (:class:`_Grouped`) and applied one block per group,
+    and a weight applied by ``einsum``. Both are linear maps: a grouped one is one matrix
+    per group (its groups are cut apart), never a table."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.grouped: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def op(self, name: str, args: Any, kwargs: Any, grouped: torch.Tensor, out: Any) -> None:
+        """A grouped weight (:class:`_Grouped`) moved, or applied one matrix per group by
+        ``bmm``, ``baddbmm``, ``matmul`` or ``einsum``: its outputs are the features of
+        each group's matrix, and the groups are its parts. Anything else: a table."""
+        g = self.grouped[grouped]
+        record = self.tracer.records[g.index]
+        if not isinstance(out, torch.Tensor):
+            record.uses.add("table")
+            return
+        dims = {int(d) % 3 for d in args[1:3] if isinstance(d, int)}
+        if (name in ("transpose", "swapaxes") and dims == {1, 2}) or name == "mT":
+            self.grouped[out] = _Grouped(g.index, g.cols, g.rows)
+        elif name == "permute" and tuple(args[1:]) in (((0, 2, 1),), (0, 2, 1)):
+            self.grouped[out] = _Grouped(g.index, g.cols, g.rows)
+        elif name in _GROUP_KEEPS and tuple(out.shape) == tuple(grouped.shape):
+            self.grouped[out] = g
+        elif name == "__getitem__" and out.ndim == 2 and _one_index(args[1]) is not None:
+            k = _one_index(args[1])  # one group's matrix (DBRX's w1.view(E, m, n)[e])
+            self.tracer._aliases[out] = _Alias(g.index, g.rows[k], g.cols[k])
+        elif name == "einsum" and self.einsum(args, grouped, g.rows, g.cols, True, out):
+            pass
+        elif name in ("bmm", "matmul", "__matmul__") and len(args) == 2 and out.ndim == 3:
+            if args[1] is grouped:  # x @ W_g: each group's columns are its outputs
+                self.product(record, g.index, g.cols[:, None, :], out)
+            else:  # W_g @ x: its rows
+                self.product(record, g.index, g.rows[:, :, None], out)
+        elif name == "baddbmm" and args[-1] is grouped and out.ndim == 3:
+            self.product(record, g.index, g.cols[:, None, :], out)
+        else:
+            record.uses.add("table")
+
+    def product(self, record: Record, index: int, codes: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` holds each group's outputs ``codes`` (laid out as ``out``, groups first):
+        a linear map whose groups are cut apart."""
+        axis = int(codes.flatten()[0]) >> _AXIS & 1 if codes.numel() else 0
+        record.uses.add("columns" if axis else "rows")
+        per_group = [frozenset((c & _FEATURES).flatten().tolist()) for c in codes]
+        whole = frozenset().union(*per_group)
+        record.cuts[next(self.tracer._serial)] = (whole, per_group)
+        self.tracer._track(out, codes.expand(out.shape), frozenset({index}))
+
+    def einsum(
+        self,
+        args: Any,
+        weight: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        grouped: bool | None,
+        out: torch.Tensor,
+    ) -> bool:
+        """An einsum that applies ``weight`` (a 2-D parameter, or ``grouped``: one matrix
+        per group, its first index) as a linear map: one of its matrix indices kept in the
+        output, the other contracted (and the group index kept). Its product gets the codes
+        of the kept index; False where the einsum is no such map."""
+        equation = args[0] if isinstance(args[0], str) else ""
+        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        lhs, _, output = re.sub(r"\s", "", equation).partition("->")
+        terms = lhs.split(",")
+        place = next((i for i, o in enumerate(operands) if o is weight), None)
+        if place is None or "." in lhs or not output or len(terms) != len(operands):
+            return False
+        term = terms[place]
+        matrix = term[1:] if grouped else term
+        if len(matrix) != 2 or (grouped and term[0] not in output):
+            return False
+        kept = [c for c in matrix if c in output]
+        if len(kept) != 1:
+            return False
+        codes = rows if kept[0] == matrix[0] else cols  # [n] or, grouped, [g, n]
+        record = self.tracer.records[self.index_of(weight)]
+        order = sorted(((output.index(c), k) for k, c in enumerate(term) if c in output))
+        layout = [1] * out.ndim
+        for position, k in order:
+            layout[position] = int(weight.shape[k])
+        if grouped:
+            feature_first = output.index(kept[0]) < output.index(term[0])
+            codes = codes.t() if feature_first else codes
+            self.product(record, self.index_of(weight), codes.reshape(layout), out)
+            return True
+        axis = int(codes.flatten()[0]) >> _AXIS & 1 if codes.numel() else 0
+        record.uses.add("columns" if axis else "rows")
+        held = codes.reshape(layout).expand(out.shape)
+        self.tracer._track(out, held, frozenset({self.index_of(weight)}))
+        return True
+
+    def index_of(self, weight: torch.Tensor) -> int:
+        found = (
+            self.tracer._aliases[weight] if weight in self.tracer._aliases else self.grouped[weight]
+        )
+        return int(found.index)
+
+
+def _one_index(index: Any) -> int | None:
+    """An index that picks one entry of the first dim: an int or a 0-d integer tensor
+    with a value (not on meta)."""
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    if isinstance(index, torch.Tensor) and index.ndim == 0 and not index.is_meta:
+        if not index.dtype.is_floating_point and index.dtype != torch.bool:
+            with torch._C.DisableTorchFunction():
+                return int(index)
+    return None
+
+
+def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``to`` (in an elementwise op)."""
+    if len(shape) > len(to):
+        return False
+    return all(a in (1, b) for a, b in zip(reversed(shape), reversed(to), strict=False))
 
 
 def _depthwise(args: Any, kwargs: Any) -> bool:

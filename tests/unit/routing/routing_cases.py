@@ -411,6 +411,7 @@ _SAM_TINY = {
         "window_size": 2,
         "global_attn_indexes": [0],
         "mlp_dim": 48,
+        "num_pos_feats": 8,  # the shared positional embedding: 2 * 8 = the decoder's 16
     },
     "prompt_encoder_config": {"hidden_size": 16, "image_size": 64, "patch_size": 16},
     "mask_decoder_config": {
@@ -738,7 +739,10 @@ CASES: dict[str, Case] = {
             **_SAM_TINY,
             "vision_config": _SAM_TINY["vision_config"]
             | {"hidden_size": 768, "num_attention_heads": 12, "image_size": 1024}
-            | {"output_channels": 256, "window_size": 14, "mlp_dim": 3072},
+            | {"output_channels": 256, "window_size": 14, "mlp_dim": 3072}
+            | {"num_pos_feats": 128},
+            "prompt_encoder_config": {},  # the published sizes: 256 wide, 1024 pixels
+            "mask_decoder_config": {},
         },
     ),
     "wav2vec2": Case(  # facebook/wav2vec2-base: a weight-norm positional convolution

@@ -266,7 +266,7 @@ def test_torchtitan_names_route_and_orthogonalize_per_part(
     torch.manual_seed(0)
     model = TitanModel(gpt_oss)
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
-        groups = muon_dist.param_groups(model, num_experts=4)
+        groups = muon_dist.param_groups(model, num_experts=4, observe=False)  # no forward
     assert caplog.text == ""
     assert _views(groups) == {**TITAN_EXPECTED, **(TITAN_GPT_OSS if gpt_oss else TITAN_MOE)}
     fp32 = torch.float32
@@ -504,7 +504,27 @@ def test_without_config_or_embeddings_the_matrices_tell_the_hidden_size(
     for name, shape in (("w1", (4, 24, 16)), ("w2", (4, 16, 24)), ("w3", (4, 24, 16))):
         setattr(model.experts, name, nn.Parameter(torch.randn(shape)))
     with caplog.at_level(logging.WARNING, logger="muon_dist"):
-        views = _views(muon_dist.param_groups(model))
+        views = _views(muon_dist.param_groups(model, observe=False))  # it has no forward
     assert caplog.text == ""
     assert views["experts.w1"] == "expert_stack 4x[24x16]"
     assert views["experts.w2"] == "expert_stack 4x[16x24]"
+
+
+def test_routing_arguments_are_declared_once() -> None:
+    """param_groups' routing keywords and their defaults are the declarations of
+    muon_dist.routing.arguments, and the README's param_groups table lists each."""
+    import inspect
+
+    from repo_paths import ROOT
+
+    from muon_dist.routing.arguments import ROUTING_ARGUMENTS
+
+    signature = inspect.signature(muon_dist.param_groups).parameters
+    for argument in ROUTING_ARGUMENTS:
+        assert signature[argument.key].default == argument.default, argument.key
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("### `param_groups` reference", 1)[1].split("####", 1)[0]
+    rows = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    assert {a.key for a in ROUTING_ARGUMENTS} <= rows
+    with pytest.raises(TypeError, match="unknown routing arguments"):
+        muon_dist.routing.param_groups.route_model(nn.Linear(4, 4), no_such=1)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from muon_dist.routing.structure import ViewOptions
 from muon_dist.routing.trace import Record
 
@@ -81,8 +83,24 @@ def _matrix_reason(transposed: bool, sizes: list[int], groups: int) -> str:
 
 def _kept_cuts(record: Record) -> list[tuple[frozenset[int], list[frozenset[int]]]]:
     """The cuts that no join puts back together (a join of exactly the cut's source)."""
-    joined = set(record.joins)
+    joined = {_closure(join, record.mixes) for join in record.joins}
     return [(whole, pieces) for whole, pieces in record.cuts.values() if whole not in joined]
+
+
+def _closure(
+    join: frozenset[int], mixes: list[tuple[frozenset[int], frozenset[int]]]
+) -> frozenset[int]:
+    """A join's features with those mixed elementwise into them before the join (rotary:
+    ``cat(x1 * cos - x2 * sin, ...)`` holds the codes of x1 alone, but joins both)."""
+    held = set(join)
+    grown = True
+    while grown:
+        grown = False
+        for a, b in mixes:
+            if (a <= held) != (b <= held):
+                held |= a | b
+                grown = True
+    return frozenset(held)
 
 
 def parts(record: Record, outputs: int) -> tuple[list[int], int] | None:
@@ -91,17 +109,15 @@ def parts(record: Record, outputs: int) -> tuple[list[int], int] | None:
     kept = _kept_cuts(record)
     if not kept:
         return [outputs], 1
-    labels = [0] * outputs
-    for whole, pieces in kept:
-        cut = [-2] * outputs
-        for feature in whole:
-            cut[feature] = -1
+    labels = torch.zeros(outputs, dtype=torch.long)
+    for whole, pieces in kept:  # each feature labelled by the piece of every cut it is in
+        cut = torch.full((outputs,), -2, dtype=torch.long)
+        cut[torch.tensor(sorted(whole), dtype=torch.long)] = -1
         for i, piece in enumerate(pieces):
-            for feature in piece:
-                cut[feature] = i
-        ids: dict[tuple[int, int], int] = {}
-        labels = [ids.setdefault(pair, len(ids)) for pair in zip(labels, cut, strict=True)]
-    return _pattern(labels)
+            cut[torch.tensor(sorted(piece), dtype=torch.long)] = i
+        pair = labels * (len(pieces) + 2) + (cut + 2)
+        labels = torch.unique(pair, return_inverse=True)[1]
+    return _pattern(labels.tolist())
 
 
 def _runs(labels: list[int]) -> list[tuple[int, int]]:

@@ -33,16 +33,17 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
 from muon_dist.routing.inputs import Call, plans
 from muon_dist.routing.names import normalize_fqn
-from muon_dist.routing.observed import Observation, observation
+from muon_dist.routing.observation import Observation, observation
 from muon_dist.routing.shortcut import Shown, watched
 from muon_dist.routing.trace import Record, Tracer
 
@@ -52,8 +53,11 @@ logger = logging.getLogger(__name__)
 _NOT_PREDICTION = re.compile(r"hidden_state|attention|past_key_values|cache|router|aux")
 
 
+_NO_INPUTS = "no example_inputs and the model has no dummy inputs"
+
+
 @dataclass(frozen=True)
-class Observed:
+class Observations:
     """Observations by normalised parameter name; ``error`` says why none were made;
     ``ran``: whether a forward was tried (there were inputs and observation was on)."""
 
@@ -62,7 +66,7 @@ class Observed:
     ran: bool = True
 
 
-def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True) -> Observed:
+def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True) -> Observations:
     """Observe ``model``'s forward on ``example_inputs`` (a dict of keyword arguments, a
     tuple of positional ones or one tensor) or, where None, on the model's own; ``twins``:
     repeated blocks are traced once (False traces every member, for the test that both
@@ -70,45 +74,45 @@ def observe(model: nn.Module, example_inputs: Any = None, *, twins: bool = True)
     model = getattr(model, "_orig_mod", model)  # torch.compile: the module it wraps
     tried = plans(model, example_inputs)
     if not tried:
-        return Observed(error="no example_inputs and the model has no dummy inputs", ran=False)
+        return Observations(error=_NO_INPUTS, ran=False)
     named = list(_unique_parameters(model))
     failed: list[tuple[str, str]] = []  # (the try, its error)
     plainest = 0  # where the tries of the last plan (the plainest inputs) begin
     for plan in tried:
         plainest = len(failed)
-        for mode, dtype, evaluating in _modes(model):
+        for mode in _modes(model):
             try:
-                with _eval(model, evaluating):
-                    tracer = _trace(model, plan.calls, len(named), dtype, twins)
+                with _eval(model, mode.evaluating):
+                    tracer = _trace(model, plan.calls, len(named), mode, twins)
             except Exception as e:
                 text = str(e).splitlines()[0][:200] if str(e) else ""
-                failed.append((f"{mode} on {plan.label}", f"{type(e).__name__}: {text}"))
+                failed.append((f"{mode.words} on {plan.label}", f"{type(e).__name__}: {text}"))
                 continue
             if failed:
                 logger.info(
-                    "muon_dist.param_groups observed the forward %s on %s; on the meta device "
-                    "it does not run %s",
-                    mode,
+                    "muon_dist.param_groups observed the forward %s on %s; it does not run %s",
+                    mode.words,
                     plan.label,
                     "; ".join(f"{where} ({error})" for where, error in failed),
                 )
-            return Observed(_observations(tracer, named))
+            return Observations(_observations(tracer, named))
     logger.info(
-        "muon_dist.param_groups: the forward does not run on the meta device %s",
+        "muon_dist.param_groups: the forward does not run %s",
         "; ".join(f"{where} ({error})" for where, error in failed),
     )
-    return Observed(error=f"its forward does not run on the meta device ({failed[plainest][1]})")
+    if all(plan.guessed for plan in tried):  # a guess at its inputs is not its inputs
+        return Observations(error=f"{_NO_INPUTS} (nor did it run on {tried[0].label})", ran=False)
+    where = "on the meta device or on its own tensors" if _real(model) else "on the meta device"
+    return Observations(error=f"its forward does not run {where} ({failed[plainest][1]})")
 
 
-def _trace(
-    model: nn.Module, calls: list[Call], count: int, dtype: torch.dtype | None, twins: bool
-) -> Tracer:
+def _trace(model: nn.Module, calls: list[Call], count: int, mode: Mode, twins: bool) -> Tracer:
     """The calls traced, the untraced twins answered for without running them; where that
     fails, traced again with them run (see the module's docstring)."""
     tracer = Tracer(count)
     blocks = _Twins(model, tracer, twins, shortcut=True)
     try:
-        _run(model, calls, tracer, dtype, blocks)
+        _run(model, calls, tracer, mode, blocks)
         return tracer
     except Exception as e:
         if not blocks.answered:
@@ -117,7 +121,7 @@ def _trace(
             "muon_dist.param_groups runs the untraced twins: not running them failed (%r)", e
         )
     tracer = Tracer(count)
-    _run(model, calls, tracer, dtype, _Twins(model, tracer, twins, shortcut=False))
+    _run(model, calls, tracer, mode, _Twins(model, tracer, twins, shortcut=False))
     return tracer
 
 
@@ -131,15 +135,41 @@ def _observations(tracer: Tracer, named: list[tuple[str, torch.Tensor]]) -> dict
     return by_name
 
 
-def _modes(model: nn.Module) -> list[tuple[str, torch.dtype | None, bool]]:
-    """``(words, dtype, eval)`` of each try: as the model stands, in bfloat16, and in eval
-    mode where some module is in training mode."""
-    tries: list[tuple[str, torch.dtype | None, bool]] = [
-        ("as it stands", None, False),
-        ("in bfloat16", torch.bfloat16, False),
-    ]
-    if any(m.training for m in model.modules()):
-        tries.append(("in eval mode", None, True))
+class Mode(NamedTuple):
+    """One try of a forward: in the ``words`` of the log; ``dtype`` of the meta stand-ins
+    (None: the parameters' own); in eval mode; on the model's ``real`` tensors instead of
+    meta stand-ins."""
+
+    words: str
+    dtype: torch.dtype | None = None
+    evaluating: bool = False
+    real: bool = False
+
+
+# The most parameters a model may have for a try on its own tensors, a forward of one
+# short sequence that reads values (``.item()``, ``nonzero``) where meta has none.
+REAL_LIMIT = 2_000_000_000
+
+
+def _real(model: nn.Module) -> bool:
+    """Whether the model's own tensors can run its forward: none on meta, none a DTensor
+    (whose shards one rank cannot run alone), at most :data:`REAL_LIMIT` parameters."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta or isinstance(t, DTensor) for t in tensors):
+        return False
+    return sum(p.numel() for p in model.parameters()) <= REAL_LIMIT
+
+
+def _modes(model: nn.Module) -> list[Mode]:
+    """Each try: on meta as the model stands, in bfloat16, and in eval mode where some
+    module is in training mode; then, where the model's own tensors can run it
+    (:func:`_real`), on them, as it stands and in eval mode."""
+    training = any(m.training for m in model.modules())
+    tries = [Mode("as it stands"), Mode("in bfloat16", torch.bfloat16)]
+    tries += [Mode("in eval mode", evaluating=True)] if training else []
+    if _real(model):
+        tries.append(Mode("on its own tensors", real=True))
+        tries += [Mode("on its own tensors in eval mode", evaluating=True, real=True)] * training
     return tries
 
 
@@ -334,29 +364,44 @@ def _meta(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.empty(tuple(t.shape), dtype=cast, device="meta")
 
 
-def _run(
-    model: nn.Module,
-    calls: list[Call],
-    tracer: Tracer,
-    dtype: torch.dtype | None,
-    blocks: _Twins,
-) -> None:
+def _run(model: nn.Module, calls: list[Call], tracer: Tracer, mode: Mode, blocks: _Twins) -> None:
     """Each call on meta stand-ins for the parameters (the tracer's, in order) and
-    buffers; the parameters whose products reach a prediction output are noted. The
-    repeated ``blocks`` are hooked."""
+    buffers, or on the model's own tensors where ``mode.real``; the parameters whose
+    products reach a prediction output are noted. The repeated ``blocks`` are hooked."""
     params = {id(p): i for i, (_, p) in enumerate(_unique_parameters(model))}
     stand_ins = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        stand_ins[name] = tracer.param(params[id(p)], _meta(p, dtype))
+        own = p.detach() if mode.real else _meta(p, mode.dtype)
+        stand_ins[name] = tracer.param(params[id(p)], own)
     for name, b in model.named_buffers(remove_duplicate=False):
-        stand_ins[name] = _meta(b, dtype)
+        # Copies of the real buffers: a forward in training mode updates some (batch
+        # norm's running statistics), which the model must not see.
+        stand_ins[name] = b.clone() if mode.real else _meta(b, mode.dtype)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
-    def to_meta(a: Any) -> Any:
-        return _meta(a, dtype) if isinstance(a, torch.Tensor) else a
+    def moved(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        return a.to(device) if mode.real else _meta(a, mode.dtype)
 
-    with torch.no_grad(), _hooks_off(model), tracer, blocks.hooked():
+    # A real forward draws random numbers (dropout): the caller's generators are restored.
+    devices = [device] if mode.real and device.type == "cuda" else []
+    with torch.random.fork_rng(devices, enabled=mode.real), torch.no_grad():
+        _calls(model, calls, tracer, blocks, moved, stand_ins)
+
+
+def _calls(
+    model: nn.Module,
+    calls: list[Call],
+    tracer: Tracer,
+    blocks: _Twins,
+    moved: Callable[[Any], Any],
+    stand_ins: dict[str, torch.Tensor],
+) -> None:
+    """The calls of :func:`_run`, traced, on ``stand_ins``, the inputs ``moved`` to them."""
+    with _hooks_off(model), tracer, blocks.hooked():
         for method, args, kwargs in calls:
-            args, kwargs = tree_map(to_meta, (args, kwargs))
+            args, kwargs = tree_map(moved, (args, kwargs))
             with _reparametrize_module(model, stand_ins):
                 out = getattr(model, method)(*args, **kwargs) if method else model(*args, **kwargs)
             if method is None:

@@ -1,14 +1,15 @@
-"""What a module's own code says about its parameters: the family table, keyed by class.
+"""How a module's forward reads one of its parameters (a :class:`Layout`), the helpers the
+family table's rules build layouts with, and the layouts modules declare about themselves.
 
-A split, an orientation or a table is taken only from evidence: here, the class of a module
-on the parameter's path (``GPTNeoXAttention``, ``Llama4TextExperts``), or the layout a
-module declares about itself (transformers' ``@use_experts_implementation`` sets
-``is_transposed``, ``is_concatenated`` and ``has_gate`` on every experts module it wraps;
-multi-head latent attention modules carry ``kv_lora_rank`` and ``qk_rope_head_dim``). Each
-rule reads its sizes from the module (its attributes, else its ``config``), never from
-shapes that happen to add up, and was written from the family's forward (transformers
-5.23): :mod:`muon_dist.routing.known_modules` holds them. torchtitan's fused layouts are
-read from its owning modules' attributes (:func:`titan_layout`).
+A split, an orientation or a table is taken only from evidence. The family table,
+:mod:`muon_dist.routing.known_modules`, keys its rules by module class; this module holds
+what those rules share (:func:`size`, :func:`parts`, :func:`interleaved`) and the layouts
+that need no class name: transformers' ``@use_experts_implementation`` sets
+``is_transposed``, ``is_concatenated`` and ``has_gate`` on every experts module it wraps
+(:func:`declared_experts`); multi-head latent attention modules carry ``kv_lora_rank`` and
+``qk_rope_head_dim`` (:func:`latent_attention`); torchtitan's fused layouts are read from
+its owning modules' attributes (:func:`titan_layout`). Every size is read from the module
+(its attributes, else its ``config``), never from shapes that happen to add up.
 """
 
 from __future__ import annotations
