@@ -53,9 +53,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from train_table import cell, spread
+from train_table import BASELINE, add_vs_baseline, cell, spread
 
-BASELINE = "adamw"
 LR, ADAMW_LR, WEIGHT_DECAY, BETAS = 0.02, 3e-4, 0.1, (0.9, 0.95)
 VARIANTS = (
     "adamw",
@@ -420,14 +419,7 @@ def summarize(runs: Sequence[dict[str, Any]], skip: int, tokens: int) -> dict[st
         entry["peak_gib"] = None if None in peaks else max(peaks)
         summary[variant] = entry
     if BASELINE in summary:
-        base = summary[BASELINE]["tokens_per_s"]["median"]
-        for variant, entry in summary.items():
-            rounds = sorted(r for r, v in by_round if v == variant and (r, BASELINE) in by_round)
-            paired = [
-                by_round[r, variant]["tokens_per_s"] / by_round[r, BASELINE]["tokens_per_s"]
-                for r in rounds
-            ]
-            entry["vs_baseline"] = spread(paired, entry["tokens_per_s"]["median"] / base)
+        add_vs_baseline(summary, by_round)
     return summary
 
 

@@ -151,6 +151,15 @@ def summarize(runs: Sequence[dict[str, Any]], skip: int) -> dict[str, dict[str, 
         for metric in (*PHASES, "tokens_per_s"):
             entry[metric] = spread([m[metric] for m in mine])
         summary[variant] = entry
+    add_vs_baseline(summary, by_round)
+    return summary
+
+
+def add_vs_baseline(
+    summary: dict[str, dict[str, Any]], by_round: dict[tuple[int, str], dict[str, float]]
+) -> None:
+    """Each variant's tokens/s against the baseline's: the ratio of their medians, with the
+    min–max of the ratios of runs paired by round."""
     base = summary[BASELINE]["tokens_per_s"]["median"]
     for variant, entry in summary.items():
         rounds = sorted(r for r, v in by_round if v == variant and (r, BASELINE) in by_round)
@@ -159,7 +168,6 @@ def summarize(runs: Sequence[dict[str, Any]], skip: int) -> dict[str, dict[str, 
             for r in rounds
         ]
         entry["vs_baseline"] = spread(paired, entry["tokens_per_s"]["median"] / base)
-    return summary
 
 
 def cell(values: dict[str, float], scale: float, fmt: str, unit: str = "") -> str:
