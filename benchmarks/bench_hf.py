@@ -307,7 +307,8 @@ class StepClock:
         begin = time.perf_counter()
         marks: list[Any] = []
 
-        def backward_done() -> None:
+        def mark() -> None:
+            """A point in the stream's time (a CUDA event), or the host's on CPU."""
             if self.cuda:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record()
@@ -315,13 +316,8 @@ class StepClock:
             else:
                 marks.append(time.perf_counter())
 
-        yield backward_done
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            marks.append(end)
-        else:
-            marks.append(time.perf_counter())
+        yield mark  # where backward ended
+        mark()
         self.sync()
         self.walls.append(time.perf_counter() - begin)
         self.marks.append((marks[0], marks[1]))
