@@ -487,6 +487,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--variants must be distinct, from {sorted(known)}; got {unknown}")
         if not 0 <= args.skip < args.steps or args.repeats < 1:
             parser.error("need 0 <= --skip < --steps and --repeats >= 1")
+        if args.batch < 1 or args.seq < 1:
+            parser.error(f"--batch ({args.batch}) and --seq ({args.seq}) must be at least 1")
     return args
 
 
