@@ -10,8 +10,8 @@ built from configs with random weights: nothing is downloaded. Each decoder laye
 the root get ``fully_shard`` with a bf16 ``MixedPrecisionPolicy`` (fp32 gradient
 reduction), as the README's Usage says; ``muon_dist.param_groups(model)`` routes them, and
 the Muon variants are built as a user builds them (``Muon(groups, lr=0.02, adamw_lr=3e-4,
-weight_decay=0.1)``; ``muon`` adds ``cuda_graph="auto"``, which captures the step on CUDA,
-``muon-eager`` is ``cuda_graph=False``, Muon's default). The data are bytes (token ids
+weight_decay=0.1)``: ``muon`` keeps Muon's default ``cuda_graph="auto"``, which captures the
+step on CUDA, ``muon-eager`` passes ``cuda_graph=False``). The data are bytes (token ids
 0..255): random, or windows of ``--data FILE``, drawn before each step's clock starts.
 
 Variants run in rounds (A B C, A B C, ...), each run a fresh model and optimizer in this
@@ -74,8 +74,8 @@ LEGEND = (
     "step, the slowest rank's (min–max over runs). optimizer ms: stream time from the end "
     "of backward to the end of zero_grad. vs AdamW: ratio of the median tokens/s (min–max "
     "over runs paired by round). peak GiB: the largest max_memory_allocated of any rank. "
-    "muon, normuon, dion2: cuda_graph='auto' (captured on CUDA); -eager: cuda_graph=False "
-    "(Muon's default); -graph: cuda_graph=True."
+    "muon, normuon, dion2: Muon's default cuda_graph='auto' (captured on CUDA); -eager: "
+    "cuda_graph=False; -graph: cuda_graph=True."
 )
 
 
@@ -219,15 +219,11 @@ def build_optimizer(
         assert dion is not None
         return make_dion(dion, model, mesh)
     rule, _, mode = variant.partition("-")
-    capture = {"": "auto", "eager": False, "graph": True}[mode]
+    # The plain variant keeps Muon's default (cuda_graph="auto").
+    capture = {"": {}, "eager": {"cuda_graph": False}, "graph": {"cuda_graph": True}}[mode]
     groups = muon_dist.param_groups(model)
     return muon_dist.Muon(
-        groups,
-        lr=LR,
-        adamw_lr=ADAMW_LR,
-        weight_decay=WEIGHT_DECAY,
-        rule=rule,
-        cuda_graph=capture,
+        groups, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WEIGHT_DECAY, rule=rule, **capture
     )
 
 

@@ -212,9 +212,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cuda-graph",
         choices=("auto", "on", "off"),
-        default="off",
-        help="Muon(cuda_graph=...): 'auto' captures the optimizer step in a CUDA graph where "
-        "the job allows (CUDA, no --overlap), 'on' always, 'off' (the default) never",
+        default="auto",
+        help="Muon(cuda_graph=...): 'auto' (the default, as Muon's) captures the optimizer "
+        "step in a CUDA graph where the job allows (CUDA, no --overlap), 'on' always, 'off' "
+        "never",
     )
     p.add_argument(
         "--overlap",

@@ -107,7 +107,7 @@ class Muon(torch.optim.Optimizer):
         cautious_wd: bool = False,
         qk_clip: Sequence[QKClip] = (),
         max_logits: MaxLogitTracker | None = None,
-        cuda_graph: bool | str = False,
+        cuda_graph: bool | str = "auto",
         graph_warmup: int = 2,
         process_group: dist.ProcessGroup | None = None,
         overlap: str = "none",

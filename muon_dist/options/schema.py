@@ -395,14 +395,14 @@ SETTINGS: tuple[Option, ...] = (
     ),
     _set(
         "cuda_graph",
-        False,
+        "auto",
         cuda_graph,
         "bool | str",
         "capture the whole step in one CUDA graph after ``graph_warmup`` eager steps and"
-        ' replay it (:mod:`muon_dist.step.launch.cuda_graph`); ``"auto"`` captures where the job'
-        " allows (CUDA parameters, ``overlap`` off, NCCL collectives) and otherwise runs"
-        " eagerly, saying why in one INFO log line; ``True`` captures or raises; ``False``"
-        " (the default) runs eagerly.",
+        ' replay it (:mod:`muon_dist.step.launch.cuda_graph`); ``"auto"`` (the default) captures'
+        " where the job allows (CUDA parameters, ``overlap`` off, NCCL collectives) and"
+        " otherwise runs eagerly, saying why in one INFO log line; ``True`` captures or"
+        " raises; ``False`` never captures.",
     ),
     _set("graph_warmup", 2, count_from(1), "int", "eager steps before the capture."),
     _set(

@@ -49,8 +49,8 @@ class ExecutionSettings:
             raise ValueError(
                 f"Muon: overlap={self.overlap!r} starts Newton-Schulz from gradient hooks "
                 "during backward (under 'auto', in the steps it times or chooses that way), "
-                "outside any captured step; use cuda_graph=False (the default) with it "
-                "(or cuda_graph='auto', eager there), or overlap='none' to capture the step"
+                "outside any captured step; use cuda_graph='auto' (the default: eager there) or "
+                "False with it, or overlap='none' to capture the step"
             )
 
     @property

@@ -146,7 +146,7 @@ def test_the_host_clock_times_between_marks() -> None:
 def test_auto_is_refused_where_backward_is() -> None:
     weight = nn.Parameter(torch.zeros(4, 4))
     with pytest.raises(
-        ValueError, match=r"overlap='auto' starts Newton-Schulz .* use cuda_graph=False"
+        ValueError, match=r"overlap='auto' starts Newton-Schulz .* use cuda_graph='auto'"
     ):
         muon_dist.Muon([weight], overlap="auto", cuda_graph=True)
     model = nn.Linear(4, 4, bias=False)

@@ -114,7 +114,9 @@ def test_bad_overlap_options_refused() -> None:
     weight = nn.Parameter(torch.zeros(4, 4))
     with pytest.raises(ValueError, match=r"overlap='forward' is not supported; choose one of"):
         muon_dist.Muon([weight], overlap="forward")
-    with pytest.raises(ValueError, match=r"use cuda_graph=False \(the default\) with it"):
+    with pytest.raises(
+        ValueError, match=r"use cuda_graph='auto' \(the default: eager there\) or False"
+    ):
         muon_dist.Muon([weight], overlap="backward", cuda_graph=True)
 
 

@@ -1,4 +1,4 @@
-"""``cuda_graph="auto"`` on CPU: eager steps and one INFO line saying why;
+"""``cuda_graph="auto"`` (the default) on CPU: eager steps and one INFO line saying why;
 :func:`capture_blocker`'s other reasons; a step with a missing gradient runs uncaptured;
 the option's checks name the option, the value and the fix. The captured path itself is
 tested on CUDA (tests/gpu/test_cuda_step.py)."""
@@ -35,7 +35,7 @@ def test_auto_on_cpu_runs_eagerly_and_says_why_once(caplog: pytest.LogCaptureFix
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     with caplog.at_level(logging.INFO, logger="muon_dist"):
-        opt = muon_dist.Muon(muon_dist.param_groups(model), cuda_graph="auto")
+        opt = muon_dist.Muon(muon_dist.param_groups(model))
         for _ in range(3):
             model(torch.randn(4, 16)).square().mean().backward()
             opt.step()
@@ -72,7 +72,9 @@ def test_a_bad_cuda_graph_names_the_option_the_value_and_the_choices(
 
 def test_auto_with_backward_overlap_is_allowed_and_true_refused() -> None:
     assert ExecutionSettings(overlap="backward", cuda_graph="auto").cuda_graph == "auto"
-    with pytest.raises(ValueError, match=r"use cuda_graph=False \(the default\) with it"):
+    with pytest.raises(
+        ValueError, match=r"use cuda_graph='auto' \(the default: eager there\) or False"
+    ):
         ExecutionSettings(overlap="backward", cuda_graph=True)
 
 
