@@ -113,13 +113,7 @@ class Muon(torch.optim.Optimizer):
         overlap: str = "none",
     ) -> None:
         arguments = dict(locals())
-        # Anything refused on this rank only (a setting or option that differs across ranks)
-        # is agreed through the rank check in _init_groups, so the other ranks raise too.
-        refused: Exception | None = None
-        try:
-            self.settings = ExecutionSettings(**{o.key: arguments[o.key] for o in SETTINGS})
-        except (ValueError, TypeError) as exc:
-            refused = exc
+        refused = self._take_settings(arguments)
         self._defaults_by_algorithm: dict[str, dict[str, Any]] = {
             algorithm: group_defaults(algorithm, arguments) for algorithm in OPTIONS
         }
@@ -137,6 +131,16 @@ class Muon(torch.optim.Optimizer):
         logger.info("muon_dist.Muon routing:\n%s", self.routing_table())
 
     # -- construction -------------------------------------------------------------------
+
+    def _take_settings(self, arguments: dict[str, Any]) -> Exception | None:
+        """Set the step's settings from the constructor's ``arguments``, or return why they
+        are refused. A refusal on this rank only (a setting that differs across ranks) is
+        agreed through the rank check in :meth:`_init_groups`, so the other ranks raise too."""
+        try:
+            self.settings = ExecutionSettings(**{o.key: arguments[o.key] for o in SETTINGS})
+        except (ValueError, TypeError) as exc:
+            return exc
+        return None
 
     def _init_groups(
         self, params: Iterable[Any], defaults: dict[str, Any], refused: Exception | None
