@@ -34,6 +34,7 @@ from muon_dist.step.shard.piece_writes import (
 from muon_dist.step.shard.scalars import MuonScalars
 from muon_dist.step.shard.shard_io import (
     DECAY_CAUTIOUS,
+    FEEDBACK_NONE,
     MOMENTUM_BEFORE,
     MOMENTUM_IN_READ,
     WRITE_FUSED,
@@ -250,8 +251,10 @@ class PieceIO:
         )
 
     def _feedback(self, index: int, slices: Slices) -> Feedback | None:
-        """The feedback of a piece whose rule has a write part (Dion2's)."""
-        part = self.forms.write_parts[index]
-        if part is None:
+        """The piece's feedback where its record has one (the rule's write part's, Dion2's);
+        the record's write form says where it runs (in the fused write, or beside)."""
+        if self.forms.io[index].feedback == FEEDBACK_NONE:
             return None
+        part = self.forms.write_parts[index]
+        assert part is not None  # shard_io() records feedback only where there is a part
         return part.of_piece(self._pieces(index, slices)[1], self.forms.groups[index])
