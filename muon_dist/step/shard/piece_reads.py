@@ -42,7 +42,7 @@ class LocalGrads:
 
     def set(self, grads: Sequence[torch.Tensor | None]) -> bool:
         """Take this step's gradients; returns whether which tensors have one changed."""
-        local = tuple(grad is not None for grad in grads)
+        local = tuple([grad is not None for grad in grads])
         changed = local != self.local
         if changed:
             self.local = local
