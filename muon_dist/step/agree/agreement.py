@@ -152,7 +152,6 @@ class Agreement:
             device,
         )
         self._indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._every = tuple(range(count))  # the positions where every gradient is present
 
     @property
     def present(self) -> torch.Tensor:
@@ -240,7 +239,7 @@ class Agreement:
         flag, compare = self._flag, self._compare
         present = [g for g in grads if g is not None]
         if present:
-            positions = self._every
+            positions = tuple(range(len(grads)))  # no Python step per gradient
             if len(present) < len(grads):
                 positions = tuple([i for i, g in enumerate(grads) if g is not None])
             index, replicated = self._index(positions)
