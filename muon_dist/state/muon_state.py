@@ -9,7 +9,7 @@ their buffer, Magma's sums share one all-reduce.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ class MuonState:
         self,
         by_beta: dict[float, list[int]],
         grads: Sequence[torch.Tensor],
-        local_grad: Sequence[bool],
+        local_grad: tuple[bool, ...],
         ok: torch.Tensor,
         keep_of: Sequence[torch.Tensor],
     ) -> None:
@@ -76,17 +76,18 @@ class MuonState:
         share one flag and, lying in order in their group's buffer, one select per span.
         The others carry their own flag, which depends on the other ranks' gradients.
         """
+        everywhere = all(local_grad)
         for beta, members in by_beta.items():
-            shared = tuple(j for j in members if local_grad[j])
+            shared = tuple(members if everywhere else (j for j in members if local_grad[j]))
             for span, chosen, flat_momenta in self._momentum_spans(shared):
-                flat_grads = [self._flat_grad(j, grads[j]) for j in chosen]
-                if span.flat is not None and all(g is not None for g in flat_grads):
-                    store_momenta_(
-                        cast(list[torch.Tensor], flat_grads), flat_momenta, beta, ok, span
-                    )
+                flat_grads = None if span.flat is None else self._flat_grads_of(chosen, grads)
+                if flat_grads is not None:
+                    store_momenta_(flat_grads, flat_momenta, beta, ok, span)
                 else:
                     momenta = [self.momenta[j] for j in chosen]
                     store_momenta_([grads[j] for j in chosen], momenta, beta, ok)
+            if everywhere:
+                continue
             for j in members:
                 if not local_grad[j]:
                     store_momenta_([grads[j]], [self.momenta[j]], beta, keep_of[j])
@@ -103,12 +104,19 @@ class MuonState:
             ]
         return found
 
-    def _flat_grad(self, j: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """The local gradient as one dimension, if it can share its momentum's span."""
-        flat = self._flat_grads[j]
-        if flat is None and grad.is_contiguous() and grad.dtype == self.momenta[j].dtype:
-            flat = self._flat_grads[j] = grad.view(-1)
-        return flat
+    def _flat_grads_of(
+        self, chosen: Sequence[int], grads: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """The local gradients of ``chosen`` as one dimension, or None where one cannot
+        share its momentum's span; a view is taken once per gradient tensor."""
+        flats = self._flat_grads
+        for j in chosen:
+            if flats[j] is None:
+                grad = grads[j]
+                if not grad.is_contiguous() or grad.dtype != self.momenta[j].dtype:
+                    return None
+                flats[j] = grad.view(-1)
+        return [flats[j] for j in chosen]  # type: ignore[misc]
 
     def advance_magma(
         self, grads: Sequence[torch.Tensor], keep_of: Sequence[torch.Tensor]

@@ -117,7 +117,7 @@ def _refused_change(index: int, built: _Group, group: dict[str, Any]) -> str | N
             "load_state_dict refuses a state whose parameters changed algorithm)"
         )
     params = group["params"]
-    if tuple(id(p) for p in params) != built.params:
+    if tuple(map(id, params)) != built.params:
         ids, held = {id(p) for p in params}, set(built.params)
         added = len(ids - held)
         removed = len(held - ids)

@@ -26,7 +26,7 @@ from muon_dist.rules.registry import rule_of
 from muon_dist.state.tensors import local, storage
 from muon_dist.step.adamw_phase import AdamWPhase
 from muon_dist.step.agree.agreement import Agreement
-from muon_dist.step.agree.grad_check import check_grad
+from muon_dist.step.agree.grad_check import GradCheck
 from muon_dist.step.agree.report import Outcome
 from muon_dist.step.changes import BuiltFrom
 from muon_dist.step.launch.backward import BackwardStart
@@ -105,6 +105,7 @@ class StepRunner:
         named = list(named_params(groups))
         self.names = [name for name, _, _ in named]
         self.params = [p for _, _, p in named]
+        self._checks = [GradCheck(name, p) for name, _, p in named]
         self.storage = storage(self.params)  # where the bound views point (rebind.py)
         self.device = local(self.params[0]).device
         group_index = {id(g): i for i, g in enumerate(groups)}
@@ -209,11 +210,10 @@ class StepRunner:
         return [self._local_grad(index) for index in range(len(self.params))]
 
     def _local_grad(self, index: int) -> torch.Tensor | None:
-        p = self.params[index]
-        grad = p.grad
+        grad = self.params[index].grad
         source, unwrapped = self._grads[index]
         if grad is not source:
-            unwrapped = None if grad is None else check_grad(self.names[index], p, grad)
+            unwrapped = None if grad is None else self._checks[index](grad)
             self._grads[index] = (grad, unwrapped)
         return unwrapped
 

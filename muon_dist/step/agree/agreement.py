@@ -237,12 +237,13 @@ class Agreement:
         """This rank's verdict on each local gradient (non-finite, or above its norm limit)
         and, for replicas, its norm to compare across ranks."""
         flag, compare = self._flag, self._compare
-        positions = tuple(i for i, g in enumerate(grads) if g is not None)
-        if positions:
+        present = [g for g in grads if g is not None]
+        if present:
+            positions = tuple(range(len(grads)))  # no Python step per gradient
+            if len(present) < len(grads):
+                positions = tuple([i for i, g in enumerate(grads) if g is not None])
             index, replicated = self._index(positions)
-            norms = torch.stack(
-                torch._foreach_norm([g for g in grads if g is not None], 2, dtype=torch.float64)
-            )
+            norms = torch.stack(torch._foreach_norm(present, 2, dtype=torch.float64))
             limits = inputs.norm_limit.index_select(0, index).double()
             finite = torch.isfinite(norms)
             bad = torch.where(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from muon_dist.state.tensors import local
+
 
 def check_grad(name: str, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The local shard of ``p``'s gradient, after checking that it lies like ``p``: dense,
@@ -36,3 +38,31 @@ def check_grad(name: str, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             f"{tuple(p.shape)}"
         )
     return grad
+
+
+class GradCheck:
+    """:func:`check_grad` of one parameter, its layout read once: a gradient that lies like
+    it costs a few comparisons and no operation (``p.to_local()`` of a parameter takes a
+    new view); any other gradient takes the whole check, which names what differs."""
+
+    def __init__(self, name: str, p: torch.Tensor) -> None:
+        self.name, self.param = name, p
+        self.sharded = isinstance(p, DTensor)
+        self.mesh = p.device_mesh if isinstance(p, DTensor) else None
+        self.placements = tuple(p.placements) if isinstance(p, DTensor) else ()
+        self.shape = local(p).shape
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        """The local shard of ``grad``, checked as :func:`check_grad` checks it."""
+        if grad.layout == torch.strided:
+            if isinstance(grad, DTensor):
+                shard = grad._local_tensor
+                if self.sharded and shard.shape == self.shape and self._placed_alike(grad):
+                    return shard
+            elif not self.sharded and grad.shape == self.shape:
+                return grad
+        return check_grad(self.name, self.param, grad)
+
+    def _placed_alike(self, grad: DTensor) -> bool:
+        mesh = grad.device_mesh
+        return (mesh is self.mesh or mesh == self.mesh) and grad.placements == self.placements

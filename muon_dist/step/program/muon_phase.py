@@ -23,7 +23,7 @@ import torch
 
 from muon_dist.runtime import Task, run_tasks
 from muon_dist.step.bucket.bucket_task import bucket_task
-from muon_dist.step.program.advance import advance_state, advancing
+from muon_dist.step.program.advance import StateAdvance
 from muon_dist.step.program.binding import Bound, bind_state
 from muon_dist.step.program.stages import PROGRAMS, Program, Stage
 from muon_dist.step.shard.shard_io import MOMENTUM_AT_COMMIT, MOMENTUM_BEFORE
@@ -83,8 +83,9 @@ class StepProgram:
         self.phase, self.stages = phase, program
         mode = program.mode
         self._tools = phase.tools[mode]
-        self._before = advancing(phase.tensors, phase.pieces.forms.io, mode, MOMENTUM_BEFORE)
-        self._at_commit = advancing(phase.tensors, phase.pieces.forms.io, mode, MOMENTUM_AT_COMMIT)
+        io = phase.pieces.forms.io
+        self._before = StateAdvance(phase.tensors, io, mode, MOMENTUM_BEFORE)
+        self._at_commit = StateAdvance(phase.tensors, io, mode, MOMENTUM_AT_COMMIT)
 
     def bucket(self, index: int) -> Task:
         """Bucket ``index``'s task, in plan order."""
@@ -128,7 +129,7 @@ class StepProgram:
             case Stage.DROP_NONE:
                 scalars.drop_none()
             case Stage.ADVANCE:
-                advance_state(phase.tensors, pieces, scalars, self._before)
+                self._before.run(pieces, scalars)
             case Stage.HOLD:
                 phase.transaction.begin()
             case Stage.START:
@@ -146,7 +147,7 @@ class StepProgram:
             case Stage.COMMIT:
                 held = phase.transaction.end()
                 scalars.stage(agreement.keep, agreement.found_inf, phase.inputs)
-                advance_state(phase.tensors, pieces, scalars, self._at_commit)
+                self._at_commit.run(pieces, scalars)
                 pieces.commit(held)
             case Stage.FINISH:
                 for wing in phase.unique_wings:

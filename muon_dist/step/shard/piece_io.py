@@ -17,11 +17,17 @@ from typing import Any
 import torch
 
 from muon_dist.plan.bucket_map import LocalSlices
-from muon_dist.plan.build import Slices
+from muon_dist.plan.build import Slices, is_whole
 from muon_dist.plan.packing import shape_runs
 from muon_dist.state.muon_state import MuonState
 from muon_dist.step.shard.modes import StepMode
-from muon_dist.step.shard.piece_reads import AdvancingRead, LocalGrads, MixingRead, Read
+from muon_dist.step.shard.piece_reads import (
+    AdvancingRead,
+    GradPiece,
+    LocalGrads,
+    MixingRead,
+    Read,
+)
 from muon_dist.step.shard.piece_writes import (
     Batch,
     BatchedWrite,
@@ -134,7 +140,7 @@ class PieceIO:
         reads: list[Read] = []
         for (place, fused, _), positions in batches.items():
             chosen = [pieces[i] for i in positions]
-            grads = tuple((forms.tensor_of[v], (v, id(s)), s) for v, s in chosen)
+            grads = tuple(self._grad_piece(v, s) for v, s in chosen)
             momenta = tuple(self._pieces(v, s)[1] for v, s in chosen)
             group = forms.groups[chosen[0][0]]
             if place == MOMENTUM_BEFORE:
@@ -146,6 +152,12 @@ class PieceIO:
                 AdvancingRead(tuple(positions), grads, momenta, keeps, group, fused, store)
             )
         return tuple(reads)
+
+    def _grad_piece(self, index: int, slices: Slices) -> GradPiece:
+        """How the read takes piece ``index``'s gradient: whole where the piece is its local
+        shard (a gradient lies like its parameter), else by its slices."""
+        j = self.forms.tensor_of[index]
+        return (j, (index, id(slices)), None if is_whole(slices, self._shards[j].shape) else slices)
 
     # -- writes ---------------------------------------------------------------------------
 

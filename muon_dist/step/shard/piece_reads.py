@@ -16,35 +16,40 @@ from typing import Any
 
 import torch
 
-from muon_dist.plan.build import Slices, is_whole
+from muon_dist.plan.build import Slices
 from muon_dist.rules.ops import nesterov_mix, ns_inputs_, pre_orthogonalize_
 from muon_dist.rules.registry import rule_of
 from muon_dist.state.muon_state import MuonState
 
-# A piece's gradient, as :meth:`LocalGrads.piece` takes it: tensor, view key, slices.
-GradPiece = tuple[int, tuple[int, int], Slices]
+# A piece's gradient, as :meth:`LocalGrads.pieces` takes it: tensor, view key, slices (None
+# where the piece is the whole local shard, decided when the read is compiled).
+GradPiece = tuple[int, tuple[int, int], Slices | None]
 
 
 class LocalGrads:
     """This step's local gradients of the Muon tensors (zeros where absent); the views of
-    a gradient's pieces are kept while the gradient tensor stays the same."""
+    a gradient's pieces are kept while the gradient tensor stays the same. ``local`` (which
+    tensors have a local gradient) is replaced only when it changes."""
 
     def __init__(self, shards: Sequence[torch.Tensor], state: MuonState) -> None:
         self._shards = list(shards)
         self._state = state
         # Empty until a step sets them (:meth:`set`, or :meth:`set_one` from a hook).
         self.tensors: list[torch.Tensor] = [shard.new_empty(0) for shard in self._shards]
-        self.local: list[bool] = [True] * len(self._shards)  # has a local gradient
+        self.local: tuple[bool, ...] = (True,) * len(self._shards)  # has a local gradient
         self._sources: list[torch.Tensor | None] = [None] * len(self._shards)
         self._views: list[dict[tuple[int, int], torch.Tensor]] = [{} for _ in self._shards]
 
     def set(self, grads: Sequence[torch.Tensor | None]) -> bool:
         """Take this step's gradients; returns whether which tensors have one changed."""
-        local = [grad is not None for grad in grads]
+        local = tuple([grad is not None for grad in grads])
         changed = local != self.local
-        self.local = local
+        if changed:
+            self.local = local
+        sources = self._sources
         for j, grad in enumerate(grads):
-            self.set_one(j, grad)
+            if grad is None or grad is not sources[j]:
+                self.set_one(j, grad)
         return changed
 
     def set_one(self, j: int, grad: torch.Tensor | None) -> None:
@@ -53,19 +58,20 @@ class LocalGrads:
             grad = torch.zeros_like(self._shards[j])
         if grad is not self._sources[j]:
             self._sources[j] = grad
-            self._views[j] = {}
+            if self._views[j]:
+                self._views[j] = {}
             self._state.forget_grad(j)
         self.tensors[j] = grad
 
-    def piece(self, j: int, key: tuple[int, int], slices: Slices) -> torch.Tensor:
+    def _piece(self, j: int, key: tuple[int, int], slices: Slices) -> torch.Tensor:
         view = self._views[j].get(key)
         if view is None:
-            grad = self.tensors[j]
-            view = self._views[j][key] = grad if is_whole(slices, grad.shape) else grad[slices]
+            view = self._views[j][key] = self.tensors[j][slices]
         return view
 
     def pieces(self, pieces: Sequence[GradPiece]) -> list[torch.Tensor]:
-        return [self.piece(*p) for p in pieces]
+        tensors = self.tensors
+        return [tensors[j] if s is None else self._piece(j, key, s) for j, key, s in pieces]
 
 
 @dataclass(frozen=True)
