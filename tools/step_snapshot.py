@@ -11,6 +11,7 @@ fp32 Newton–Schulz and fp32 communication on 1 to 4 gloo ranks, plus skipped a
 non-finite steps, and keeps
 each rank's local tensors (parameters, momenta, Magma scores, AdamW moments) and, for the
 layout cases, how many operations of each kind the last step dispatched (views included).
+Two records match where every tensor has the same dtype and the same bits.
 """
 
 from __future__ import annotations
@@ -221,7 +222,11 @@ def compare(before_path: Path, after_path: Path) -> int:
                 continue
             for key, t in a["tensors"].items():
                 tensors += 1
-                if not torch.equal(t, b["tensors"][key]):
+                other = b["tensors"][key]
+                if t.dtype != other.dtype:  # torch.equal compares values only
+                    print(f"{case} rank {rank} {key}: dtype {t.dtype} -> {other.dtype}")
+                    mismatches += 1
+                elif not torch.equal(t, other):
                     print(f"{case} rank {rank} {key}: differs")
                     mismatches += 1
     for delta, count in op_changes.items():

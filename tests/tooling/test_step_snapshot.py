@@ -1,5 +1,6 @@
 """tools/step_snapshot.py refuses what it cannot use, naming it, before it records or compares:
-no arguments, a snapshot path that exists (never replaced), and files that are no snapshot."""
+no arguments, a snapshot path that exists (never replaced), and files that are no snapshot;
+its comparison holds dtypes as well as bits."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 import step_snapshot
 
 
-def _snapshot(path: Path) -> Path:
-    rank = {"tensors": {"g0.p0": torch.ones(2)}, "raised": [], "ops": {}}
-    torch.save({"w1.fsdp": [rank]}, path)
+def _snapshot(path: Path, value: torch.Tensor | None = None) -> Path:
+    rank = {"tensors": {"g0.p0": torch.ones(2) if value is None else value}, "raised": []}
+    torch.save({"w1.fsdp": [{**rank, "ops": {}}]}, path)
     return path
 
 
@@ -57,3 +58,15 @@ def test_compare_names_a_file_that_is_no_snapshot(tmp_path: Path) -> None:
         message = str(refused.value.code)
         assert message.startswith(f"compare: {path} ") and problem in message, message
     assert step_snapshot.main(["compare", str(good), str(good)]) == 0
+
+
+def test_compare_counts_a_changed_dtype_with_equal_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A state tensor stored in another dtype (a momentum in bf16) is a mismatch even where
+    its values are equal, which torch.equal alone would accept."""
+    fp32 = _snapshot(tmp_path / "fp32.pt")
+    bf16 = _snapshot(tmp_path / "bf16.pt", torch.ones(2, dtype=torch.bfloat16))
+    assert step_snapshot.main(["compare", str(fp32), str(bf16)]) == 1
+    out = capsys.readouterr().out
+    assert "g0.p0: dtype torch.float32 -> torch.bfloat16" in out and "1 mismatches" in out
