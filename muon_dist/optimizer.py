@@ -105,6 +105,7 @@ class Muon(torch.optim.Optimizer):
         normuon_eps: float = 1e-8,
         dion2_fraction: float = 0.25,
         cautious_wd: bool = False,
+        momentum_dtype: str | None = None,
         qk_clip: Sequence[QKClip] = (),
         max_logits: MaxLogitTracker | None = None,
         cuda_graph: bool | str = "auto",

@@ -162,6 +162,27 @@ def backend(where: str, key: str, value: Any) -> None:
     validate_backend(value)
 
 
+# What ``momentum_dtype`` stores Muon's momenta in (None: each parameter's own dtype).
+MOMENTUM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def momentum_dtype(where: str, key: str, value: Any) -> None:
+    """None or a name of :data:`MOMENTUM_DTYPES`. A ``torch.dtype`` is refused with the
+    name to pass: the group keeps a string, which every rank and every checkpoint compares
+    as it was given."""
+    if value is None or (isinstance(value, str) and value in MOMENTUM_DTYPES):
+        return
+    names = {dtype: name for name, dtype in MOMENTUM_DTYPES.items()}
+    spelled = names.get(value) if isinstance(value, torch.dtype) else None
+    hint = f" (for {value}: {key}={spelled!r})" if spelled else ""
+    raise ValueError(
+        f"{where}: {key}={value!r} is not supported; choose one of "
+        f"{[None, *MOMENTUM_DTYPES]}{hint}: None keeps each momentum in its parameter's "
+        "dtype, 'fp32' in float32, 'bf16' in bfloat16 (half of fp32's memory; the "
+        "arithmetic stays fp32)"
+    )
+
+
 @dataclass(frozen=True)
 class Option:
     """One option: its key, default and check, its type and what it means.
@@ -339,6 +360,16 @@ MUON_OPTIONS: tuple[Option, ...] = (
         " error-feedback decay is ``momentum``.",
     ),
     _muon("cautious_wd", False, flag, "bool", "decay only weights whose sign the update shares."),
+    _muon(
+        "momentum_dtype",
+        None,
+        momentum_dtype,
+        "str | None",
+        "dtype Muon's momentum is stored in: None, the parameter's (fp32 master weights:"
+        ' fp32); ``"bf16"`` halves its memory and the bytes of the passes that read it, the'
+        ' arithmetic staying fp32 (rounded once per store); ``"fp32"``.',
+        layout=True,
+    ),
 )
 
 ADAMW_OPTIONS: tuple[Option, ...] = (
@@ -479,9 +510,16 @@ def missing_filled(group: dict[str, Any], algorithm: str) -> dict[str, Any]:
     return {**{o.key: o.default for o in OPTIONS[algorithm]}, **group}
 
 
-# The layout options whose change only adds or drops state (not the matrix views), so a
-# state saved under another value loads (muon_dist.state.group_state.layout_converted).
-LAYOUT_STATE = ("rule", "magma")
+# The layout options whose change only adds, drops or casts state (not the matrix views),
+# so a state saved under another value loads (muon_dist.state.group_state.layout_converted),
+# and what such a load does besides carrying the momenta over.
+LAYOUT_STATE: dict[str, str] = {
+    "rule": "the state the new value adds starts as in a new optimizer, the state it does "
+    "not keep is dropped",
+    "magma": "the state the new value adds starts as in a new optimizer, the state it does "
+    "not keep is dropped",
+    "momentum_dtype": "cast to the new dtype (to bf16: rounded once)",
+}
 
 
 def layout_keys(algorithm: str) -> tuple[str, ...]:

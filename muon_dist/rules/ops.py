@@ -70,8 +70,15 @@ def advance_momentum(
 def advance_momenta(
     grads: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor], beta: float
 ) -> Sequence[torch.Tensor]:
-    """:func:`advance_momentum` of every pair, in one foreach launch."""
-    return torch._foreach_add(list(grads), list(momenta), alpha=beta)
+    """:func:`advance_momentum` of every pair, in one foreach launch, as it is stored: a
+    momentum kept in another dtype than its gradient (``momentum_dtype="bf16"``) is advanced
+    in the wider of the two and rounded once to its own, so the Nesterov mix reads the
+    momentum the step keeps."""
+    advanced = torch._foreach_add(list(grads), list(momenta), alpha=beta)
+    return [
+        new if new.dtype == m.dtype else new.to(m.dtype)
+        for new, m in zip(advanced, momenta, strict=True)
+    ]
 
 
 def momentum_input(grad: torch.Tensor, advanced: torch.Tensor, mix: float | None) -> torch.Tensor:
@@ -85,8 +92,9 @@ def ns_inputs_(
     outs: Sequence[torch.Tensor],
     mix: float | None,
 ) -> None:
-    """:func:`momentum_input` of every piece into ``outs``, computed in the momentum's dtype
-    and cast on the copy; one foreach launch per step of the formula, however many pieces."""
+    """:func:`momentum_input` of every piece into ``outs``, computed in the wider of the
+    gradient's and the momentum's dtype and cast on the copy; one foreach launch per step
+    of the formula, however many pieces."""
     if mix is None:
         torch._foreach_copy_(list(outs), list(momenta))
     else:

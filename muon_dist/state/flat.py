@@ -26,21 +26,25 @@ def _padded(numel: int, itemsize: int) -> int:
     return -(-numel // step) * step
 
 
-def zeros_like_flat(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def zeros_like_flat(
+    params: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype] | None = None
+) -> list[torch.Tensor]:
     """Zeros like each parameter (a DTensor with its mesh and placements, or a plain
-    tensor), whose local tensors are consecutive views of one buffer per dtype and device."""
+    tensor), in its dtype or its entry of ``dtypes`` (a momentum kept in another dtype than
+    its parameter), whose local tensors are consecutive views of one buffer per dtype and
+    device."""
     shards = [local(p) for p in params]
+    kinds = [s.dtype for s in shards] if dtypes is None else list(dtypes)
+    keys = [(dtype, s.device) for dtype, s in zip(kinds, shards, strict=True)]
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-    for shard in shards:
-        key = (shard.dtype, shard.device)
-        sizes[key] = sizes.get(key, 0) + _padded(shard.numel(), shard.element_size())
+    for key, shard in zip(keys, shards, strict=True):
+        sizes[key] = sizes.get(key, 0) + _padded(shard.numel(), key[0].itemsize)
     buffers = {key: torch.zeros(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
     offsets = dict.fromkeys(sizes, 0)
     zeros: list[torch.Tensor] = []
-    for p, shard in zip(params, shards, strict=True):
-        key = (shard.dtype, shard.device)
+    for p, shard, key in zip(params, shards, keys, strict=True):
         start = offsets[key]
-        offsets[key] += _padded(shard.numel(), shard.element_size())
+        offsets[key] += _padded(shard.numel(), key[0].itemsize)
         view = buffers[key][start : start + shard.numel()].view(shard.shape)
         if isinstance(p, DTensor):
             view = DTensor.from_local(

@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-from muon_dist.options.schema import LAYOUT_STATE, check_options, missing_filled
+from muon_dist.options.schema import (
+    LAYOUT_STATE,
+    MOMENTUM_DTYPES,
+    check_options,
+    missing_filled,
+)
 from muon_dist.options.settings import STARTS_IN_BACKWARD
 from muon_dist.options.validation import check_group_keys, check_unique_names, validate_group
 from muon_dist.plan.views import ALGORITHMS, group_param_names, matrix_views, param_list
@@ -63,13 +68,26 @@ def checked_group(
     return group
 
 
+def momentum_dtype(group: dict[str, Any], p: torch.Tensor) -> torch.dtype:
+    """The dtype a Muon parameter's momentum is stored in: its group's ``momentum_dtype``,
+    else the parameter's own."""
+    name = group["momentum_dtype"]
+    return local(p).dtype if name is None else MOMENTUM_DTYPES[name]
+
+
+def momenta_like(group: dict[str, Any]) -> list[torch.Tensor]:
+    """Zero momenta for a Muon group's parameters, in one flat buffer per dtype and device
+    (so the step stores them in one pass), each in :func:`momentum_dtype`."""
+    params = group["params"]
+    return zeros_like_flat(params, [momentum_dtype(group, p) for p in params])
+
+
 def init_state(group: dict[str, Any], index: int, state: State) -> None:
-    """The state of group ``index``'s parameters: Muon's momenta in one flat buffer per
-    group (so the step stores them in one pass), Magma scores and NorMuon row moments;
-    AdamW's step and moments."""
+    """The state of group ``index``'s parameters: Muon's momenta (:func:`momenta_like`),
+    Magma scores and NorMuon row moments; AdamW's step and moments."""
     names = group_param_names(group, index)
     muon = group["algorithm"] == "muon"
-    momenta = zeros_like_flat(group["params"]) if muon else []
+    momenta = momenta_like(group) if muon else []
     for at, (p, name) in enumerate(zip(group["params"], names, strict=True)):
         entry = state[p]
         device = local(p).device
@@ -109,8 +127,8 @@ def checked_load(
 ) -> dict[str, Any]:
     """``state_dict`` arranged in this optimizer's order by name, every part checked as the
     constructor checks its groups, every state entry and tensor checked; a group saved
-    under another ``rule`` or ``magma`` is converted to this optimizer's
-    (:func:`layout_converted`)."""
+    under another ``rule``, ``magma`` or ``momentum_dtype`` is converted to this
+    optimizer's (:func:`layout_converted`)."""
     state_dict, converted = layout_converted(state_dict, groups)
     check_saved_routing(state_dict, groups)
     loaded = by_name(state_dict, groups)
@@ -130,13 +148,15 @@ def checked_load(
 def layout_converted(
     state_dict: dict[str, Any], groups: list[dict[str, Any]]
 ) -> tuple[dict[str, Any], list[str]]:
-    """``state_dict`` with every Muon group saved under another ``rule`` or ``magma`` than
-    this optimizer's group at its index converted to this one's, and a line saying so per
-    group. Both are fixed once an optimizer is built, so changing one is building a new
-    optimizer with it and loading the old state: the momenta carry over, the state the new
-    value adds starts as in a new optimizer (NorMuon's row moments at zero, Magma's scores
-    at one), and the state it does not keep is dropped. Nothing of ``state_dict`` changes
-    in place; what does not fit otherwise is refused by the checks that follow."""
+    """``state_dict`` with every Muon group saved under another ``rule``, ``magma`` or
+    ``momentum_dtype`` than this optimizer's group at its index converted to this one's,
+    and a line saying so per group. They are fixed once an optimizer is built, so changing
+    one is building a new optimizer with it and loading the old state: the momenta carry
+    over, the state the new value adds starts as in a new optimizer (NorMuon's row moments
+    at zero, Magma's scores at one), and the state it does not keep is dropped; a
+    momentum saved in another dtype is cast when it is copied into this optimizer's
+    (:func:`restore_after_load`). Nothing of ``state_dict`` changes in place; what does
+    not fit otherwise is refused by the checks that follow."""
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list):
         return state_dict, []
@@ -167,8 +187,8 @@ def layout_converted(
             + ", ".join(f"{k}={v!r}" for k, v in changed.items())
             + " and is loaded as this optimizer's "
             + ", ".join(f"{k}={group[k]!r}" for k in changed)
-            + ": its momenta carry over, the state the new value adds starts as in a new "
-            "optimizer, the state it does not keep is dropped"
+            + ": its momenta carry over, "
+            + "; ".join(dict.fromkeys(LAYOUT_STATE[k] for k in changed))
         )
     converted += saved_groups[len(converted) :]
     return {**state_dict, "state": state, "param_groups": converted}, lines

@@ -8,6 +8,7 @@ their buffer, Magma's sums share one all-reduce.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +114,7 @@ class MuonState:
         for j in chosen:
             if flats[j] is None:
                 grad = grads[j]
-                if not grad.is_contiguous() or grad.dtype != self.momenta[j].dtype:
+                if not grad.is_contiguous():
                     return None
                 flats[j] = grad.view(-1)
         return [flats[j] for j in chosen]  # type: ignore[misc]
@@ -159,15 +160,21 @@ def store_momenta_(
     With ``span``, the momenta lie in order in one buffer (:func:`muon_dist.state.flat.spans`)
     and both lists hold one-dimensional views: the advanced values are written into one
     scratch buffer laid out like the span, and one ``where`` over the whole span stores
-    them, instead of one per momentum. Both forms store what
-    :func:`muon_dist.rules.ops.advance_momenta` computes.
+    them, instead of one per momentum. Where the gradients are wider than the momenta
+    (``momentum_dtype="bf16"``), the scratch is in the widest dtype, the span is read
+    widened and the scratch rounded back in one pass each, so the launches stay a few per
+    span. Both forms store what :func:`muon_dist.rules.ops.advance_momenta` computes.
     """
     if span is None or span.flat is None:
         for momentum, new in zip(momenta, advance_momenta(grads, momenta, beta), strict=True):
             store_momentum_(momentum, new, keep)
         return
-    scratch = torch.empty_like(span.flat)
+    stored = span.flat.dtype
+    others = {g.dtype for g in grads} - {stored}  # none unless momentum_dtype is set
+    wide = functools.reduce(torch.promote_types, others, stored)
+    scratch = torch.empty_like(span.flat, dtype=wide)
     advanced = span.split(scratch)
     torch._foreach_copy_(advanced, list(grads))
-    torch._foreach_add_(advanced, list(momenta), alpha=beta)
-    store_momentum_(span.flat, scratch, keep)
+    old = list(momenta) if wide == stored else span.split(span.flat.to(wide))
+    torch._foreach_add_(advanced, old, alpha=beta)
+    store_momentum_(span.flat, scratch if wide == stored else scratch.to(stored), keep)

@@ -15,14 +15,19 @@ from typing import Any
 
 import torch
 
-from muon_dist.state.flat import zeros_like_flat
-from muon_dist.state.group_state import FP32_TENSORS
+from muon_dist.state.group_state import FP32_TENSORS, momenta_like, momentum_dtype
 from muon_dist.state.tensors import local
+
+
+def _dtype_of(group: dict[str, Any], p: torch.Tensor, key: str) -> torch.dtype:
+    """The dtype the state tensor ``key`` of ``p`` is kept in (not one of FP32_TENSORS)."""
+    return momentum_dtype(group, p) if key == "momentum_buffer" else local(p).dtype
 
 
 def follow_params(groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, Any]) -> None:
     """Move the state of every parameter whose dtype or device changed to its new dtype and
-    device; a group's momenta stay views of one buffer (see :mod:`muon_dist.state.flat`)."""
+    device (a momentum to its :func:`momentum_dtype`); a group's momenta stay views of one
+    buffer (see :mod:`muon_dist.state.flat`)."""
     for group in groups:
         params = group["params"]
         moved = [
@@ -31,7 +36,7 @@ def follow_params(groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, An
             if any(
                 isinstance(v, torch.Tensor)
                 and v.is_floating_point()
-                and (local(v).dtype, local(v).device) != (local(p).dtype, local(p).device)
+                and (local(v).dtype, local(v).device) != (_dtype_of(group, p, k), local(p).device)
                 for k, v in state[p].items()
                 if k not in FP32_TENSORS
             )
@@ -44,7 +49,7 @@ def follow_params(groups: Sequence[dict[str, Any]], state: dict[torch.Tensor, An
         if not moved:
             continue
         if group["algorithm"] == "muon":
-            momenta = zeros_like_flat(params)
+            momenta = momenta_like(group)
             for p, momentum in zip(params, momenta, strict=True):
                 local(momentum).copy_(local(state[p]["momentum_buffer"]))
                 state[p]["momentum_buffer"] = momentum

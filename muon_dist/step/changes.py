@@ -9,8 +9,9 @@ A step binds its plan, views and state to the groups as they were when it was bu
   ``adjust_lr``, ``dion2_fraction``, ...): the step is rebuilt at the next ``step()``, as
   torch's optimizers, which bind nothing, simply follow;
 - an option that decides the matrix views or the state's layout (``rule``, ``muon_mode``,
-  ``magma``, ...), a group's ``algorithm``, its parameter list or names, or the number of
-  groups: refused, naming the change and the way to make it (the state would not fit).
+  ``magma``, ``momentum_dtype``, ...), a group's ``algorithm``, its parameter list or
+  names, or the number of groups: refused, naming the change and the way to make it (the
+  state would not fit).
 
 Ranks must agree on a rebuilt plan before its collectives run; the caller checks that
 (:meth:`muon_dist.step.runner.StepRunner.run`, ``previous``).
@@ -141,8 +142,8 @@ def _refused_change(index: int, built: _Group, group: dict[str, Any]) -> str | N
                 f"{key} decides the matrix views or the state's layout: set it back, then "
                 + (
                     f"build a new muon_dist.Muon with {key}={value} and load this one's state "
-                    "into it (new.load_state_dict(opt.state_dict())): the momenta carry over "
-                    f"and the state {key} adds starts fresh"
+                    "into it (new.load_state_dict(opt.state_dict())): the momenta carry over, "
+                    + LAYOUT_STATE[key]
                     if key in LAYOUT_STATE
                     else f"build a new muon_dist.Muon with {key}={value}, whose state starts "
                     "fresh (a state saved under other matrix views is refused)"
