@@ -8,7 +8,6 @@ their buffer, Magma's sums share one all-reduce.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -161,17 +160,20 @@ def store_momenta_(
     and both lists hold one-dimensional views: the advanced values are written into one
     scratch buffer laid out like the span, and one ``where`` over the whole span stores
     them, instead of one per momentum. Where the gradients are wider than the momenta
-    (``momentum_dtype="bf16"``), the scratch is in the widest dtype, the span is read
+    (``momentum_dtype="bf16"``), the scratch is in the gradients' dtype, the span is read
     widened and the scratch rounded back in one pass each, so the launches stay a few per
-    span. Both forms store what :func:`muon_dist.rules.ops.advance_momenta` computes.
+    span; gradients of several dtypes take the per-tensor form, each advanced in the wider
+    of its own and its momentum's dtype. Both forms store what
+    :func:`muon_dist.rules.ops.advance_momenta` computes.
     """
-    if span is None or span.flat is None:
+    kinds = {g.dtype for g in grads}
+    if span is None or span.flat is None or len(kinds) > 1:
         for momentum, new in zip(momenta, advance_momenta(grads, momenta, beta), strict=True):
             store_momentum_(momentum, new, keep)
         return
     stored = span.flat.dtype
-    others = {g.dtype for g in grads} - {stored}  # none unless momentum_dtype is set
-    wide = functools.reduce(torch.promote_types, others, stored)
+    (kind,) = kinds
+    wide = stored if kind == stored else torch.promote_types(kind, stored)
     scratch = torch.empty_like(span.flat, dtype=wide)
     advanced = span.split(scratch)
     torch._foreach_copy_(advanced, list(grads))

@@ -1,8 +1,12 @@
 """The fused momentum and update passes on CPU through Triton's interpreter, against torch.
 
 conftest.py turns the interpreter on (TRITON_INTERPRET=1) before Triton is imported, on
-machines without CUDA. The state is fp32 here: the interpreter's rounding of intermediates
-to bf16 differs from the GPU's, so bf16 state is checked on a GPU (tests/gpu/test_gpu_kernels.py).
+machines without CUDA. The state is fp32 here, except in the bf16 momentum tests
+(``momentum_dtype="bf16"``: fp32 gradients and arithmetic, bf16 storage): the interpreter
+rounds fp32 to bf16 toward zero where a GPU rounds to nearest, so those hold the stored
+momentum to one bf16 ulp of the correctly rounded value and check what does not depend on
+the rounding (which entries change, and that the Nesterov mix reads the stored, rounded
+momentum); tests/gpu/test_gpu_kernels.py holds the GPU's to torch's.
 """
 
 import pytest
@@ -241,3 +245,104 @@ def test_matrix_sums_flag_the_non_finite_matrices(
         assert torch.equal(sums[1:5].nan_to_num(), expected.nan_to_num())
     assert torch.equal(sums[1:5].isfinite(), torch.tensor([True, False, False, True]))
     assert sums[0].item() == sums[5].item() == -1.0
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between two bf16 tensors in units in the last place, for two
+    roundings of one value (entries of one sign, whose bit patterns as integers are in the
+    order of their values)."""
+    assert a.dtype == b.dtype == torch.bfloat16
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mix", [0.95, None])
+@pytest.mark.parametrize("store", [True, False])
+def test_bf16_momentum_read_computes_in_fp32_and_mixes_the_stored_momentum(
+    shape: tuple[int, ...], mix: float | None, store: bool
+) -> None:
+    """fp32 gradient, bf16 momentum: the fused read advances ``g + β·m`` in fp32 and rounds
+    it once to bf16 (within an ulp of the nearest bf16: the interpreter truncates), stores
+    it where ``store``, and mixes Newton–Schulz's input from that rounded value; the torch
+    form rounds to nearest, exactly."""
+    gen = torch.Generator().manual_seed(6)
+    grad = torch.randn(shape, generator=gen)
+    momentum = torch.randn(shape, generator=gen).bfloat16()
+    exact = torch.add(grad, momentum.float(), alpha=0.9)  # fp32, never rounded to bf16
+    nearest = exact.bfloat16()
+    rule = {"beta": 0.9, "mix": mix, "keeps": [torch.tensor(True)], "store": store}
+    for fused in (False, True):
+        stored, out = momentum.clone(), torch.empty(shape)
+        pre_orthogonalize_([grad], [stored], [out], **rule, fused=fused)
+        if not store:
+            assert torch.equal(stored, momentum), "store=False must leave the momentum alone"
+            continue
+        assert stored.dtype == torch.bfloat16
+        if fused:
+            assert _ulps(stored, nearest) <= 1
+        else:
+            assert torch.equal(stored, nearest)
+        read = stored.float()
+        torch.testing.assert_close(out, read if mix is None else grad + mix * read)
+        unrounded = exact if mix is None else grad + mix * exact
+        assert (out - unrounded).abs().max() > 1e-3, "the mix must read the rounded momentum"
+
+
+def test_bf16_and_fp32_momenta_in_one_call_match_one_launch_per_piece() -> None:
+    """An address-table launch over pieces whose momenta are bf16 and fp32 (one launch per
+    dtype pair) writes what one launch per piece writes, bitwise, reads and Dion2's
+    write alike."""
+    torch.manual_seed(7)
+    grads = _pieces([torch.float32])
+    momenta = _pieces([torch.bfloat16, torch.float32])
+    keeps = [torch.tensor(i != 3) for i in range(len(grads))]
+    outs = [torch.empty(g.shape, dtype=torch.bfloat16) for g in grads]
+    expected_momenta = [m.clone() for m in momenta]
+    expected_outs = [torch.empty_like(o) for o in outs]
+    for args in zip(grads, expected_momenta, expected_outs, keeps, strict=True):
+        triton_elementwise.momentum_input_triton(*args[:3], 0.9, 0.95, True, args[3])
+    triton_elementwise.momentum_inputs_triton(grads, momenta, outs, 0.9, 0.95, True, keeps)
+    for got, want in zip(momenta + outs, expected_momenta + expected_outs, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+    params = _pieces([torch.float32])
+    updates = [torch.randn(p.shape).bfloat16() for p in params]
+    scalars = [(torch.tensor(0.99), torch.tensor(-0.01), k) for k in keeps]
+    expected = [(p.clone(), m.clone()) for p, m in zip(params, momenta, strict=True)]
+    for (p, m), u, (d, s, k) in zip(expected, updates, scalars, strict=True):
+        triton_elementwise.decay_and_update_triton(p, u, d, s, k, (m, 0.9))
+    triton_elementwise.decay_and_updates_triton(
+        params,
+        updates,
+        *(list(column) for column in zip(*scalars, strict=True)),
+        [(m, 0.9) for m in momenta],
+    )
+    for p, m, (want_p, want_m) in zip(params, momenta, expected, strict=True):
+        assert torch.equal(p, want_p) and m.dtype == want_m.dtype and torch.equal(m, want_m)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_error_feedback_on_a_bf16_momentum(keep: bool) -> None:
+    """Dion2's feedback on a bf16 momentum, fused write and torch form: the same entries
+    decay (the selected slices, only when kept), each to ``β·m`` in fp32 rounded once to
+    bf16 (to nearest in torch, within an ulp fused), the others bitwise unchanged."""
+    gen = torch.Generator().manual_seed(8)
+    update = torch.randn(6, 700, generator=gen).bfloat16()
+    update[1] = 0.0
+    update[2, ::3] = -0.0
+    momentum = torch.randn(6, 700, generator=gen).bfloat16()
+    selected = ((update != 0) | torch.signbit(update)) & keep
+    nearest = torch.where(selected, (momentum.float() * 0.9).bfloat16(), momentum)
+    scalars = {
+        "decay": torch.tensor(0.998 if keep else 1.0),
+        "step": torch.tensor(-0.02 if keep else 0.0),
+        "keep": torch.tensor(keep),
+    }
+    for fused in (False, True):
+        m = momentum.clone()
+        post_orthogonalize_(torch.randn(6, 700), update, **scalars, fused=fused, feedback=(m, 0.9))
+        assert torch.equal(m[~selected], momentum[~selected])
+        if fused:
+            assert _ulps(m, nearest) <= 1
+        else:
+            assert torch.equal(m, nearest)

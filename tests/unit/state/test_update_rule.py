@@ -207,6 +207,33 @@ def test_cautious_and_magma_writes_match_the_reference(
         torch.testing.assert_close(score, expected_score, **EXACT)
 
 
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32_grads", "fp32_and_bf16_grads"])
+def test_bf16_momenta_in_a_span_store_as_per_tensor(keep: bool, mixed: bool) -> None:
+    """``momentum_dtype="bf16"``: a group's bf16 momenta in one flat buffer (padding
+    between the views), advanced from fp32 gradients, or from fp32 and bf16 ones (a group
+    of mixed parameters). The span form stores bitwise what the per-tensor form stores:
+    ``g + β·m`` in the wider of the two dtypes rounded to the nearest bf16 (one rounding
+    from fp32 gradients), and nothing where not kept."""
+    shapes = [(5, 7), (3, 3), (11,)]
+    gen = torch.Generator().manual_seed(4)
+    momenta = zeros_like_flat([torch.empty(s) for s in shapes], [torch.bfloat16] * len(shapes))
+    for m in momenta:
+        m.copy_(torch.randn(m.shape, generator=gen))
+    dtypes = [torch.float32, torch.bfloat16 if mixed else torch.float32, torch.float32]
+    grads = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes, strict=True)]
+    kept = torch.tensor(keep)
+    before = [m.clone() for m in momenta]
+    per_tensor = [m.clone() for m in momenta]
+    store_momenta_(grads, per_tensor, BETA, kept)
+    (run,) = spans(momenta)
+    store_momenta_([g.view(-1) for g in grads], [m.view(-1) for m in momenta], BETA, kept, run)
+    for got, alone, old, grad in zip(momenta, per_tensor, before, grads, strict=True):
+        want = torch.add(grad, old, alpha=BETA).bfloat16() if keep else old
+        assert got.dtype == alone.dtype == torch.bfloat16
+        assert torch.equal(got, want) and torch.equal(alone, want)
+
+
 @pytest.mark.skipif(
     not interpret_mode(), reason="the fused form runs on CPU in Triton's interpreter"
 )
