@@ -88,10 +88,11 @@ def _rebuilt(**options: Any) -> Callable[[muon_dist.Muon, nn.Module], muon_dist.
     def fix(opt: muon_dist.Muon, model: nn.Module) -> muon_dist.Muon:
         new = muon_dist.Muon(model.named_parameters(), **FP32, **options)
         new.load_state_dict(opt.state_dict())
-        for p in model.parameters():  # the momenta carry over
+        for p in model.parameters():  # the momenta carry over (cast to a new dtype)
             for key, value in opt.state[p].items():
                 if key in new.state[p] and key not in ("magma_score", "row_second_moment"):
-                    assert torch.equal(new.state[p][key], value), key
+                    mine = new.state[p][key]
+                    assert torch.equal(mine, value.to(mine.dtype)), key
         return new
 
     return fix
@@ -122,6 +123,12 @@ REFUSED: dict[str, tuple[Callable[[muon_dist.Muon], None], str, Any]] = {
         r"param group 0 magma changed from False to True.*set it back, then build a new "
         r"muon_dist.Muon with magma=True and load this one's state",
         _rebuilt(magma=True),
+    ),
+    "momentum_dtype": (
+        _set("momentum_dtype", "bf16"),
+        r"param group 0 momentum_dtype changed from None to 'bf16'.*set it back, then build "
+        r"a new muon_dist.Muon with momentum_dtype='bf16' and load this one's state",
+        _rebuilt(momentum_dtype="bf16"),
     ),
     "muon_mode": (
         _set("muon_mode", "flat"),

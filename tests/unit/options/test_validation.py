@@ -39,6 +39,49 @@ def test_nonfinite_or_out_of_range_options_raise(kwargs: dict[str, Any], pattern
         muon_dist.Muon(list(_params()), **kwargs)
 
 
+@pytest.mark.parametrize("value", ["fp16", "BF16", "float32", torch.bfloat16, 16, True])
+@pytest.mark.parametrize("where", ["argument", "group"])
+def test_a_bad_momentum_dtype_is_refused_naming_the_value_and_the_choices(
+    value: Any, where: str
+) -> None:
+    """ValueError at construction, before any state exists, naming the option, the value,
+    the values it takes and (for a torch dtype) the name to pass instead."""
+    w, b = _params()
+    params: list[Any] = [("w", w), ("b", b)]
+    options = {"momentum_dtype": value}
+    if where == "group":
+        params, options = [{"params": [w], "algorithm": "muon", **options}], {}
+    with pytest.raises(ValueError) as refused:
+        muon_dist.Muon(params, **options)
+    message = str(refused.value)
+    assert f"param group 0 (muon): momentum_dtype={value!r} is not supported" in message
+    assert "choose one of [None, 'fp32', 'bf16']" in message
+    if value is torch.bfloat16:
+        assert "(for torch.bfloat16: momentum_dtype='bf16')" in message
+
+
+def test_momentum_dtype_on_an_adamw_group_is_refused_as_a_muon_option() -> None:
+    _, b = _params()
+    with pytest.raises(ValueError, match=r"momentum_dtype='bf16' is a Muon option"):
+        muon_dist.Muon([{"params": [b], "algorithm": "adamw", "momentum_dtype": "bf16"}])
+
+
+def test_a_saved_bad_momentum_dtype_is_refused_before_anything_changes() -> None:
+    w, _ = _params()
+    opt = muon_dist.Muon([("w", w)], momentum_dtype="bf16")
+    w.grad = torch.randn_like(w)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["momentum_dtype"] = "fp8"
+    before = opt.state[w]["momentum_buffer"].clone()
+    with pytest.raises(
+        ValueError, match=r"saved param group 0 \(muon\): momentum_dtype='fp8' is not supported"
+    ):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["momentum_dtype"] == "bf16"
+    assert torch.equal(opt.state[w]["momentum_buffer"], before)
+
+
 def test_tensor_lr_is_refused_at_construction() -> None:
     with pytest.raises(TypeError, match=r"lr is a tensor .*pass a Python float"):
         muon_dist.Muon(list(_params()), adamw_lr=torch.tensor(1e-3))  # type: ignore[arg-type]
