@@ -9,10 +9,10 @@ parameter's dtype; a checkpoint resumes bitwise, and one saved under another
 The bound, ``EXACT``: the optimizer and the reference advance the momentum with the same
 fp32 add and round it at the same points, so their momenta come out equal (checked
 bitwise) and their updates differ only by the rounding of fp32 Newton–Schulz against the
-reference's float64 one, the parity tests' exact bound (measured 1.6e-6 here). Rounding the
-momentum to bf16 moves an update by about 1e-3 (a reference that keeps it in fp32 is
-0.8e-3 to 1.9e-3 away), so a rounding point moved, added or missed fails it a hundred
-times over: each test also checks that the fp32 reference is that far.
+reference's float64 one, the parity tests' exact bound (measured at most 2.1e-6, here and
+on two ranks). Rounding the momentum to bf16 moves an update by about 1e-3 (a reference
+that keeps it in fp32 is 5e-4 to 2.3e-3 away), so a rounding point moved, added or missed
+fails it by far: each test also checks that the fp32 reference is at least ``SEEN`` away.
 """
 
 from __future__ import annotations
