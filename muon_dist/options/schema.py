@@ -367,7 +367,7 @@ MUON_OPTIONS: tuple[Option, ...] = (
         "str | None",
         "dtype Muon's momentum is stored in: None, the parameter's (fp32 master weights:"
         ' fp32); ``"bf16"`` halves its memory and the bytes of the passes that read it, the'
-        ' arithmetic staying fp32 (rounded once per store); ``"fp32"``.',
+        ' arithmetic staying fp32 (rounded once per store); ``"fp32"`` always float32.',
         layout=True,
     ),
 )

@@ -1,9 +1,10 @@
 """Per-parameter state as views of one flat buffer, so a pass over many of them is one launch.
 
 Muon keeps its momentum buffers consecutive in memory (one buffer per dtype and device for
-each parameter group): the step can then select, in a single ``torch.where`` over the whole
-span, between the advanced and the old momentum of every matrix, where per-tensor selects
-would cost a launch per matrix. Each buffer's start is aligned to :data:`ALIGN_BYTES`, so
+each parameter group; the dtype is the parameter's, or the group's ``momentum_dtype``):
+the step can then select, in a single ``torch.where`` over the whole span, between the
+advanced and the old momentum of every matrix, where per-tensor selects would cost a
+launch per matrix. Each buffer's start is aligned to :data:`ALIGN_BYTES`, so
 vectorized and Triton kernels see the alignment a separate allocation would give them; the
 padding between views belongs to no parameter, and a select over a span may overwrite it.
 """
