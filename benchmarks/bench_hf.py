@@ -24,6 +24,10 @@ median of its runs' medians (min–max over runs); "vs AdamW" is the ratio of me
 from the end of backward to the end of ``zero_grad()`` (CUDA events; the host's own time on
 CPU), the slowest rank's.
 
+``--momentum-dtype fp32 bf16`` runs every Muon variant a second time with
+``momentum_dtype="bf16"`` (named ``<variant>-bf16m``) in the same rounds, so loss, step
+time and peak memory of bf16 and fp32 momenta compare side by side.
+
 ``--tiny`` shrinks every model to a few layers of width 64 (CPU, gloo; the test's run).
 ``--dion PATH`` adds microsoft/dion's Muon (its Triton Newton–Schulz, AdamW for the rest)
 from a checkout at PATH, where it runs.
@@ -67,6 +71,11 @@ VARIANTS = (
     "dion2-eager",
 )
 DEFAULT_VARIANTS = ("adamw", "muon", "muon-eager", "normuon", "dion2")
+# A Muon variant named with this suffix stores its momenta in bf16 (momentum_dtype="bf16");
+# --momentum-dtype runs each Muon variant with each dtype named, side by side in a round.
+BF16_MOMENTUM = "-bf16m"
+MOMENTUM_DTYPES = {"fp32": "", "bf16": BF16_MOMENTUM}
+MUON_VARIANTS = tuple(v for v in VARIANTS if v != BASELINE)
 LEGEND = (
     "Whole training steps (forward, backward, optimizer step, zero_grad) of transformers' "
     "model code under FSDP2 (bf16 MixedPrecisionPolicy, each decoder layer and the root "
@@ -75,7 +84,8 @@ LEGEND = (
     "of backward to the end of zero_grad. vs AdamW: ratio of the median tokens/s (min–max "
     "over runs paired by round). peak GiB: the largest max_memory_allocated of any rank. "
     "muon, normuon, dion2: Muon's default cuda_graph='auto' (captured on CUDA); -eager: "
-    "cuda_graph=False; -graph: cuda_graph=True."
+    "cuda_graph=False; -graph: cuda_graph=True; -bf16m: momentum_dtype='bf16' (bf16 "
+    "momenta, fp32 arithmetic; the others keep fp32 momenta)."
 )
 
 
@@ -218,12 +228,14 @@ def build_optimizer(
     if variant == "dion":
         assert dion is not None
         return make_dion(dion, model, mesh)
-    rule, _, mode = variant.partition("-")
-    # The plain variant keeps Muon's default (cuda_graph="auto").
-    capture = {"": {}, "eager": {"cuda_graph": False}, "graph": {"cuda_graph": True}}[mode]
+    rule, _, mode = variant.removesuffix(BF16_MOMENTUM).partition("-")
+    # The plain variant keeps Muon's default (cuda_graph="auto"); -bf16m adds bf16 momenta.
+    options = {"": {}, "eager": {"cuda_graph": False}, "graph": {"cuda_graph": True}}[mode]
+    if variant.endswith(BF16_MOMENTUM):
+        options = {**options, "momentum_dtype": "bf16"}
     groups = muon_dist.param_groups(model)
     return muon_dist.Muon(
-        groups, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WEIGHT_DECAY, rule=rule, **capture
+        groups, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WEIGHT_DECAY, rule=rule, **options
     )
 
 
@@ -466,7 +478,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--variants",
         nargs="+",
         default=list(DEFAULT_VARIANTS),
-        help=f"from {', '.join(VARIANTS)}; dion with --dion",
+        help=f"from {', '.join(VARIANTS)}, a Muon variant + {BF16_MOMENTUM} (bf16 momenta); "
+        "dion with --dion",
+    )
+    parser.add_argument(
+        "--momentum-dtype",
+        nargs="+",
+        choices=list(MOMENTUM_DTYPES),
+        default=["fp32"],
+        help="run each Muon variant of --variants with each of these momentum dtypes, side by "
+        "side in every round: fp32 (Muon's default on these fp32 master weights) and bf16 "
+        f"(as the variant + {BF16_MOMENTUM}: momentum_dtype='bf16')",
     )
     parser.add_argument("--dion", type=Path, help="a microsoft/dion checkout: adds 'dion'")
     parser.add_argument("--data", type=Path, help="a file whose bytes are the text")
@@ -478,14 +500,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.dion is not None and "dion" not in args.variants:
             args.variants.append("dion")
         known = {*VARIANTS, *(["dion"] if args.dion is not None else [])}
+        known |= {v + BF16_MOMENTUM for v in MUON_VARIANTS}
         unknown = [v for v in args.variants if v not in known]
         if unknown or len(set(args.variants)) != len(args.variants):
             parser.error(f"--variants must be distinct, from {sorted(known)}; got {unknown}")
+        args.variants = with_momentum_dtypes(args.variants, args.momentum_dtype)
         if not 0 <= args.skip < args.steps or args.repeats < 1:
             parser.error("need 0 <= --skip < --steps and --repeats >= 1")
         if args.batch < 1 or args.seq < 1:
             parser.error(f"--batch ({args.batch}) and --seq ({args.seq}) must be at least 1")
     return args
+
+
+def with_momentum_dtypes(variants: Sequence[str], dtypes: Sequence[str]) -> list[str]:
+    """``variants`` with each Muon variant run once per momentum dtype of ``dtypes`` (in
+    that order, next to each other), the others as they are; each variant once."""
+    out: list[str] = []
+    for variant in variants:
+        if variant in MUON_VARIANTS:
+            out += [variant + MOMENTUM_DTYPES[dtype] for dtype in dtypes]
+        else:
+            out.append(variant)
+    return list(dict.fromkeys(out))
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
