@@ -159,6 +159,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="bf16",
         help="Newton-Schulz precision; fp32 makes runs on different world sizes agree closely",
     )
+    p.add_argument(
+        "--momentum-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="Muon(momentum_dtype=...): fp32 (the default: the fp32 parameters' own dtype) or"
+        " bf16 (half the momenta's memory, the arithmetic still fp32)",
+    )
     p.add_argument("--out", type=Path, default=Path("out"), help="metrics.jsonl and loss.png")
     p.add_argument(
         "--ckpt-every",
@@ -459,6 +466,9 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace) -> to
             cuda_graph={"auto": "auto", "on": True, "off": False}[args.cuda_graph],
             rule=name,
             overlap=args.overlap,
+            # fp32 is Muon's default here (None: the parameters' dtype), so checkpoints of
+            # runs from before the option load without a conversion.
+            momentum_dtype={"fp32": None, "bf16": "bf16"}[args.momentum_dtype],
             **qk_clip_options(model, args.qk_clip),
         )
     decay = [p for p in model.parameters() if p.ndim >= 2]
