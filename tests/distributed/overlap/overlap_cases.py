@@ -93,6 +93,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "normuon": {"rule": "normuon"},
     "dion2": {"rule": "dion2"},
     "frozen": {},
+    # Advanced in the read unstored, stored at the commit: rounded to bf16 at the same points
+    # as the plain step's advance before the buckets.
+    "bf16_momentum": {"momentum_dtype": "bf16"},
 }
 
 

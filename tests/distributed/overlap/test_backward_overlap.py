@@ -13,7 +13,9 @@ import muon_dist
 
 
 # test_backward_overlap_slow.py runs the other layouts.
-@pytest.mark.parametrize(("world_size", "layout"), [(2, "fsdp"), (2, "normuon"), (2, "frozen")])
+@pytest.mark.parametrize(
+    ("world_size", "layout"), [(2, "fsdp"), (2, "normuon"), (2, "frozen"), (2, "bf16_momentum")]
+)
 def test_bitwise_equal_to_plain_step(world_size: int, layout: str) -> None:
     outs = run_distributed(world_size, overlap_worker, "parity", layout)
     # Every rank started the same all-to-alls in the same order: the k-th exchange of each
