@@ -40,7 +40,8 @@ def _momentum_input_block(  # type: ignore[no-untyped-def]  # Triton reads annot
     ``m'``, and zero where keep is 0, so a masked matrix orthogonalizes to zero."""
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     stored = tl.load(momentum_ptr + offsets, mask=mask)
-    # Round the new momentum to its storage dtype before the mix, as two torch adds would.
+    # Round the new momentum to its storage dtype before the mix, as two torch adds would
+    # (a bf16 momentum under momentum_dtype="bf16": read widened, advanced in fp32).
     momentum = (grad + beta * stored.to(tl.float32)).to(momentum_ptr.dtype.element_ty)
     if STORE:
         tl.store(momentum_ptr + offsets, tl.where(keep, momentum, stored), mask=mask)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from bf16_momentum_reference import Hyper, relative, step
+from reference_muon import reference_muon_step
 from torch import nn
 
 import muon_dist
@@ -95,6 +96,41 @@ def test_bf16_momentum_steps_as_the_bf16_reference(rule: str, nonfinite: str) ->
                     torch.testing.assert_close(state["row_second_moment"], moment)
         assert far[torch.bfloat16] <= EXACT, f"w{i}: {far}"
         assert far[torch.float32] >= SEEN, f"w{i}: the bf16 rounding is not seen: {far}"
+
+
+def test_magma_and_cautious_decay_read_the_bf16_momentum() -> None:
+    """Magma's score from the stored bf16 momentum and cautious decay (their own passes, no
+    fused form) step as ``reference_muon_step`` given a bf16 momentum buffer, which it
+    rounds to after each advance."""
+    starts, grads = _data(5)
+    params = [nn.Parameter(s.clone()) for s in starts]
+    opt = _optimizer(params, magma=True, cautious_wd=True, momentum_dtype="bf16")
+    _run(opt, params, grads)
+    for i, (p, start) in enumerate(zip(params, starts, strict=True)):
+        far = {}
+        for store in (torch.bfloat16, torch.float32):
+            want, momentum, score = (
+                start.clone(),
+                torch.zeros(SHAPES[i], dtype=store),
+                torch.ones(1),
+            )
+            for step_grads in grads:
+                reference_muon_step(
+                    want,
+                    step_grads[i],
+                    momentum,
+                    lr=HYPER.lr,
+                    momentum=HYPER.momentum,
+                    weight_decay=HYPER.weight_decay,
+                    ns_dtype=torch.float32,
+                    magma_score=score,
+                    cautious_wd=True,
+                )
+            far[store] = relative(p.detach(), want, start)
+            if store == torch.bfloat16:
+                assert torch.equal(opt.state[p]["momentum_buffer"], momentum), f"w{i}"
+                torch.testing.assert_close(opt.state[p]["magma_score"], score)
+        assert far[torch.bfloat16] <= EXACT and far[torch.float32] >= SEEN, f"w{i}: {far}"
 
 
 def _momentum_bytes(opt: muon_dist.Muon, key: str = "momentum_buffer") -> int:
