@@ -83,7 +83,8 @@ LEGEND = (
     "step, the slowest rank's (min–max over runs). optimizer ms: stream time from the end "
     "of backward to the end of zero_grad. vs AdamW: ratio of the median tokens/s (min–max "
     "over runs paired by round). peak GiB: the largest max_memory_allocated of any rank. "
-    "muon, normuon, dion2: Muon's default cuda_graph='auto' (captured on CUDA); -eager: "
+    "last loss: the loss of each run's last step, median (min–max) over runs (on --data "
+    "text it compares optimizers; on random bytes it stays near ln 256). muon, normuon, dion2: Muon's default cuda_graph='auto' (captured on CUDA); -eager: "
     "cuda_graph=False; -graph: cuda_graph=True; -bf16m: momentum_dtype='bf16' (bf16 "
     "momenta, fp32 arithmetic; the others keep fp32 momenta)."
 )
@@ -406,7 +407,8 @@ def train_run(
 
 def summarize(runs: Sequence[dict[str, Any]], skip: int, tokens: int) -> dict[str, Any]:
     """Per variant: median of run medians with min–max (step, optimizer, tokens/s), the
-    ratio of tokens/s to AdamW's (min–max of per-round ratios), the peak memory."""
+    ratio of tokens/s to AdamW's (min–max of per-round ratios), the peak memory, and the
+    loss of each run's last step (median with min–max)."""
     medians = []
     for run in runs:
         step = statistics.median(run["step_s"][skip:])
@@ -421,6 +423,7 @@ def summarize(runs: Sequence[dict[str, Any]], skip: int, tokens: int) -> dict[st
             entry[metric] = spread([m[metric] for m in mine])
         peaks = [r["peak_gib"] for r in runs if r["variant"] == variant]
         entry["peak_gib"] = None if None in peaks else max(peaks)
+        entry["last_loss"] = spread([r["last_loss"] for r in runs if r["variant"] == variant])
         summary[variant] = entry
     if BASELINE in summary:
         add_vs_baseline(summary, by_round)
@@ -443,6 +446,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, str]]:
                 "tokens/s": cell(entry["tokens_per_s"], 1, ",.0f"),
                 "vs AdamW": "—" if ratio is None else cell(ratio, 1, ".3f", "×"),
                 "peak GiB": "—" if entry["peak_gib"] is None else f"{entry['peak_gib']:.1f}",
+                "last loss": cell(entry["last_loss"], 1, ".4f"),
                 "runs": f"{entry['runs']} × {results['timed_steps']} steps",
             }
         )
@@ -587,8 +591,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any] | None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.from_json is not None:
-        keys = ("label", "world_size", "batch", "seq", "timed_steps", "summary", "run")
+        keys = ("label", "world_size", "batch", "seq", "skip", "timed_steps", "runs", "run")
         results = tables.read_results(args.from_json, "bench_hf.py", keys)
+        tokens = results["batch"] * results["seq"]
+        results["summary"] = summarize(results["runs"], results["skip"], tokens)
         print(report(results, args.write_table), end="")
         return
     results = benchmark(args)

@@ -129,6 +129,7 @@ TABLES: dict[str, Table] = {
             "tokens/s",
             "vs AdamW",
             "peak GiB",
+            "last loss",
             "runs",
         ),
         key=("model", "GPUs", "batch × seq", "optimizer"),

@@ -44,10 +44,14 @@ def test_a_tiny_run_writes_its_json_and_table(tmp_path: Path) -> None:
     assert summary["muon"]["tokens_per_s"]["median"] > 0
     assert summary["muon-bf16m"]["tokens_per_s"]["median"] > 0
     assert all(math.isfinite(run["last_loss"]) for run in results["runs"])
+    # The summary's last loss is the runs' (one run each here).
+    for run in results["runs"]:
+        assert summary[run["variant"]]["last_loss"]["median"] == run["last_loss"]
     assert "| qwen3-moe (tiny, " in done.stdout and "| muon |" in done.stdout
     assert "| muon-bf16m |" in done.stdout
     again = bench_hf.report(results, write_table=False)
     assert again.splitlines()[0].startswith("| model | GPUs | batch × seq | optimizer |")
+    assert "| last loss |" in again.splitlines()[0]
 
 
 def test_qwen3_moe_fused_experts_are_routed_as_expert_stacks() -> None:
