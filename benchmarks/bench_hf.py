@@ -84,9 +84,10 @@ LEGEND = (
     "of backward to the end of zero_grad. vs AdamW: ratio of the median tokens/s (min–max "
     "over runs paired by round). peak GiB: the largest max_memory_allocated of any rank. "
     "last loss: the loss of each run's last step, median (min–max) over runs (on --data "
-    "text it compares optimizers; on random bytes it stays near ln 256). muon, normuon, dion2: Muon's default cuda_graph='auto' (captured on CUDA); -eager: "
-    "cuda_graph=False; -graph: cuda_graph=True; -bf16m: momentum_dtype='bf16' (bf16 "
-    "momenta, fp32 arithmetic; the others keep fp32 momenta)."
+    "text it compares optimizers; on random bytes it stays near ln 256). muon, normuon, "
+    "dion2: Muon's default cuda_graph='auto' (captured on CUDA); -eager: cuda_graph=False; "
+    "-graph: cuda_graph=True; -bf16m: momentum_dtype='bf16' (bf16 momenta, fp32 "
+    "arithmetic; the others keep fp32 momenta)."
 )
 
 
