@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite (tests/gpu) on a CUDA machine, one pytest process per test file, all at once:
 # the files share the GPUs (a parity case spawns one rank per GPU, a kernel case uses one),
-# so the suite takes about as long as its slowest file instead of the sum (on 4× H200,
-# 2026-11-28, the kernel, parity and step files at once took 370 s, the kernel file's own
-# time, against 490 s for the three one after another).
+# so the suite takes about as long as its slowest file (tests/gpu/test_gpu_kernels.py, whose
+# Triton compilations dominate) instead of the sum of all files.
 #
 #   bash scripts/gpu_tests.sh                    # logs and JUnit files under out/gpu_tests
 #   OUT=/some/dir bash scripts/gpu_tests.sh -k parity
