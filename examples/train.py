@@ -544,25 +544,47 @@ def plot(out: Path, stats: ChainStats | None, title: str) -> Path | None:
         fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col")
     for name in OPTIMIZERS:
         mine = [r for r in rows if r["optimizer"] == name]
-        if not mine:
-            continue
-        losses = [r["loss"] for r in mine]
-        evals = [r for r in mine if "eval_loss" in r]
-        for col, key in enumerate(("step", "elapsed")):
-            x = [r[key] for r in mine]
-            (line,) = axes[0, col].plot(x, losses, label=name, lw=1)
-            if evals:
-                axes[0, col].plot(
-                    [r[key] for r in evals],
-                    [r["eval_loss"] for r in evals],
-                    "o--",
-                    c=line.get_color(),
-                    ms=4,
-                    label=f"{name} eval (held out)",
-                )
-            if stats is not None:
-                excess = _moving_average([loss - stats.entropy_rate for loss in losses], 10)
-                axes[1, col].plot(x, excess, label=name, lw=1.2)
+        if mine:
+            _plot_curves(axes, name, mine, stats)
+    _label_panels(axes, stats)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = out / "loss.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_curves(
+    axes: Any, name: str, rows: list[dict[str, Any]], stats: ChainStats | None
+) -> None:
+    """One optimizer's curves in each column (x: step, then wall time): its loss, its eval
+    loss in the same colour, and on the Markov chain its smoothed excess over the floor.
+
+    ``axes`` is the figure's 2-D array of matplotlib Axes (rows: panels; columns: x axes).
+    """
+    losses = [r["loss"] for r in rows]
+    evals = [r for r in rows if "eval_loss" in r]
+    for col, key in enumerate(("step", "elapsed")):
+        x = [r[key] for r in rows]
+        (line,) = axes[0, col].plot(x, losses, label=name, lw=1)
+        if evals:
+            axes[0, col].plot(
+                [r[key] for r in evals],
+                [r["eval_loss"] for r in evals],
+                "o--",
+                c=line.get_color(),
+                ms=4,
+                label=f"{name} eval (held out)",
+            )
+        if stats is not None:
+            excess = _moving_average([loss - stats.entropy_rate for loss in losses], 10)
+            axes[1, col].plot(x, excess, label=name, lw=1.2)
+
+
+def _label_panels(axes: Any, stats: ChainStats | None) -> None:
+    """Axis labels, grids and legends, and on the Markov chain the entropy references the
+    losses are read against (drawn after the curves, so the legends list them last)."""
     for col, xlabel in enumerate(("step", "wall time (s)")):
         top = axes[0, col]
         top.set_ylabel("loss (nats/token)")
@@ -586,12 +608,6 @@ def plot(out: Path, stats: ChainStats | None, title: str) -> Path | None:
         for ax in panels:
             ax.grid(alpha=0.3, which="both")
             ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = out / "loss.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
