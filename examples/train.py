@@ -544,25 +544,47 @@ def plot(out: Path, stats: ChainStats | None, title: str) -> Path | None:
         fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col")
     for name in OPTIMIZERS:
         mine = [r for r in rows if r["optimizer"] == name]
-        if not mine:
-            continue
-        losses = [r["loss"] for r in mine]
-        evals = [r for r in mine if "eval_loss" in r]
-        for col, key in enumerate(("step", "elapsed")):
-            x = [r[key] for r in mine]
-            (line,) = axes[0, col].plot(x, losses, label=name, lw=1)
-            if evals:
-                axes[0, col].plot(
-                    [r[key] for r in evals],
-                    [r["eval_loss"] for r in evals],
-                    "o--",
-                    c=line.get_color(),
-                    ms=4,
-                    label=f"{name} eval (held out)",
-                )
-            if stats is not None:
-                excess = _moving_average([loss - stats.entropy_rate for loss in losses], 10)
-                axes[1, col].plot(x, excess, label=name, lw=1.2)
+        if mine:
+            _plot_curves(axes, name, mine, stats)
+    _label_panels(axes, stats)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = out / "loss.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_curves(
+    axes: Any, name: str, rows: list[dict[str, Any]], stats: ChainStats | None
+) -> None:
+    """One optimizer's curves in each column (x: step, then wall time): its loss, its eval
+    loss in the same colour, and on the Markov chain its smoothed excess over the floor.
+
+    ``axes`` is the figure's 2-D array of matplotlib Axes (rows: panels; columns: x axes).
+    """
+    losses = [r["loss"] for r in rows]
+    evals = [r for r in rows if "eval_loss" in r]
+    for col, key in enumerate(("step", "elapsed")):
+        x = [r[key] for r in rows]
+        (line,) = axes[0, col].plot(x, losses, label=name, lw=1)
+        if evals:
+            axes[0, col].plot(
+                [r[key] for r in evals],
+                [r["eval_loss"] for r in evals],
+                "o--",
+                c=line.get_color(),
+                ms=4,
+                label=f"{name} eval (held out)",
+            )
+        if stats is not None:
+            excess = _moving_average([loss - stats.entropy_rate for loss in losses], 10)
+            axes[1, col].plot(x, excess, label=name, lw=1.2)
+
+
+def _label_panels(axes: Any, stats: ChainStats | None) -> None:
+    """Axis labels, grids and legends, and on the Markov chain the entropy references the
+    losses are read against (drawn after the curves, so the legends list them last)."""
     for col, xlabel in enumerate(("step", "wall time (s)")):
         top = axes[0, col]
         top.set_ylabel("loss (nats/token)")
@@ -586,12 +608,6 @@ def plot(out: Path, stats: ChainStats | None, title: str) -> Path | None:
         for ax in panels:
             ax.grid(alpha=0.3, which="both")
             ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = out / "loss.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:
@@ -840,6 +856,44 @@ def eval_due(data: MarkovChain | Corpus, step: int, args: argparse.Namespace) ->
     return isinstance(data, Corpus) and (step % args.eval_every == 0 or step == args.steps)
 
 
+@dataclass
+class Run:
+    """One optimizer's run as set up: what its steps share, and what they carry along.
+
+    Each part of the loop in :func:`train` (the step, its report, its checkpoint) is a
+    function of this, so the loop itself stays the few lines a user writes.
+    """
+
+    name: str
+    args: argparse.Namespace
+    env: Env
+    data: MarkovChain | Corpus
+    model: Transformer
+    opt: torch.optim.Optimizer
+    base_lrs: list[float]
+    """Each param group's lr at the schedule's peak: a step's lr is this times its factor."""
+    warmup: int
+    rows: slice
+    """This rank's rows of every global batch."""
+    ckpt_root: Path
+    choosing: bool
+    """``overlap="auto"`` is still measuring: its choice is shown once, when made."""
+    start: int
+    """The last step already trained (the resumed checkpoint's), 0 for a fresh run."""
+    elapsed: float
+    """Seconds of steps so far, a resumed run's included: the metrics' wall time."""
+
+    @property
+    def global_tokens(self) -> int:
+        """Tokens in one global batch: the loss is their mean."""
+        tokens: int = self.args.batch_size * self.args.seq_len
+        return tokens
+
+    def batch_of(self, step: int) -> torch.Tensor:
+        """This rank's rows of the global batch of ``step`` (built on the prefetch thread)."""
+        return local_batch(self.data, step, self.args, self.rows)
+
+
 def train(
     optimizer_name: str,
     args: argparse.Namespace,
@@ -848,137 +902,229 @@ def train(
     data: MarkovChain | Corpus,
 ) -> list[dict[str, Any]]:
     """One full (or resumed) run with one optimizer; returns its metrics, a dict a step."""
-    model = build_model(args, mesh, env)
-    opt = build_optimizer(optimizer_name, model, args)
-    base_lrs = [group["lr"] for group in opt.param_groups]
-    if optimizer_name != "adamw":
-        log(env, "muon_dist routing table:\n" + opt.routing_table())  # type: ignore[attr-defined]
-    # overlap="auto": the choice is shown once, when made.
-    choosing = isinstance(opt, muon_dist.Muon) and opt.overlap_mode == "measuring"
+    run = set_up(optimizer_name, args, env, mesh, data)
+    end = args.stop_after or args.steps
+    show = env.is_main and not args.no_progress
+    records: list[dict[str, Any]] = []
+    timer = StepTimer(env.device)
+    batches = prefetched(run.batch_of, range(run.start + 1, end + 1), env.device)
+    with progress(args.steps, run.start, show) as bar, closing(batches):
+        for step, batch, data_wait in agreed(batches, env.device):
+            record, times = train_step(run, timer, step, batch, data_wait)
+            loss = record["loss"]
+            if eval_due(data, step, args) and math.isfinite(loss):
+                record["eval_loss"] = evaluate(run.model, data, args, env, run.rows)
+            records.append(record)
+            append_metrics(run, record)
+            if not math.isfinite(loss):  # logged first: metrics.jsonl shows the divergence
+                raise FloatingPointError(f"[{optimizer_name}] loss is {loss} at step {step}")
+            report(run, record, times, bar, end)
+            if args.ckpt_every and step % args.ckpt_every == 0:
+                save_step(run, step)
+    save_final(run)
+    return records
 
-    ckpt_root = checkpoint_dir(args, optimizer_name)
-    metrics_path = args.out / "metrics.jsonl"
+
+def set_up(
+    name: str,
+    args: argparse.Namespace,
+    env: Env,
+    mesh: DeviceMesh,
+    data: MarkovChain | Corpus,
+) -> Run:
+    """The sharded model and its optimizer, resumed from the latest checkpoint with
+    ``--resume``: everything a run's steps need, built the same way on every rank."""
+    model = build_model(args, mesh, env)
+    opt = build_optimizer(name, model, args)
+    base_lrs = [group["lr"] for group in opt.param_groups]
+    if name != "adamw":
+        log(env, "muon_dist routing table:\n" + opt.routing_table())  # type: ignore[attr-defined]
+    choosing = isinstance(opt, muon_dist.Muon) and opt.overlap_mode == "measuring"
+    ckpt_root = checkpoint_dir(args, name)
+    start, elapsed = resume(name, args, env, model, opt, ckpt_root)
+    return Run(
+        name=name,
+        args=args,
+        env=env,
+        data=data,
+        model=model,
+        opt=opt,
+        base_lrs=base_lrs,
+        warmup=swept_for(args.data).warmup(name) if args.warmup is None else args.warmup,
+        rows=rank_slice(args.batch_size, env.rank, env.world_size),
+        ckpt_root=ckpt_root,
+        choosing=choosing,
+        start=start,
+        elapsed=elapsed,
+    )
+
+
+def resume(
+    name: str,
+    args: argparse.Namespace,
+    env: Env,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ckpt_root: Path,
+) -> tuple[int, float]:
+    """With ``--resume``, the latest checkpoint's weights and optimizer state loaded; returns
+    its step and clock (0, 0.0 when fresh). The run's metrics lines after that step are
+    dropped so that the resumed log has no repeats."""
     start, elapsed = 0, 0.0
     latest = load_latest(ckpt_root, model, opt) if args.resume else None
     if latest is not None:
         folder, meta = latest
         start, elapsed = meta["step"], meta["elapsed"]
-        log(env, f"[{optimizer_name}] resumed {folder} (saved on {meta['world_size']} ranks)")
+        log(env, f"[{name}] resumed {folder} (saved on {meta['world_size']} ranks)")
     elif args.resume:
-        log(env, f"[{optimizer_name}] no checkpoint in {ckpt_root}; starting from scratch")
+        log(env, f"[{name}] no checkpoint in {ckpt_root}; starting from scratch")
     if env.is_main:
-        trim_metrics(metrics_path, optimizer_name, start)
+        trim_metrics(args.out / "metrics.jsonl", name, start)
+    return start, elapsed
 
-    rows = rank_slice(args.batch_size, env.rank, env.world_size)
 
-    def batch_of(step: int) -> torch.Tensor:
-        return local_batch(data, step, args, rows)
+def train_step(
+    run: Run, timer: StepTimer, step: int, batch: torch.Tensor, data_wait: float
+) -> tuple[dict[str, Any], StepTimes]:
+    """Step ``step`` at its scheduled lr, timed; returns its metrics record and its times.
 
-    global_tokens = args.batch_size * args.seq_len
-    warmup = swept_for(args.data).warmup(optimizer_name) if args.warmup is None else args.warmup
-    end = args.stop_after or args.steps
-    show = env.is_main and not args.no_progress
-    log_every = max(1, args.steps // 10)
-    records: list[dict[str, Any]] = []
-    timer = StepTimer(env.device)
-    batches = prefetched(batch_of, range(start + 1, end + 1), env.device)
-    with progress(args.steps, start, show) as bar, closing(batches):
-        for step, batch, data_wait in agreed(batches, env.device):
-            factor = lr_factor(step, args, warmup)
-            for group, base in zip(opt.param_groups, base_lrs, strict=True):
-                group["lr"] = base * factor
-            timer.start()
-            logits = model(batch[:, :-1])
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
-            )
-            # FSDP averages gradients over ranks; scaling by world/global_tokens turns that
-            # average into the gradient of the global-batch mean whatever the rank split.
-            (loss_sum * (env.world_size / global_tokens)).backward()
-            timer.backward_done()
-            opt.step()
-            opt.zero_grad()
-            timer.stop()
-            times = timer.slowest(data_wait)
-            total = loss_sum.detach().clone()
-            dist.all_reduce(total)
-            loss = total.item() / global_tokens
-            elapsed += times.step
-            record: dict[str, Any] = {
-                "step": step,
-                "loss": loss,
-                "tokens": step * global_tokens,
-                "elapsed": elapsed,
-                "fwd_bwd_s": times.fwd_bwd,
-                "opt_s": times.opt,
-                "step_s": times.step,
-                "data_wait_s": times.data_wait,
-                "optimizer": optimizer_name,
-                "lr_factor": factor,
-                "world_size": env.world_size,
-            }
-            if eval_due(data, step, args) and math.isfinite(loss):
-                record["eval_loss"] = evaluate(model, data, args, env, rows)
-            records.append(record)
-            if env.is_main:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
-            if not math.isfinite(loss):  # logged first: metrics.jsonl shows the divergence
-                raise FloatingPointError(f"[{optimizer_name}] loss is {loss} at step {step}")
-            if bar is not None:
-                bar.set_postfix(
-                    {
-                        "opt": optimizer_name,
-                        "loss": f"{loss:.3f}",
-                        "tok/s": f"{global_tokens / times.step:,.0f}",
-                        "step": f"{times.step * 1e3:.0f}ms",
-                        "fwd+bwd": f"{times.fwd_bwd * 1e3:.0f}ms",
-                        "optim": f"{times.opt * 1e3:.0f}ms",
-                    },
-                    refresh=False,
-                )
-                bar.update(1)
-            elif step % log_every == 0 or step == end:
-                log(
-                    env,
-                    f"[{optimizer_name}] step {step}/{args.steps} loss {loss:.4f} | step "
-                    f"{times.step * 1e3:.1f} ms (forward+backward {times.fwd_bwd * 1e3:.1f}, "
-                    f"optimizer {times.opt * 1e3:.1f}), {global_tokens / times.step:,.0f} tok/s",
-                )
-            messages = []
-            if "eval_loss" in record:
-                eval_loss = record["eval_loss"]
-                messages.append(f"[{optimizer_name}] step {step} eval loss {eval_loss:.4f}")
-            if choosing and isinstance(opt, muon_dist.Muon) and opt.overlap_mode != "measuring":
-                choosing = False
-                messages.append(auto_choice_line(opt, optimizer_name, step))
-            for message in messages:
-                if bar is not None:
-                    bar.write(message)
-                else:
-                    log(env, message)
-            if args.ckpt_every and step % args.ckpt_every == 0:
-                path = ckpt_root / f"step_{step:06d}"
-                meta = {
-                    "step": step,
-                    "elapsed": elapsed,
-                    "world_size": env.world_size,
-                    "optimizer": optimizer_name,
-                    "seed": args.seed,
-                }
-                save_checkpoint(path, model, opt, meta)
+    Every rank all-reduces the times, then the loss, in that order, after the step's clock
+    has stopped: neither is part of the timed step.
+    """
+    factor = lr_factor(step, run.args, run.warmup)
+    for group, base in zip(run.opt.param_groups, run.base_lrs, strict=True):
+        group["lr"] = base * factor
+    timer.start()
+    loss_sum = forward_backward(run, batch)
+    timer.backward_done()
+    run.opt.step()
+    run.opt.zero_grad()
+    timer.stop()
+    times = timer.slowest(data_wait)
+    total = loss_sum.detach().clone()
+    dist.all_reduce(total)
+    loss = total.item() / run.global_tokens
+    run.elapsed += times.step
+    return step_record(run, step, loss, times, factor), times
 
-    if args.save_final is not None:
-        target = args.save_final
-        if args.compare:
-            target = target.with_name(f"{target.stem}_{optimizer_name}{target.suffix}")
-        full = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+def forward_backward(run: Run, batch: torch.Tensor) -> torch.Tensor:
+    """The next-token loss summed over this rank's tokens, with its gradients computed.
+
+    FSDP averages gradients over ranks; scaling by world/global_tokens turns that average
+    into the gradient of the global-batch mean whatever the rank split.
+    """
+    logits = run.model(batch[:, :-1])
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
+    )
+    (loss_sum * (run.env.world_size / run.global_tokens)).backward()
+    return loss_sum
+
+
+def step_record(
+    run: Run, step: int, loss: float, times: StepTimes, factor: float
+) -> dict[str, Any]:
+    """The step's line of metrics.jsonl (``eval_loss`` is added where an eval is due)."""
+    return {
+        "step": step,
+        "loss": loss,
+        "tokens": step * run.global_tokens,
+        "elapsed": run.elapsed,
+        "fwd_bwd_s": times.fwd_bwd,
+        "opt_s": times.opt,
+        "step_s": times.step,
+        "data_wait_s": times.data_wait,
+        "optimizer": run.name,
+        "lr_factor": factor,
+        "world_size": run.env.world_size,
+    }
+
+
+def append_metrics(run: Run, record: dict[str, Any]) -> None:
+    """Rank 0 appends the step's record as it goes: a run that stops early, or diverges,
+    leaves every step it took in metrics.jsonl."""
+    if run.env.is_main:
+        with (run.args.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def report(run: Run, record: dict[str, Any], times: StepTimes, bar: Any, end: int) -> None:
+    """The step on the progress bar (or as a log line), then what happened at it."""
+    show_step(run, record, times, bar, end)
+    for message in step_messages(run, record):
+        if bar is not None:
+            bar.write(message)
+        else:
+            log(run.env, message)
+
+
+def show_step(run: Run, record: dict[str, Any], times: StepTimes, bar: Any, end: int) -> None:
+    """Loss and speed on rank 0's progress bar; without one, a log line every tenth of
+    ``--steps`` and at the last step, so that a log stays short."""
+    name, step, loss = run.name, record["step"], record["loss"]
+    if bar is not None:
+        bar.set_postfix(
+            {
+                "opt": name,
+                "loss": f"{loss:.3f}",
+                "tok/s": f"{run.global_tokens / times.step:,.0f}",
+                "step": f"{times.step * 1e3:.0f}ms",
+                "fwd+bwd": f"{times.fwd_bwd * 1e3:.0f}ms",
+                "optim": f"{times.opt * 1e3:.0f}ms",
+            },
+            refresh=False,
         )
-        if env.is_main:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(full, target)
-    return records
+        bar.update(1)
+    elif step % max(1, run.args.steps // 10) == 0 or step == end:
+        log(
+            run.env,
+            f"[{name}] step {step}/{run.args.steps} loss {loss:.4f} | step "
+            f"{times.step * 1e3:.1f} ms (forward+backward {times.fwd_bwd * 1e3:.1f}, "
+            f"optimizer {times.opt * 1e3:.1f}), {run.global_tokens / times.step:,.0f} tok/s",
+        )
+
+
+def step_messages(run: Run, record: dict[str, Any]) -> list[str]:
+    """What a step has to say beyond its numbers: its eval loss, and ``overlap="auto"``'s
+    choice at the step it is made (once a run)."""
+    messages = []
+    if "eval_loss" in record:
+        messages.append(f"[{run.name}] step {record['step']} eval loss {record['eval_loss']:.4f}")
+    opt = run.opt
+    if run.choosing and isinstance(opt, muon_dist.Muon) and opt.overlap_mode != "measuring":
+        run.choosing = False
+        messages.append(auto_choice_line(opt, run.name, record["step"]))
+    return messages
+
+
+def save_step(run: Run, step: int) -> None:
+    """A DCP checkpoint of ``step`` (every rank writes its shards) with what resuming needs:
+    the step, the clock, and the world size it was saved on."""
+    meta = {
+        "step": step,
+        "elapsed": run.elapsed,
+        "world_size": run.env.world_size,
+        "optimizer": run.name,
+        "seed": run.args.seed,
+    }
+    save_checkpoint(run.ckpt_root / f"step_{step:06d}", run.model, run.opt, meta)
+
+
+def save_final(run: Run) -> None:
+    """With ``--save-final``, the full unsharded model as one ``torch.save`` file (one per
+    optimizer with ``--compare``); gathering it is a collective, rank 0 writes it."""
+    target = run.args.save_final
+    if target is None:
+        return
+    if run.args.compare:
+        target = target.with_name(f"{target.stem}_{run.name}{target.suffix}")
+    full = get_model_state_dict(
+        run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if run.env.is_main:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(full, target)
 
 
 def auto_choice_line(opt: muon_dist.Muon, name: str, step: int) -> str:
