@@ -363,8 +363,7 @@ class Muon(torch.optim.Optimizer):
         except (TypeError, ValueError) as exc:
             refusal = refusal or exc
         runner = self.runner
-        assert self._capture is not None  # set at construction
-        with _autocast_off(), self._capture.uncaptured_without_grads(runner):
+        with _autocast_off():
             failure = runner.run(self.param_groups, refusal, overlap=self._overlap.overlapping)
         on_host = runner.queued(self.param_groups[0]["steps"] + 1, failure)
         if failure is None or (failure is runner.crash() and self.settings.nonfinite == "raise"):

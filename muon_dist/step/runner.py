@@ -243,10 +243,11 @@ class StepRunner:
         overlap: bool,
     ) -> Exception | None:
         """Queue one step. A rank that refuses its inputs (``refusal``: options or a closure
-        that raised; a gradient of the wrong layout, a sparse one, a missing one under
-        capture) still takes part in the step's agreement, with every gradient absent and
-        its failure flagged, so every rank leaves everything as it was and learns of the
-        failure; it returns its error for the caller to raise. ``overlap``: this step's
+        that raised; a gradient of the wrong layout or a sparse one) still takes part in the
+        step's agreement, with every gradient absent and its failure flagged, so every rank
+        leaves everything as it was and learns of the failure; it returns its error for the
+        caller to raise. A captured step where some parameter has no gradient runs eagerly
+        (:meth:`muon_dist.step.launch.cuda_graph.StepGraph.uncaptured`). ``overlap``: this step's
         buckets started from gradient hooks (:meth:`grad_ready`), else it is the plain step
         (the same on every rank, :mod:`muon_dist.step.launch.overlap_choice`): the step's
         mode (:class:`StepMode`), whose program the Muon phase runs.
@@ -257,8 +258,6 @@ class StepRunner:
         if failure is None:
             try:
                 grads = self._local_grads()
-                if self.graph is not None:
-                    _check_captured(grads)
             except (TypeError, ValueError, RuntimeError) as exc:
                 failure = exc
                 grads = [None] * len(self.params)
@@ -281,8 +280,14 @@ class StepRunner:
         def body() -> None:
             self._body(groups, grads, mode)
 
+        kept = [g for g in grads if g is not None]
+        if len(kept) < len(grads):
+            self.graph.uncaptured(
+                body, [n for n, g in zip(self.names, grads, strict=True) if g is None]
+            )
+            return self.crash()
         key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
-        self.graph.run(body, key, grads)
+        self.graph.run(body, key, kept)
         return self.crash()
 
     def mirror(self, muon_grads: Sequence[torch.Tensor | None], mode: StepMode) -> None:
@@ -386,16 +391,6 @@ class StepRunner:
         elif self.muon is not None:
             self.abandon()
             self.muon.programs[self.modes[0]].run(muon_grads)
-
-
-def _check_captured(grads: Sequence[torch.Tensor | None]) -> None:
-    missing = [i for i, g in enumerate(grads) if g is None]
-    if missing:
-        raise RuntimeError(
-            f"cuda_graph=True: {len(missing)} parameters have no gradient this step; a "
-            "captured step reads every gradient tensor in place, so keep them between "
-            "steps with zero_grad(set_to_none=False), or use cuda_graph=False"
-        )
 
 
 def _held_whole(p: torch.Tensor, holders: int) -> bool:

@@ -27,11 +27,9 @@ momentum every step).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,12 +78,14 @@ class StepGraph:
 
     ``fallback`` (None: capture is forced, ``cuda_graph=True``): under
     ``cuda_graph="auto"``, called once with the reason where capture fails or is redone
-    more than :data:`RECAPTURE_LIMIT` times; every later step then runs eagerly.
+    more than :data:`RECAPTURE_LIMIT` times; every later step then runs eagerly. ``note``:
+    told why a single step runs eagerly (:meth:`uncaptured`).
     """
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.fallback: Callable[[str], None] | None = None
+        self.note: Callable[[str], None] | None = None
         # Under "auto": whether every rank captured (a rank alone on eager steps would
         # run its collectives against the others' replays); None: this rank decides alone.
         self.agree: Callable[[bool], bool] | None = None
@@ -93,7 +93,7 @@ class StepGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._stream: torch.cuda.Stream | None = None
         self._key: Hashable = None
-        self._held: tuple[torch.Tensor | None, ...] = ()
+        self._held: tuple[torch.Tensor, ...] = ()
         self._staging = StepStaging()  # the address tables the graph's copies read
         self._pointers: tuple[int, ...] = ()
         self._eager = 0
@@ -115,18 +115,26 @@ class StepGraph:
     def captured(self) -> bool:
         return self._graph is not None
 
-    def run(
-        self, body: Callable[[], None], key: Hashable, grads: Sequence[torch.Tensor | None]
-    ) -> None:
+    def uncaptured(self, body: Callable[[], None], missing: Sequence[str]) -> None:
+        """Run one step whose ``missing`` parameters have no gradient eagerly, as an
+        uncaptured step treats them (the graph reads every gradient tensor); the graph
+        stays for the next steps with every gradient."""
+        if self.note is not None:
+            self.note(
+                f"a step where {len(missing)} parameters have no gradient (the first: "
+                f"{missing[0]}) runs uncaptured, as later steps with a missing gradient do"
+            )
+        body()
+
+    def run(self, body: Callable[[], None], key: Hashable, grads: Sequence[torch.Tensor]) -> None:
         """Run one step: eagerly while warming up, else by replaying the captured graph.
 
-        ``grads`` are the local gradients ``body`` reads (None where a parameter has none).
+        ``grads`` are the local gradients ``body`` reads, one per parameter.
         """
         if self.given_up is not None:
             body()
             return
-        pointers = tuple(0 if g is None else g.data_ptr() for g in grads)
-        key = (key, tuple(g is not None for g in grads))
+        pointers = tuple(g.data_ptr() for g in grads)
         if key != self._key:
             if self._key is not None:
                 self._changes += 1
@@ -162,10 +170,7 @@ class StepGraph:
         self._eager += 1
 
     def _capture(
-        self,
-        body: Callable[[], None],
-        grads: Sequence[torch.Tensor | None],
-        pointers: tuple[int, ...],
+        self, body: Callable[[], None], grads: Sequence[torch.Tensor], pointers: tuple[int, ...]
     ) -> None:
         """Capture ``body`` reading ``grads``, which the graph keeps (no copy this step)."""
         graph = torch.cuda.CUDAGraph()
@@ -190,13 +195,13 @@ class StepGraph:
             return
         self._graph, self._held, self._pointers = graph, tuple(grads), pointers
 
-    def _copy_in(self, grads: Sequence[torch.Tensor | None], pointers: tuple[int, ...]) -> None:
+    def _copy_in(self, grads: Sequence[torch.Tensor], pointers: tuple[int, ...]) -> None:
         """Copy this step's gradients into the tensors the graph reads, where they differ
         (``zero_grad()`` freed them, or new tensors were assigned)."""
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         for held, grad, now, then in zip(self._held, grads, pointers, self._pointers, strict=True):
-            if now != then and held is not None and grad is not None:
+            if now != then:
                 targets.append(held)
                 sources.append(grad)
         if targets:
@@ -207,15 +212,6 @@ class StepGraph:
         self.given_up = reason
         if self.fallback is not None:
             self.fallback(reason)
-
-
-class _Step(Protocol):
-    """What :meth:`CaptureChoice.uncaptured_without_grads` reads of a built step
-    (:class:`muon_dist.step.runner.StepRunner`)."""
-
-    graph: StepGraph | None
-    names: list[str]
-    params: list[torch.Tensor]
 
 
 class CaptureChoice:
@@ -250,9 +246,13 @@ class CaptureChoice:
         self.settings = dataclasses.replace(settings, cuda_graph=capture)
 
     def bind(self, graph: StepGraph | None) -> None:
-        """A newly built step's graph: under ``"auto"`` it falls back to eager steps
-        rather than raise or capture again and again."""
-        if graph is not None and self.requested == "auto":
+        """A newly built step's graph: it says why a step runs uncaptured, and under
+        ``"auto"`` it falls back to eager steps rather than raise or capture again and
+        again."""
+        if graph is None:
+            return
+        graph.note = self.note
+        if self.requested == "auto":
             graph.fallback = self._gave_up
             graph.agree = self._all_captured
 
@@ -274,23 +274,3 @@ class CaptureChoice:
         if reason not in self._noted and self.rank == 0:
             logger.info("muon_dist.Muon: cuda_graph=%r: %s", self.requested, reason)
         self._noted.add(reason)
-
-    @contextlib.contextmanager
-    def uncaptured_without_grads(self, step: _Step) -> Iterator[None]:
-        """Around one step: where some parameter has no gradient it runs eagerly, as an
-        uncaptured step treats it; the graph stays for the next steps with every
-        gradient."""
-        graph = step.graph
-        if graph is None or all(p.grad is not None for p in step.params):
-            yield
-            return
-        missing = [n for n, p in zip(step.names, step.params, strict=True) if p.grad is None]
-        self.note(
-            f"a step where {len(missing)} parameters have no gradient (the first: "
-            f"{missing[0]}) runs uncaptured, as later steps with a missing gradient do"
-        )
-        step.graph = None
-        try:
-            yield
-        finally:
-            step.graph = graph

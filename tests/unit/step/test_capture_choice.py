@@ -6,7 +6,6 @@ tested on CUDA (tests/gpu/test_cuda_step.py)."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -101,21 +100,37 @@ def test_auto_resolves_to_capture_on_cuda_without_touching_the_device() -> None:
 
 
 def test_a_step_with_a_missing_gradient_runs_uncaptured(caplog: pytest.LogCaptureFixture) -> None:
+    """The runner runs such a step eagerly and says so once; the graph serves the others.
+    (The CPU has no graph to replay: the graph's replay runs the step's body here.)"""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [muon_dist.Muon(muon_dist.param_groups(m), cuda_graph=False) for m in models]
     choice = CaptureChoice(ExecutionSettings(cuda_graph="auto"), CUDA, COMM)
     graph = StepGraph(2)
-    params = [nn.Parameter(torch.randn(2, 2)) for _ in range(3)]
-    step = SimpleNamespace(graph=graph, names=["a", "b", "c"], params=params)
-    for p in params:
-        p.grad = torch.ones_like(p)
+    choice.bind(graph)
+    replayed: list[int] = []
+
+    def replay(body: Any, key: Any, grads: list[torch.Tensor]) -> None:
+        replayed.append(len(grads))
+        body()
+
+    graph.run = replay  # type: ignore[method-assign]
+    opts[0].runner.graph = graph
+    x = torch.randn(4, 16)
     with caplog.at_level(logging.INFO, logger="muon_dist"):
-        with choice.uncaptured_without_grads(step):  # type: ignore[arg-type]
-            assert step.graph is graph
-        params[1].grad = None
-        for _ in range(2):
-            with choice.uncaptured_without_grads(step):  # type: ignore[arg-type]
-                assert step.graph is None
-            assert step.graph is graph
+        for step in range(4):
+            for model, opt in zip(models, opts, strict=True):
+                model(x).square().mean().backward()
+                if step in (1, 2):
+                    model[2].weight.grad = None
+                opt.step()
+                opt.zero_grad()
+    params = len(list(models[0].parameters()))
+    assert replayed == [params, params]  # steps 0 and 3
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p, q)  # the steps the graph did not take ran as eager ones
     assert _capture_lines(caplog) == [
         "muon_dist.Muon: cuda_graph='auto': a step where 1 parameters have no gradient (the "
-        "first: b) runs uncaptured, as later steps with a missing gradient do"
+        "first: 2.weight) runs uncaptured, as later steps with a missing gradient do"
     ]
