@@ -47,8 +47,7 @@ class GradCheck:
 
     def __init__(self, name: str, p: torch.Tensor) -> None:
         self.name, self.param = name, p
-        self.sharded = isinstance(p, DTensor)
-        self.mesh = p.device_mesh if isinstance(p, DTensor) else None
+        self.mesh = p.device_mesh if isinstance(p, DTensor) else None  # None: not sharded
         self.placements = tuple(p.placements) if isinstance(p, DTensor) else ()
         self.shape = local(p).shape
 
@@ -57,9 +56,9 @@ class GradCheck:
         if grad.layout == torch.strided:
             if isinstance(grad, DTensor):
                 shard = grad._local_tensor
-                if self.sharded and shard.shape == self.shape and self._placed_alike(grad):
+                if self.mesh is not None and shard.shape == self.shape and self._placed_alike(grad):
                     return shard
-            elif not self.sharded and grad.shape == self.shape:
+            elif self.mesh is None and grad.shape == self.shape:
                 return grad
         return check_grad(self.name, self.param, grad)
 
