@@ -35,17 +35,25 @@ class PinnedStaging:
 
     def upload(self, values: np.ndarray | Sequence[int], device: torch.device) -> torch.Tensor:
         """``values`` as an int64 tensor on ``device``, its copy queued on the current
-        stream (after waiting, rarely, for this buffer's previous copy to be done)."""
+        stream (after waiting, rarely, for this buffer's previous copy to be done).
+
+        While a graph is captured (a captured step's round, :class:`StepStaging`) there is
+        nothing to wait for and nothing may wait: the capture began after a device
+        synchronize, so the warm-up's copies are done, and no copy is recorded, since the
+        graph reads this buffer at every replay and nothing rewrites it."""
         values = np.asarray(values, dtype=np.int64)
-        if self._copied is not None:
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self._copied is not None and not capturing:
             self._copied.synchronize()
         if self._host is None or self._host.numel() < values.size:
             self._host = torch.empty(max(2 * values.size, 1), dtype=torch.long, pin_memory=True)
         host = self._host[: values.size]
         host.numpy()[:] = values
         moved = host.to(device, non_blocking=True)
-        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-        self._copied.record()
+        self._copied = None
+        if not capturing:
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+            self._copied.record()
         return moved
 
 
@@ -99,15 +107,31 @@ _step_staging: contextvars.ContextVar[StepStaging | None] = contextvars.ContextV
 )
 
 
+def tables_allowed(device: torch.device) -> bool:
+    """Whether a kernel may read an address table made now: always outside a graph capture;
+    inside one only in a captured step's round (:meth:`StepStaging.round`), whose buffers
+    are never rewritten while the graph replays them. A table of another capture would go
+    through the shared ring, rewritten long before its last replay."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return True
+    return _step_staging.get() is not None
+
+
 def address_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """``rows`` (per tensor: addresses, then sizes) as one int64 tensor on ``device``,
-    flat, in row order; its copy is queued on the current stream."""
+    flat, in row order; its copy is queued on the current stream. Only where
+    :func:`tables_allowed`."""
     flat = [value for row in rows for value in row]
     if device.type != "cuda":
         return torch.tensor(flat, dtype=torch.long)
     staging = _step_staging.get()
     if staging is not None:
         return staging.upload(flat, device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "muon_dist: an address table was made while a graph outside the optimizer's "
+            "captured step was being captured; this is a bug (check tables_allowed first)"
+        )
     ring = _rings.get(device)
     if ring is None:
         ring = _rings[device] = _Ring()

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from muon_dist.kernels.availability import on_device
-from muon_dist.kernels.tables import address_table
+from muon_dist.kernels.tables import address_table, tables_allowed
 
 _BLOCK = 4096
 _WARPS = 8
@@ -488,6 +488,29 @@ def _grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, _BLOCK),)
 
 
+class _Flat:
+    """Contiguous stand-ins for the strided operands of one fused pass. The kernels read an
+    operand as ``numel`` consecutive elements from its address, which a strided piece (cut
+    across a shard's rows, or its region in a stack) is not: it is read through a contiguous
+    copy, and one the pass writes is copied back after the launch (:meth:`copy_back`). The
+    copies live as long as this object: an address table holds only their addresses."""
+
+    def __init__(self) -> None:
+        self._copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+
+    def __call__(self, t: torch.Tensor, written: bool) -> torch.Tensor:
+        if t.is_contiguous():
+            return t
+        flat = t.contiguous()
+        self._copies.append((t, flat, written))
+        return flat
+
+    def copy_back(self) -> None:
+        for t, flat, written in self._copies:
+            if written:
+                t.copy_(flat)
+
+
 def momentum_input_triton(
     grad: torch.Tensor,
     momentum: torch.Tensor,
@@ -497,16 +520,17 @@ def momentum_input_triton(
     store: bool,
     keep: torch.Tensor,
 ) -> None:
-    """Fused form of :func:`muon_dist.rules.ops.pre_orthogonalize_` (contiguous,
-    same-shape tensors on one device; ``keep`` a one-element tensor there)."""
+    """Fused form of :func:`muon_dist.rules.ops.pre_orthogonalize_` (same-shape tensors on
+    one device, strided ones through :class:`_Flat`; ``keep`` a one-element tensor there)."""
     numel = grad.numel()
     if numel == 0:
         return
+    flat = _Flat()
     with on_device(grad.device):
         _momentum_input_kernel[_grid(numel)](
-            grad,
-            momentum,
-            out,
+            flat(grad, False),
+            flat(momentum, store),
+            flat(out, True),
             keep,
             numel,
             float(beta),
@@ -516,6 +540,7 @@ def momentum_input_triton(
             BLOCK=_BLOCK,
             num_warps=_WARPS,
         )
+    flat.copy_back()
 
 
 def decay_and_update_triton(
@@ -532,11 +557,13 @@ def decay_and_update_triton(
     numel = param.numel()
     if numel == 0:
         return
-    momentum, beta = feedback if feedback is not None else (param, 0.0)
+    flat = _Flat()
+    target = flat(param, True)
+    momentum, beta = (flat(feedback[0], True), feedback[1]) if feedback else (target, 0.0)
     with on_device(param.device):
         _decay_and_update_kernel[_grid(numel)](
-            param,
-            update,
+            target,
+            flat(update, False),
             decay,
             step,
             keep,
@@ -547,18 +574,13 @@ def decay_and_update_triton(
             BLOCK=_BLOCK,
             num_warps=_WARPS,
         )
+    flat.copy_back()
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Programs per tensor of a many-tensor launch; each takes every _PROGRAMS-th block of its
 # tensor, so a small tensor's surplus programs return at once.
 _PROGRAMS = 1024
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether a graph is being captured: launches then cost nothing on replay, and an
-    address table copied in would be read again at every replay, long after it changed."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _launch_tables(
@@ -587,22 +609,25 @@ def momentum_inputs_triton(
     keeps: Sequence[torch.Tensor],
 ) -> None:
     """:func:`momentum_input_triton` on every piece, one launch per dtypes of (grad,
-    momentum, out); one per piece while a graph is captured."""
+    momentum, out); one per piece where no address table may be made
+    (:func:`~muon_dist.kernels.tables.tables_allowed`: a graph captured outside the
+    optimizer's captured step)."""
     if not grads:
         return
     device = grads[0].device
-    if _capturing(device):
+    if not tables_allowed(device):
         for grad, momentum, out, keep in zip(grads, momenta, outs, keeps, strict=True):
             momentum_input_triton(grad, momentum, out, beta, mix, store, keep)
         return
     batches: dict[tuple[Any, ...], list[list[int]]] = {}
+    flat = _Flat()
     for grad, momentum, out, keep in zip(grads, momenta, outs, keeps, strict=True):
         if grad.numel():
             batches.setdefault((grad.dtype, momentum.dtype, out.dtype), []).append(
                 [
-                    grad.data_ptr(),
-                    momentum.data_ptr(),
-                    out.data_ptr(),
+                    flat(grad, False).data_ptr(),
+                    flat(momentum, store).data_ptr(),
+                    flat(out, True).data_ptr(),
                     keep.data_ptr(),
                     grad.numel(),
                 ]
@@ -621,6 +646,7 @@ def momentum_inputs_triton(
             "STORE": store,
         },
     )
+    flat.copy_back()
 
 
 def decay_and_updates_triton(
@@ -632,25 +658,28 @@ def decay_and_updates_triton(
     feedbacks: Sequence[tuple[torch.Tensor, float] | None],
 ) -> None:
     """:func:`decay_and_update_triton` on every piece, one launch per dtypes and feedback
-    β; one per piece while a graph is captured."""
+    β; one per piece where no address table may be made (as
+    :func:`momentum_inputs_triton`)."""
     if not params:
         return
     device = params[0].device
     pieces = zip(params, updates, decays, steps, keeps, feedbacks, strict=True)
-    if _capturing(device):
+    if not tables_allowed(device):
         for param, update, decay, step, keep, feedback in pieces:
             decay_and_update_triton(param, update, decay, step, keep, feedback)
         return
     batches: dict[tuple[Any, ...], list[list[int]]] = {}
+    flat = _Flat()
     for param, update, decay, step, keep, feedback in pieces:
         if not param.numel():
             continue
-        momentum, beta = feedback if feedback is not None else (param, None)
+        target = flat(param, True)
+        momentum, beta = (flat(feedback[0], True), feedback[1]) if feedback else (target, None)
         key = (param.dtype, update.dtype, momentum.dtype, beta)
         batches.setdefault(key, []).append(
             [
-                param.data_ptr(),
-                update.data_ptr(),
+                target.data_ptr(),
+                flat(update, False).data_ptr(),
                 momentum.data_ptr(),
                 decay.data_ptr(),
                 step.data_ptr(),
@@ -670,6 +699,7 @@ def decay_and_updates_triton(
             "FEEDBACK": key[3] is not None,
         },
     )
+    flat.copy_back()
 
 
 def zero_dropped_triton(stack: torch.Tensor, dropped: torch.Tensor) -> None:
@@ -770,8 +800,8 @@ def add_slice_l1_triton(
 ) -> None:
     """Fused form of :func:`muon_dist.rules.dion2_slices.add_slice_norms_`: every ``[k, m, n]``
     tensor's slice norms (as :func:`slice_l1_triton`) added into ``norms`` at its ``[k,
-    slices]`` int64 slots, one launch per dtype and layout of the tensors. Not while a graph is
-    captured: its address table would be read again at every replay."""
+    slices]`` int64 slots, one launch per dtype and layout of the tensors. Only where
+    :func:`~muon_dist.kernels.tables.tables_allowed`."""
     batches: dict[tuple[torch.dtype, int], list[list[int]]] = {}
     for x, axis, where in zip(xs, axes, slots, strict=True):
         k, slices, length, *strides = _slice_geometry(x, axis)

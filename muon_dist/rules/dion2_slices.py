@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from muon_dist.kernels.tables import tables_allowed
 from muon_dist.rules.forms import fused_form, fused_launches
 
 
@@ -48,8 +49,9 @@ def add_slice_norms_(
     """Add :func:`slice_norms` of each ``[k, m, n]`` tensor of ``xs`` (along its axis) into
     the float64 vector ``norms`` at its ``slots`` (``[k, slices]``): the pieces' partial
     norms of the slices they hold. On CUDA one Triton launch for all
-    (:func:`fused_launches`: it saves a launch per piece), outside graph capture."""
-    if xs and fused_launches(backend, xs[0]) and not torch.cuda.is_current_stream_capturing():
+    (:func:`fused_launches`: it saves a launch per piece) where an address table may be
+    made (:func:`~muon_dist.kernels.tables.tables_allowed`)."""
+    if xs and fused_launches(backend, xs[0]) and tables_allowed(xs[0].device):
         from muon_dist.kernels.triton_elementwise import add_slice_l1_triton
 
         add_slice_l1_triton(norms, xs, axes, slots)

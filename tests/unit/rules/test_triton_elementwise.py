@@ -346,3 +346,42 @@ def test_error_feedback_on_a_bf16_momentum(keep: bool) -> None:
             assert _ulps(m, nearest) <= 1
         else:
             assert torch.equal(m, nearest)
+
+
+def test_strided_pieces_take_the_fused_passes_through_contiguous_copies() -> None:
+    """Pieces cut across a shard's rows, and their regions in a stack, are strided: the
+    many-piece passes read them through contiguous copies and write the results back, so
+    they equal the torch form; the contiguous pieces beside them are untouched by that."""
+    torch.manual_seed(7)
+    shard, momentum = torch.randn(6, 40), torch.randn(6, 40)
+    grads = [shard[:, :24], shard[:, 24:]]  # column pieces: strided
+    stack = torch.zeros(2, 6, 40)  # fp32: the interpreter rounds to bf16 toward zero
+    outs = [stack[0, :, :24], stack[1, :, 24:]]
+    keeps = [torch.tensor(True), torch.tensor(True)]
+    expected_momentum, expected_stack = momentum.clone(), stack.clone()
+    rule = {"beta": 0.9, "mix": 0.95, "store": True}
+    expected_outs = [expected_stack[0, :, :24], expected_stack[1, :, 24:]]
+    pieces = [expected_momentum[:, :24], expected_momentum[:, 24:]]
+    pre_orthogonalize_(grads, pieces, expected_outs, keeps=keeps, **rule, fused=False)
+    pieces = [momentum[:, :24], momentum[:, 24:]]
+    pre_orthogonalize_(grads, pieces, outs, keeps=keeps, **rule, fused=True)
+    torch.testing.assert_close(momentum, expected_momentum)
+    torch.testing.assert_close(stack, expected_stack)
+
+    param, update = torch.randn(6, 40), torch.randn(2, 40, 6).bfloat16()
+    expected = param.clone()
+    targets, updates = [param[:, :24], param[:, 24:]], [update[0, :24].T, update[1, 24:].T]
+    scalars = {"decay": torch.tensor(0.998), "step": torch.tensor(-0.02)}
+    for target, piece, keep in zip(
+        [expected[:, :24], expected[:, 24:]], updates, keeps, strict=True
+    ):
+        post_orthogonalize_(target, piece, **scalars, keep=keep, fused=False)
+    ops.fused_updates_(
+        targets,
+        updates,
+        decays=[scalars["decay"]] * 2,
+        steps=[scalars["step"]] * 2,
+        keeps=keeps,
+        feedbacks=[None, None],
+    )
+    torch.testing.assert_close(param, expected)
