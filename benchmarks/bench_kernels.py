@@ -30,9 +30,9 @@ import triton.testing
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import Coefficients
-from muon_dist.kernels.dispatch import prefer_gram, prefer_triton
+from muon_dist.kernels.dispatch import prefer_gram, prefer_triton, replays_from_graph
 from muon_dist.kernels.gram import DEFAULT_RESTARTS
-from muon_dist.kernels.graphs import GraphCache, graph_eligible
+from muon_dist.kernels.graphs import GraphCache
 
 SHAPES: list[tuple[int, ...]] = [
     (1024, 4096),
@@ -120,7 +120,7 @@ def bench_shape(
     batch = math.prod(shape[:-2])
     gram = prefer_gram(shape[-2], shape[-1])
     backend = "triton" if prefer_triton(shape[-2], shape[-1], batch) else "torch"
-    graphed = "+graph" if graph_eligible(X) else ""
+    graphed = "+graph" if replays_from_graph(X) else ""
     row["auto_picks"] = f"{'gram' if gram else 'std'}/{backend}{graphed}"
 
     subset = X.reshape(-1, *shape[-2:])[:ERROR_SUBSET]

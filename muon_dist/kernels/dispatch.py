@@ -14,7 +14,7 @@ from muon_dist.kernels.gram import (
     validate_method,
     validate_restarts,
 )
-from muon_dist.kernels.graphs import GraphCache, graph_eligible
+from muon_dist.kernels.graphs import GRAPH_MAX_BYTES, GraphCache
 from muon_dist.kernels.torch_ns import DEFAULT_EPS, newton_schulz_torch
 from muon_dist.kernels.triton_ns import (
     TRITON_DTYPES,
@@ -53,6 +53,23 @@ def prefer_triton(m: int, n: int, batch: int) -> bool:
     """
     small, large = min(m, n), max(m, n)
     return batch * (4 * small * small * large + 2 * small**3) >= TRITON_MIN_FLOP_PER_STEP
+
+
+def replays_from_graph(X: torch.Tensor, graphed: bool = False) -> bool:
+    """Whether ``newton_schulz(X, backend="auto", graphs=...)`` replays from a cached graph:
+    ``X`` is a CUDA stack outside any capture, and either ``graphed`` (any size) or
+    launch-bound: below :data:`TRITON_MIN_FLOP_PER_STEP` (about 0.2 ms of matrix work an
+    iteration, where launching its few dozen kernels one by one takes the host as long) and
+    at most :data:`~muon_dist.kernels.graphs.GRAPH_MAX_BYTES` (a graph keeps about five
+    stack-sized buffers)."""
+    if not X.is_cuda or X.ndim < 2 or torch.cuda.is_current_stream_capturing():
+        return False
+    if graphed:
+        return True
+    rows, cols = X.shape[-2:]
+    batch = X.numel() // max(rows * cols, 1)
+    small = X.numel() * X.element_size() <= GRAPH_MAX_BYTES
+    return small and not prefer_triton(rows, cols, batch)
 
 
 def _auto_uses_triton(X: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -107,10 +124,10 @@ def newton_schulz(
     the matrix, "gram" on its short side's Gram matrix (:mod:`muon_dist.kernels.gram`),
     restarting before the steps in ``gram_restarts``; "auto" takes Gram for CUDA tensors
     where ``prefer_gram`` says it is faster (rectangular ones), standard otherwise. Under
-    ``backend="auto"`` with a ``graphs`` cache, CUDA stacks of at most
-    ``GRAPH_MAX_BYTES``, and of any size when ``graphed`` (a caller whose step is bound by
-    the host), replay from a CUDA graph captured on their first call into that cache
-    (:mod:`muon_dist.kernels.graphs`): their time is launches.
+    ``backend="auto"`` with a ``graphs`` cache, launch-bound CUDA stacks, and those of any
+    size when ``graphed`` (a caller whose step is bound by the host), replay from a CUDA
+    graph captured on their first call into that cache (:func:`replays_from_graph`,
+    :mod:`muon_dist.kernels.graphs`): their time is launches.
     """
     validate_backend(backend)
     validate_method(method)
@@ -125,7 +142,7 @@ def newton_schulz(
         run_standard = newton_schulz_triton if triton else newton_schulz_torch
         return run_standard(Z, steps, coefficients, eps, dtype)
 
-    if backend == "auto" and graphs is not None and graph_eligible(X, graphed):
+    if backend == "auto" and graphs is not None and replays_from_graph(X, graphed):
         schedule = resolve_coefficients(coefficients, steps)
         key = (tuple(X.shape), X.dtype, X.device, schedule, eps, dtype, gram, triton, restarts)
         return graphs.run(key, X, run)

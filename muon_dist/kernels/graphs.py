@@ -2,12 +2,13 @@
 
 A small stack (one 1024×4096 matrix) is bound by the host launching its ~30 kernels one by
 one, longer than the GPU takes to run them. Replaying a graph captured on the first call
-costs one copy in, one launch and one copy out. Only ``backend="auto"`` uses
-this, for stacks of at most :data:`GRAPH_MAX_BYTES`, and for larger ones whose caller
-knows its step is bound by the host (``graphed=True``: Dion2's selected slices, a quarter
-of each stack, where the step's other host work already exceeds the GPU's). A call made
-while a graph is being captured (a user capturing the whole optimizer step) runs eagerly,
-since that capture already removes the launches.
+costs one copy in, one launch and one copy out. Only ``backend="auto"`` uses this, for the
+stacks :func:`muon_dist.kernels.dispatch.replays_from_graph` finds launch-bound (at most
+:data:`GRAPH_MAX_BYTES`), and for larger ones whose caller knows its step is bound by the
+host (``graphed=True``: Dion2's selected slices, a quarter of each stack, where the step's
+other host work already exceeds the GPU's). A call made while a graph is being captured (a
+user capturing the whole optimizer step) runs eagerly, since that capture already removes
+the launches.
 
 The graphs and their memory belong to a :class:`GraphCache`, which the caller owns (an
 optimizer's step owns one): they are freed with it, never kept by the process.
@@ -22,11 +23,12 @@ import torch
 
 from muon_dist.kernels.streams import side_stream
 
-# Stacks up to this size replay from a graph: one 1024×4096 bf16 matrix is 8 MiB. Each
-# cached graph keeps its intermediates (a few stack-sized buffers) in a private pool.
-GRAPH_MAX_BYTES = 16 * 2**20
+# The largest launch-bound stack that replays from a graph (eight 3072×768 bf16 matrices are
+# 36 MiB). Each cached graph keeps its intermediates (a few stack-sized buffers) in a
+# private pool.
+GRAPH_MAX_BYTES = 64 * 2**20
 # Graphs kept per cache, the first shapes seen. Each holds its input, output and
-# intermediates, about five times its input's bytes: for small stacks at most
+# intermediates, about five times its input's bytes: for launch-bound stacks at most
 # MAX_GRAPHS · 5 · GRAPH_MAX_BYTES; a graphed larger stack adds five times its own size.
 MAX_GRAPHS = 16
 
@@ -36,16 +38,6 @@ class _Graphed:
     static_input: torch.Tensor
     static_output: torch.Tensor
     graph: torch.cuda.CUDAGraph
-
-
-def graph_eligible(X: torch.Tensor, graphed: bool = False) -> bool:
-    """Whether ``X`` is a CUDA stack outside any capture, small enough to be launch-bound
-    or, with ``graphed``, of any size."""
-    return (
-        X.is_cuda
-        and (graphed or X.numel() * X.element_size() <= GRAPH_MAX_BYTES)
-        and not torch.cuda.is_current_stream_capturing()
-    )
 
 
 class GraphCache:

@@ -21,6 +21,7 @@ import torch
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import COEFFICIENT_SETS
+from muon_dist.kernels.dispatch import replays_from_graph
 from muon_dist.rules.ops import advance_momentum
 
 # Product tolerances against float64: fp32 is exact-product ("ieee"), bf16/fp16 round once.
@@ -162,14 +163,18 @@ def test_gram_bf16_singular_values_in_the_standard_band(
     assert rel_err(gram, ref) <= MAX_ERROR_RATIO * rel_err(standard, ref)
 
 
-def test_small_stacks_replay_from_a_graph() -> None:
-    """``backend="auto"`` with a cache replays small stacks from a CUDA graph: the same
-    result as the eager call, a fresh tensor each time, and new input values are read."""
-    from muon_dist.kernels.graphs import GraphCache, graph_eligible
+def test_launch_bound_stacks_replay_from_a_graph() -> None:
+    """``backend="auto"`` with a cache replays launch-bound stacks from a CUDA graph: the
+    same result as the eager call, a fresh tensor each time, and new input values are read.
+    Eight 3072×768 matrices (36 MiB, a 150M model's MLP stack) are launch-bound; one
+    4096×4096 matrix has enough work per launch."""
+    from muon_dist.kernels.graphs import GraphCache
 
+    assert replays_from_graph(torch.empty(8, 3072, 768, device="cuda", dtype=torch.bfloat16))
+    assert not replays_from_graph(torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16))
     cache = GraphCache()
     X = torch.randn(2, 1024, 4096, device="cuda", dtype=torch.bfloat16)
-    assert graph_eligible(X)
+    assert replays_from_graph(X)
     first = newton_schulz(X, graphs=cache)
     again = newton_schulz(X, graphs=cache)
     assert len(cache) == 1
@@ -182,13 +187,13 @@ def test_small_stacks_replay_from_a_graph() -> None:
 
 
 def test_graphed_stacks_of_any_size_replay_from_a_graph() -> None:
-    """``graphed=True`` (Dion2's selected slices) replays a stack above the small-stack
-    size from a graph: the eager result, a fresh tensor each time, new values read."""
-    from muon_dist.kernels.graphs import GraphCache, graph_eligible
+    """``graphed=True`` (Dion2's selected slices) replays a stack with enough work per launch
+    from a graph: the eager result, a fresh tensor each time, new values read."""
+    from muon_dist.kernels.graphs import GraphCache
 
     cache = GraphCache()
-    X = torch.randn(3, 1024, 4096, device="cuda", dtype=torch.bfloat16)
-    assert not graph_eligible(X) and graph_eligible(X, graphed=True)
+    X = torch.randn(3, 2048, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not replays_from_graph(X) and replays_from_graph(X, graphed=True)
     first = newton_schulz(X, graphs=cache, graphed=True)
     assert len(cache) == 1
     again = newton_schulz(X, graphs=cache, graphed=True)
