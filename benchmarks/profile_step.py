@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gc
 import json
 import shutil
 import statistics
@@ -585,11 +586,15 @@ def main() -> int:
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="profile_step_"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
+    plan = plan_of(opt, dist.get_world_size(), device.type == "cuda")
     try:
         summary = profile_rank(step, device, args, trace_dir)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, summary)
     finally:
+        # A captured step's graph keeps its collectives alive: the optimizer goes first.
+        del step, opt
+        gc.collect()
         dist.destroy_process_group()
         if args.trace_dir is None:
             shutil.rmtree(trace_dir, ignore_errors=True)
@@ -601,7 +606,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "command": " ".join(sys.argv),
-        "plan": plan_of(opt, len(gathered), device.type == "cuda"),
+        "plan": plan,
         "phases": {phase: combine([rank[phase] for rank in gathered]) for phase in args.phases},
     }
     args.out.mkdir(parents=True, exist_ok=True)
