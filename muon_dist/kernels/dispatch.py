@@ -66,19 +66,21 @@ def replays_from_graph(X: torch.Tensor, graphed: bool = False) -> bool:
         return False
     if graphed:
         return True
-    rows, cols = X.shape[-2:]
-    batch = X.numel() // max(rows * cols, 1)
     small = X.numel() * X.element_size() <= GRAPH_MAX_BYTES
-    return small and not prefer_triton(rows, cols, batch)
+    return small and not prefer_triton(*_matrices(X))
+
+
+def _matrices(X: torch.Tensor) -> tuple[int, int, int]:
+    """A stack's matrix shape and how many matrices it holds: rows, cols, batch."""
+    rows, cols = X.shape[-2:]
+    return rows, cols, X.numel() // max(rows * cols, 1)
 
 
 def _auto_uses_triton(X: torch.Tensor, dtype: torch.dtype) -> bool:
     # Cheapest checks first: small matrices are launch-bound, so microseconds show there.
     if X.ndim < 2 or not X.is_cuda or dtype not in TRITON_DTYPES:
         return False
-    rows, cols = X.shape[-2:]
-    batch = X.numel() // max(rows * cols, 1)
-    return prefer_triton(rows, cols, batch) and triton_available()
+    return prefer_triton(*_matrices(X)) and triton_available()
 
 
 # Long-to-short side ratio from which "auto" takes the Gram iteration for CUDA matrices:
