@@ -21,6 +21,10 @@ from muon_dist.kernels.tables import address_table, tables_allowed
 
 _BLOCK = 4096
 _WARPS = 8
+# Launch options of the momentum and write passes: no contraction of a product and an add
+# into one fused multiply-add unless the kernel asks for it (``tl.fma``), so each pass
+# rounds where its torch form does and the two forms agree bitwise in fp32.
+_UNFUSED = {"num_warps": _WARPS, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -41,12 +45,13 @@ def _momentum_input_block(  # type: ignore[no-untyped-def]  # Triton reads annot
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     stored = tl.load(momentum_ptr + offsets, mask=mask)
     # Round the new momentum to its storage dtype before the mix, as two torch adds would
-    # (a bf16 momentum under momentum_dtype="bf16": read widened, advanced in fp32).
-    momentum = (grad + beta * stored.to(tl.float32)).to(momentum_ptr.dtype.element_ty)
+    # (a bf16 momentum under momentum_dtype="bf16": read widened, advanced in fp32). Each
+    # add is one fused multiply-add, as torch's ``add(alpha=)`` is on CUDA.
+    momentum = tl.fma(stored.to(tl.float32), beta, grad).to(momentum_ptr.dtype.element_ty)
     if STORE:
         tl.store(momentum_ptr + offsets, tl.where(keep, momentum, stored), mask=mask)
     if NESTEROV:
-        update = grad + mix * momentum.to(tl.float32)
+        update = tl.fma(momentum.to(tl.float32), mix, grad)
     else:
         update = momentum.to(tl.float32)
     update = tl.where(keep, update, 0.0)
@@ -127,10 +132,15 @@ def _decay_and_update_block(  # type: ignore[no-untyped-def]  # Triton reads ann
 ):
     """``p = decay·p + step·u`` where keep, computed in fp32 and stored in the parameter's
     dtype. With FEEDBACK, also Dion2's error feedback (:func:`_decay_selected`) on the
-    momentum, from the same read of the update."""
+    momentum, from the same read of the update.
+
+    Rounded after each product and the sum, as the torch form's decay, scale and add are
+    (launched with :data:`_UNFUSED`, so the compiler contracts no product into the add)."""
     stored = tl.load(param_ptr + offsets, mask=mask)
     update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    param = (decay * stored.to(tl.float32) + step * update).to(param_ptr.dtype.element_ty)
+    decayed = decay * stored.to(tl.float32)
+    scaled = step * update
+    param = (decayed + scaled).to(param_ptr.dtype.element_ty)
     tl.store(param_ptr + offsets, tl.where(keep, param, stored), mask=mask)
     if FEEDBACK:
         _decay_selected(momentum_ptr, offsets, mask, update, beta, keep)
@@ -538,7 +548,7 @@ def momentum_input_triton(
             NESTEROV=mix is not None,
             STORE=store,
             BLOCK=_BLOCK,
-            num_warps=_WARPS,
+            **_UNFUSED,
         )
     flat.copy_back()
 
@@ -572,7 +582,7 @@ def decay_and_update_triton(
             numel,
             FEEDBACK=feedback is not None,
             BLOCK=_BLOCK,
-            num_warps=_WARPS,
+            **_UNFUSED,
         )
     flat.copy_back()
 
@@ -595,7 +605,7 @@ def _launch_tables(
         for key, rows in batches.items():
             programs = min(triton.cdiv(max(row[-1] for row in rows), _BLOCK), _PROGRAMS)
             kernel[(len(rows), programs)](
-                address_table(rows, device), **args(key), BLOCK=_BLOCK, num_warps=_WARPS
+                address_table(rows, device), **args(key), BLOCK=_BLOCK, **_UNFUSED
             )
 
 

@@ -7,12 +7,12 @@ import torch
 
 from muon_dist.kernels.availability import triton_available
 
-# Below this many elements the fused pass loses to torch's kernels under ``backend="auto"``:
-# a Triton launch covers one tensor, a torch foreach launch many, so on small pieces the
-# host's launches cost more than the bytes cost the GPU. From about 1 M elements the fused
-# pass is faster on the GPU and ties on the host (benchmarks/README.md, "Fused momentum and
-# update passes"); inside a step the host runs ahead under Newton–Schulz, so the GPU's time
-# is what counts there.
+# Below this many elements a fused pass of one tensor loses to torch's kernels under
+# ``backend="auto"``: its Triton launch covers one tensor, a torch foreach launch many, so on
+# small tensors the host's launches cost more than the bytes cost the GPU. From about 1 M
+# elements the fused pass is faster on the GPU and ties on the host (benchmarks/README.md,
+# "Fused momentum and update passes"); inside a step the host runs ahead under
+# Newton–Schulz, so the GPU's time is what counts there.
 FUSED_MIN_NUMEL = 1 << 20
 
 
@@ -35,3 +35,16 @@ def fused_form(backend: str, *tensors: torch.Tensor) -> bool:
     if backend == "auto" and first.numel() < FUSED_MIN_NUMEL:
         return False
     return all(t.shape == first.shape and t.is_contiguous() for t in tensors) and triton_available()
+
+
+def fused_pieces(backend: str, shard: torch.Tensor, momentum: torch.Tensor) -> bool:
+    """Whether a tensor's shard pieces take the fused read and write passes: those launch
+    from address tables, every piece of a batch in one launch, so like
+    :func:`fused_launches` they pay wherever Triton runs, whatever the size; the shard and
+    its momentum of one shape, each contiguous (a piece inside them may be strided)."""
+    return (
+        fused_launches(backend, shard)
+        and shard.shape == momentum.shape
+        and shard.is_contiguous()
+        and momentum.is_contiguous()
+    )

@@ -394,6 +394,93 @@ def test_fused_slice_norms_add_at_shared_slots(axis: int, monkeypatch: pytest.Mo
     torch.testing.assert_close(norms, expected, rtol=0, atol=0)
 
 
+# Pieces of a fused batch: several blocks, one partial block, a few elements.
+FUSED_SHAPES = [(1000, 1001), (64, 257), (7,)]
+
+
+@pytest.mark.parametrize("mix", [0.95, None])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("momentum_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("store", [True, False])
+def test_fused_read_equals_the_torch_form_bitwise(
+    momentum_dtype: torch.dtype, out_dtype: torch.dtype, mix: float | None, store: bool
+) -> None:
+    """The step's two forms of the momentum read (fp32 gradients) round alike: the fused
+    pass may replace torch's on any piece without changing a bit of the step."""
+    from muon_dist.rules.ops import pre_orthogonalize_
+
+    grads = [torch.randn(s, device="cuda") for s in FUSED_SHAPES]
+    momenta = [torch.randn(s, device="cuda").to(momentum_dtype) for s in FUSED_SHAPES]
+    keeps = [_keep() for _ in FUSED_SHAPES]
+    results = []
+    for fused in (True, False):
+        mine = [m.clone() for m in momenta]
+        outs = [torch.empty(s, device="cuda", dtype=out_dtype) for s in FUSED_SHAPES]
+        pre_orthogonalize_(
+            grads, mine, outs, beta=0.9, mix=mix, keeps=keeps, store=store, fused=fused
+        )
+        results.append(mine + outs)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.parametrize("update_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fused_write_equals_the_torch_form_bitwise(update_dtype: torch.dtype) -> None:
+    """The fused write of fp32 parameters equals torch's batched one (decay of the whole
+    tensor, then a step shared by the pieces: cast, scale, add), bitwise."""
+    from muon_dist.rules.ops import decay_, fused_updates_, shared_step_updates_
+
+    params = [torch.randn(s, device="cuda") for s in FUSED_SHAPES]
+    updates = [torch.randn(s, device="cuda").to(update_dtype) for s in FUSED_SHAPES]
+    decay, step = torch.tensor(0.998, device="cuda"), torch.tensor(-0.02, device="cuda")
+    fused = [p.clone() for p in params]
+    fused_updates_(
+        fused,
+        updates,
+        decays=[decay] * len(params),
+        steps=[step] * len(params),
+        keeps=[_keep() for _ in params],
+        feedbacks=[None] * len(params),
+    )
+    decay_(params, decay)
+    scratch = torch.empty(sum(p.numel() for p in params), device="cuda")
+    pieces = torch.split(scratch, [p.numel() for p in params])
+    scaled = [v.view(p.shape) for v, p in zip(pieces, params, strict=True)]
+    shared_step_updates_(params, updates, step, scratch, scaled)
+    assert all(torch.equal(a, b) for a, b in zip(fused, params, strict=True))
+
+
+def test_fused_step_equals_the_torch_step_bitwise() -> None:
+    """Three fp32 steps of Muon with the fused passes on every piece (the CUDA default)
+    and with torch's forms (``backend="torch"``) agree in every bit: small stacks, whose
+    Newton–Schulz is torch's in both."""
+    import muon_dist
+
+    shapes = [(256, 256), (64, 256), (896, 256), (256, 896), (4, 48, 32)]
+    runs = []
+    for backend in ("auto", "torch"):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen)) for s in shapes]
+        groups = [
+            {"params": params[:4], "algorithm": "muon", "weight_decay": 0.1},
+            {"params": params[4:], "algorithm": "muon", "experts": True},
+        ]
+        opt = muon_dist.Muon(
+            groups,
+            lr=0.02,
+            backend=backend,
+            comm_dtype=torch.float32,
+            ns_dtype=torch.float32,
+            cuda_graph=False,
+        )
+        for step in range(3):
+            grads = torch.Generator(device="cuda").manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=grads)
+            opt.step()
+        runs.append([p.detach() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 def test_fused_write_with_error_feedback_matches_torch() -> None:
     """Dion2's write in one pass: the parameter as the fused plain write's, the momentum
     as torch's error feedback, both bitwise."""

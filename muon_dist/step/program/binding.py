@@ -21,7 +21,7 @@ from muon_dist.plan.bucket_map import BucketMap, StackSpec, bucket_map
 from muon_dist.plan.build import Plan, covers_exactly, local_pieces
 from muon_dist.plan.indices import TensorIndex
 from muon_dist.plan.recipes import StackRecipe
-from muon_dist.rules.forms import fused_form
+from muon_dist.rules.forms import fused_pieces
 from muon_dist.rules.registry import rule_of
 from muon_dist.state.muon_state import MuonState
 from muon_dist.state.tensors import local
@@ -220,7 +220,7 @@ def _fused(
 ) -> frozenset[int]:
     """The fusable pieces whose tensors take the fused form under the backend."""
     return frozenset(
-        i for i in fusable if fused_form(backend, shards[tensor_of[i]], momenta[tensor_of[i]])
+        i for i in fusable if fused_pieces(backend, shards[tensor_of[i]], momenta[tensor_of[i]])
     )
 
 

@@ -1,12 +1,11 @@
 """The fused momentum and update passes keep parity on every layout, strided pieces included.
 
-On CUDA the step takes the fused Triton passes for pieces of at least 1 M elements under
-``backend="auto"`` (every piece under ``"triton"``); the CPU suite's pieces are small and
-take torch's forms. Here the fused passes are forced onto every piece and run through
-Triton's interpreter, on the layouts whose pieces are strided: column shards (``shard1``)
-and their regions in a stack, tensor-parallel blocks (``tp_fsdp``), expert stacks beside
-FSDP (``ep_fsdp``). fp32 only: the
-interpreter rounds fp32 to bf16 toward zero, where a GPU rounds to nearest.
+On CUDA the step takes the fused Triton passes for every piece (``backend`` "auto" or
+"triton"); the CPU suite takes torch's forms. Here the fused passes are forced onto every
+piece and run through Triton's interpreter, on the layouts whose pieces are strided: column
+shards (``shard1``) and their regions in a stack, tensor-parallel blocks (``tp_fsdp``),
+expert stacks beside FSDP (``ep_fsdp``). fp32 only: the interpreter rounds fp32 to bf16
+toward zero, where a GPU rounds to nearest.
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ if not interpret_mode():
     pytest.skip("forcing the fused passes on CPU needs TRITON_INTERPRET=1", allow_module_level=True)
 
 
-def _fused_everywhere(backend: str, *tensors: torch.Tensor) -> bool:
-    """:func:`muon_dist.rules.forms.fused_form` without its CUDA and size conditions."""
-    first = tensors[0]
-    alike = all(t.shape == first.shape and t.is_contiguous() for t in tensors)
+def _fused_everywhere(backend: str, shard: torch.Tensor, momentum: torch.Tensor) -> bool:
+    """:func:`muon_dist.rules.forms.fused_pieces` without its CUDA condition."""
+    alike = shard.shape == momentum.shape and shard.is_contiguous() and momentum.is_contiguous()
     return backend != "torch" and alike and triton_available()
 
 
@@ -36,12 +34,12 @@ def fused_parity_worker(rank: int, world_size: int, name: str) -> dict[str, Any]
     worker processes get the usual forms back afterwards."""
     from muon_dist.step.program import binding
 
-    usual = binding.fused_form
-    binding.fused_form = _fused_everywhere
+    usual = binding.fused_pieces
+    binding.fused_pieces = _fused_everywhere
     try:
         return parity_worker(rank, world_size, name, "float32", "float32")
     finally:
-        binding.fused_form = usual
+        binding.fused_pieces = usual
 
 
 @pytest.mark.parametrize(("world_size", "name"), [(2, "shard1"), (4, "tp_fsdp"), (4, "ep_fsdp")])
