@@ -26,7 +26,9 @@ is the run-to-run noise. ``--also normuon dion2`` runs those once at Muon's best
 
 ``--runs`` instead trains the given variants at each seed, and ``--best-of results.json``
 each optimizer's best settings of a finished sweep (say, to confirm them at a larger size,
-or to repeat them at another seed and merge the two with ``--from-json``).
+or to repeat them at another seed and merge the two with ``--from-json``). A variant with
+``--momentum-dtype bf16`` is an optimizer of its own ("muon-bf16m", :attr:`Config.name`):
+its own best, row and edge check, so bf16 and fp32 momenta each compete at their own lr.
 
 Scores: the final eval loss of each run; for each optimizer's best settings, at each seed,
 the tokens and the wall time (the runs' own timed steps, ``elapsed`` in metrics.jsonl; no
@@ -34,8 +36,9 @@ evals, no data waits) at which its eval curve first reaches AdamW's final eval l
 seed (linear between evals), and their ratios to AdamW's own. ``--logs`` gets each run's
 log and metrics, ``results.json``, ``table.md`` and ``sweep.png``. ``--from-json A B
 --write-table`` records the best runs in benchmarks/README.md and the budget row (tokens
-per parameter) in it and the README; ``--write-defaults`` puts the bests in
-examples/defaults.py.
+per parameter) in it and the README (``--record muon-bf16m`` records only that row, say
+beside rows of a fuller search; the budget row only with both adamw and muon);
+``--write-defaults`` puts the bests in examples/defaults.py.
 """
 
 from __future__ import annotations
@@ -80,14 +83,24 @@ class Config:
     muon_adamw_lr: float | None = None
     adamw_lr: float | None = None  # --optimizer adamw's lr
     warmup: int | None = None
+    momentum_dtype: str | None = None  # "bf16"; None: the example's default, fp32
     seed: int = 0
+
+    @property
+    def name(self) -> str:
+        """The variant's name in the tables: the optimizer, with the momentum dtype where it
+        is not fp32 ("muon-bf16m"), so each momentum dtype is compared at its own best."""
+        if self.momentum_dtype is None:
+            return self.optimizer
+        return f"{self.optimizer}-{self.momentum_dtype}m"
 
     def flags(self) -> list[str]:
         out = ["--optimizer", self.optimizer]
-        for key in ("lr", "adjust_lr", "muon_adamw_lr", "adamw_lr", "warmup"):
+        for key in ("lr", "adjust_lr", "muon_adamw_lr", "adamw_lr", "warmup", "momentum_dtype"):
             value = getattr(self, key)
             if value is not None:
-                out += [f"--{key.replace('_', '-')}", value if key == "adjust_lr" else f"{value:g}"]
+                shown = value if isinstance(value, str) else f"{value:g}"
+                out += [f"--{key.replace('_', '-')}", shown]
         return out + (["--seed", str(self.seed)] if self.seed else [])
 
     def settings(self) -> Config:
@@ -109,7 +122,8 @@ def grid_value(axis: str, x: float) -> Any:
 
 
 def config_from(entry: dict[str, Any]) -> Config:
-    """A run's ``config`` from results.json (older files lack warmup and seed)."""
+    """A run's ``config`` from results.json (older files lack warmup, momentum_dtype and
+    seed)."""
     known = {f.name for f in fields(Config)}
     return Config(**{k: v for k, v in entry.items() if k in known})
 
@@ -254,7 +268,7 @@ class Planner:
             if math.isinf(scores[best]):
                 continue
             out += [replace(best, seed=seed) for seed in self.seeds[1:]]
-            if best.optimizer == MUON:
+            if best.name == MUON:
                 out += [replace(best, optimizer=name) for name in self.also]
         return [c for c in dict.fromkeys(out) if c not in started]
 
@@ -327,15 +341,15 @@ def search_seed(results: dict[str, Any]) -> int:
 
 
 def best_runs(runs: Sequence[dict[str, Any]], seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Per optimizer, its run at ``seed`` with the lowest final eval loss (first-seen
-    optimizer order)."""
+    """Per variant (:attr:`Config.name`), its run at ``seed`` with the lowest final eval
+    loss (first-seen order)."""
     best: dict[str, dict[str, Any]] = {}
     for run in runs:
         config = config_from(run["config"])
         if config.seed != seed:
             continue
-        if config.optimizer not in best or run["score"] < best[config.optimizer]["score"]:
-            best[config.optimizer] = run
+        if config.name not in best or run["score"] < best[config.name]["score"]:
+            best[config.name] = run
     return best
 
 
@@ -347,11 +361,11 @@ def repeats(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> dict[int, di
 
 
 def unbracketed(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[str]:
-    """The swept settings of ``run`` (those its optimizer's runs gave more than one value)
-    that no run of its optimizer, alike in every other setting, tried on both sides of:
-    there, a better value may lie outside the sweep."""
+    """The swept settings of ``run`` (those its variant's runs gave more than one value)
+    that no run of its variant (:attr:`Config.name`), alike in every other setting, tried on
+    both sides of: there, a better value may lie outside the sweep."""
     config = config_from(run["config"])
-    mine = [c for c in (config_from(r["config"]) for r in runs) if c.optimizer == config.optimizer]
+    mine = [c for c in (config_from(r["config"]) for r in runs) if c.name == config.name]
     out = []
     for axis in AXES:
         value = getattr(config, axis)
@@ -364,12 +378,10 @@ def unbracketed(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[str
 
 
 def edge_cell(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str:
-    """The table's "best at an edge": the unbracketed axes, or "not searched" for an
-    optimizer whose runs all share one setting (say, NorMuon at Muon's best)."""
-    name = run["config"]["optimizer"]
-    settings = {
-        config_from(r["config"]).settings() for r in runs if r["config"]["optimizer"] == name
-    }
+    """The table's "best at an edge": the unbracketed axes, or "not searched" for a
+    variant whose runs all share one setting (say, NorMuon at Muon's best)."""
+    name = config_from(run["config"]).name
+    settings = {c.settings() for c in (config_from(r["config"]) for r in runs) if c.name == name}
     if len(settings) < 2:
         return "not searched"
     return ", ".join(unbracketed(run, runs)) or "no"
@@ -428,8 +440,8 @@ def tokens_per_param(results: dict[str, Any]) -> str:
 
 
 def summary_rows(results: dict[str, Any]) -> list[dict[str, str]]:
-    """The sweep table's rows: each optimizer's best settings, over its seeds, against
-    AdamW's best of the same seed."""
+    """The sweep table's rows: each variant's best settings, over its seeds, against AdamW's
+    best of the same seed."""
     runs = results["runs"]
     best = best_runs(runs, search_seed(results))
     rows = []
@@ -460,7 +472,7 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, str]]:
                 "wall vs AdamW": spread_cell(got.wall_ratios, lambda x: f"{x:.3f}", "×")
                 if got.wall_ratios
                 else missing,
-                "runs": str(sum(config_from(r["config"]).optimizer == name for r in runs)),
+                "runs": str(sum(config_from(r["config"]).name == name for r in runs)),
                 "best at an edge": edge_cell(run, runs),
             }
         )
@@ -486,18 +498,18 @@ def budget_row(results: dict[str, Any]) -> dict[str, str] | None:
 
 
 def grid_lines(results: dict[str, Any]) -> list[str]:
-    """Every run's final eval loss, grouped by optimizer, best first."""
+    """Every run's final eval loss, grouped by variant, best first."""
     lines = [
         "| optimizer | settings | seed | final eval loss | wall s | data wait ms |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for run in sorted(results["runs"], key=lambda r: (r["config"]["optimizer"], r["score"])):
+    for run in sorted(results["runs"], key=lambda r: (config_from(r["config"]).name, r["score"])):
         config = config_from(run["config"])
         score = status_of(run) if math.isinf(run["score"]) else f"{run['score']:.4f}"
         wait = run.get("data_wait_s")
         waited = "—" if wait is None else f"{wait * 1e3:.2f}"
         lines.append(
-            f"| {config.optimizer} | {config.label()} | {config.seed} | {score} "
+            f"| {config.name} | {config.label()} | {config.seed} | {score} "
             f"| {run['wall_s']:.0f} | {waited} |"
         )
     return lines
@@ -552,7 +564,25 @@ def no_target(results: dict[str, Any]) -> str | None:
     return None
 
 
-def report(results: dict[str, Any], logs: Path | None, write_table: bool) -> None:
+def check_record(record: Sequence[str], names: Sequence[str]) -> None:
+    """Exit naming a ``--record`` value that is none of the sweep's variants ``names``."""
+    for name in record:
+        if name not in names:
+            raise SystemExit(
+                f"--record {name}: this sweep has no variant of that name; give some of "
+                f"{', '.join(dict.fromkeys(names))}"
+            )
+
+
+def report(
+    results: dict[str, Any],
+    logs: Path | None,
+    write_table: bool,
+    record: Sequence[str] | None = None,
+) -> None:
+    """Print (and with ``logs``, write) the tables; with ``write_table`` record the rows of
+    the variants ``record`` names (all without it) and, if both adamw's and muon's are among
+    them, the budget row."""
     rows = summary_rows(results)
     budget = budget_row(results)
     with tempfile.TemporaryDirectory() as scratch:
@@ -572,8 +602,12 @@ def report(results: dict[str, Any], logs: Path | None, write_table: bool) -> Non
         why = no_target(results)
         if why is not None:
             raise SystemExit(f"no target: {why}; nothing recorded in benchmarks/README.md")
-        tables.record("sweep", rows, results["run"])
-        if budget is not None:
+        chosen = rows
+        if record is not None:
+            check_record(record, [row["optimizer"] for row in rows])
+            chosen = [row for row in rows if row["optimizer"] in record]
+        tables.record("sweep", chosen, results["run"])
+        if budget is not None and {BASELINE, MUON} <= {row["optimizer"] for row in chosen}:
             tables.record("budget", [budget], results["run"])
             tables.render("budget", readme=ROOT / "README.md")
 
@@ -843,12 +877,15 @@ def checked_flags(
     parsed = training_args(flags)
     if parsed.data is None:
         raise SystemExit("a sweep scores the eval loss on held-out text: give --data")
-    per_run = ("--seed", "--optimizer") if fixed else ("--seed", "--optimizer", "--warmup")
+    per_run = ["--seed", "--optimizer", "--momentum-dtype"] + ([] if fixed else ["--warmup"])
     for flag in per_run:
         if any(f == flag or f.startswith(flag + "=") for f in flags):
-            raise SystemExit(f"{flag} after -- is set by the sweep for each run: leave it out")
+            fix = "leave it out"
+            if flag == "--momentum-dtype":
+                fix = 'put it in the variant instead (--runs "muon ... --momentum-dtype bf16")'
+            raise SystemExit(f"{flag} after -- is set by the sweep for each run: {fix}")
     firsts = [s.base for s in searches_from(args)] if not fixed else fixed
-    also = [replace(c, optimizer=name) for c in firsts if c.optimizer == MUON for name in args.also]
+    also = [replace(c, optimizer=name) for c in firsts if c.name == MUON for name in args.also]
     for config in [*firsts, *also]:
         training_args([*flags, *config.flags()])
     check_data(parsed)
@@ -867,7 +904,8 @@ def run_info(args: argparse.Namespace, command: str) -> dict[str, str]:
 
 
 def config_of(variant: str) -> Config:
-    """``"muon --lr 0.02 --warmup 30"`` as a :class:`Config`."""
+    """``"muon --lr 0.02 --warmup 30"`` as a :class:`Config`; ``--momentum-dtype fp32`` is
+    the example's default, so it is the same config (and name) as no flag."""
     optimizer, *extra = shlex.split(variant)
     p = argparse.ArgumentParser(prog=f"--runs {variant!r}", add_help=False)
     p.add_argument("--lr", type=float)
@@ -875,7 +913,15 @@ def config_of(variant: str) -> Config:
     p.add_argument("--muon-adamw-lr", type=float)
     p.add_argument("--adamw-lr", type=float)
     p.add_argument("--warmup", type=int)
-    return Config(optimizer, **vars(p.parse_args(extra)))
+    p.add_argument("--momentum-dtype", choices=("fp32", "bf16"))
+    values = vars(p.parse_args(extra))
+    dtype = values.pop("momentum_dtype")
+    if dtype is not None and optimizer == BASELINE:
+        p.error(
+            f"--momentum-dtype {dtype}: the adamw variant keeps no Muon momenta (train.py "
+            "ignores it there); leave it out of this variant"
+        )
+    return Config(optimizer, momentum_dtype=None if dtype == "fp32" else dtype, **values)
 
 
 def fixed_configs(args: argparse.Namespace) -> list[Config]:
@@ -931,6 +977,9 @@ def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--runs and --best-of both name the runs: give one")
     if args.resume_from is not None and args.from_json is not None:
         p.error("--resume-from continues a sweep: it trains, so it takes no --from-json")
+    if args.record is not None and not args.write_table:
+        names = " ".join(args.record)
+        p.error(f"--record {names} picks the rows that --write-table records: give --write-table")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -989,6 +1038,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--plot", type=Path, default=None, help="with --from-json: write the plot")
     p.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     p.add_argument(
+        "--record",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="with --write-table: record only these variants' rows (say, muon-bf16m beside a"
+        " fuller search's adamw and muon); the budget row only with both adamw and muon",
+    )
+    p.add_argument(
         "--write-defaults",
         action="store_true",
         help="with --from-json: the bests become examples/defaults.py's --data defaults",
@@ -997,7 +1054,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     check(args, p)
     if args.from_json is not None:
         results = load(args.from_json)
-        report(results, None, args.write_table)
+        report(results, None, args.write_table, args.record)
         if args.plot is not None:
             plot(results, args.plot)
         if args.write_defaults:
@@ -1006,8 +1063,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.write_defaults:
         p.error("--write-defaults reads a finished sweep: give --from-json")
     fixed = fixed_configs(args)
+    if args.record is not None:  # a typo refused before the runs, not after them
+        check_record(args.record, [c.name for c in fixed] or [BASELINE, MUON, *args.also])
     results = sweep(args, flags, fixed)
-    report(results, args.logs, args.write_table)
+    report(results, args.logs, args.write_table, args.record)
     failed = crashed(results)
     if failed:
         raise SystemExit(

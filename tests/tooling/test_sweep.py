@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -473,6 +474,20 @@ def test_a_crashed_run_is_reported_as_crashed_with_its_log_and_fails_the_sweep(
         (["--also", "sgd"], [], "'sgd'"),
         ([], ["--data", "missing_*.bin"], "--data 'missing_*.bin' matches no file"),
         ([], ["--eval-data", "missing_*.bin"], "--eval-data 'missing_*.bin' matches no file"),
+        (["--runs", "muon --momentum-dtype fp16"], [], "invalid choice: 'fp16'"),
+        (
+            ["--runs", "adamw --momentum-dtype bf16"],
+            [],
+            "'adamw --momentum-dtype bf16': error: --momentum-dtype bf16: the adamw variant",
+        ),
+        ([], ["--momentum-dtype", "bf16"], "--momentum-dtype after -- is set by the sweep"),
+        (["--runs", "muon"], ["--momentum-dtype=bf16"], "put it in the variant"),
+        (["--record", "muon-bf16m"], [], "--record muon-bf16m picks the rows"),
+        (
+            ["--runs", "adamw", "muon", "--write-table", "--record", "muon-bf16"],
+            [],
+            "--record muon-bf16: this sweep has no variant of that name; give some of adamw, muon",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_any_run_or_folder(
@@ -506,3 +521,122 @@ def test_a_used_logs_folder_is_refused_and_kept(
     with pytest.raises(SystemExit, match=f"--logs {logs} already exists"):
         sweep.main([*argv, "--", "--data", str(_text(tmp_path)), *TINY])
     assert (logs / "results.json").read_text() == "{}"
+
+
+BF16 = "muon --lr 0.005 --adjust-lr spectral_norm --muon-adamw-lr 0.001 --warmup 30"
+BF16 += " --momentum-dtype bf16"
+
+
+@pytest.mark.parametrize(
+    "variant", [BF16, "normuon --lr 0.02 --momentum-dtype bf16", "adamw --adamw-lr 0.0005"]
+)
+def test_a_variant_round_trips_through_its_flags_and_results_json(variant: str) -> None:
+    config = sweep.config_of(variant)
+    assert shlex.join(config.flags()[1:]) == variant
+    assert sweep.config_from(json.loads(json.dumps(asdict(config)))) == config
+    # The example reads the flags as the variant meant them.
+    parsed = sweep.training_args(config.flags())
+    assert parsed.momentum_dtype == ("bf16" if config.momentum_dtype else "fp32")
+    assert ("momentum-dtype bf16" in config.label()) == (config.momentum_dtype == "bf16")
+
+
+def test_fp32_momenta_are_the_default_config_and_old_results_read_as_fp32() -> None:
+    plain = sweep.config_of("muon --lr 0.01")
+    assert sweep.config_of("muon --lr 0.01 --momentum-dtype fp32") == plain
+    assert plain.name == "muon" and "--momentum-dtype" not in plain.flags()
+    assert sweep.config_of("muon --lr 0.01 --momentum-dtype bf16").name == "muon-bf16m"
+    older = {k: v for k, v in asdict(plain).items() if k != "momentum_dtype"}
+    assert sweep.config_from(older) == plain
+
+
+def with_bf16(results: dict[str, Any], slopes: dict[float, float]) -> dict[str, Any]:
+    """``results`` plus bf16-momenta Muon runs at seed 0, one per lr of ``slopes`` (each
+    falling linearly at its slope, as :func:`synthetic`'s Muon does)."""
+    bf16 = sweep.config_of(BF16)
+    runs = [linear_run(replace(bf16, lr=lr), 3.0, k, 1.0) for lr, k in slopes.items()]
+    return {**results, "runs": [*results["runs"], *runs]}
+
+
+def test_bf16_momenta_are_a_variant_of_their_own() -> None:
+    """A bf16 run does not compete with fp32 Muon: each has its best, row, run count and
+    bracketing check on its own runs; the budget row stays fp32 Muon's."""
+    muon_slope = 2e-4
+    slopes = {0.005: 2.2e-4, 0.01: 2.6e-4, 0.02: 2.4e-4}  # every one beats fp32 Muon
+    results = with_bf16(synthetic({0: 1e-4}, {0: muon_slope}), slopes)
+    best = sweep.best_runs(results["runs"])
+    assert list(best) == ["adamw", "muon", "muon-bf16m"]
+    assert best["muon"]["config"]["momentum_dtype"] is None
+    assert best["muon-bf16m"]["config"]["lr"] == max(slopes, key=slopes.__getitem__)
+    rows = {row["optimizer"]: row for row in sweep.summary_rows(results)}
+    assert rows["muon"]["runs"] == "1" and rows["muon"]["best at an edge"] == "not searched"
+    assert rows["muon-bf16m"]["runs"] == str(len(slopes))
+    assert rows["muon-bf16m"]["best at an edge"] == "no"  # bracketed by its own lrs
+    assert rows["muon-bf16m"]["best settings"].endswith("momentum-dtype bf16")
+    assert float(rows["muon"]["final eval loss"]) == pytest.approx(3.0 - muon_slope * 10000)
+    budget = sweep.budget_row(results)
+    assert budget is not None
+    assert budget["Muon final eval loss"] == rows["muon"]["final eval loss"]
+    assert any(line.startswith("| muon-bf16m | lr 0.01 ") for line in sweep.grid_lines(results))
+    # Its best at the top of its lr line is at an edge, whatever fp32 Muon tried.
+    edge = with_bf16(synthetic({0: 1e-4}, {0: muon_slope}), {0.005: 2.2e-4, 0.01: 2.4e-4})
+    rows = {row["optimizer"]: row for row in sweep.summary_rows(edge)}
+    assert rows["muon-bf16m"]["best at an edge"] == "lr"
+
+
+def test_a_runs_sweep_of_both_momentum_dtypes_trains_each_as_its_own_variant(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    lrs = ("0.005", "0.01", "0.02")
+    bf16 = [f"muon --lr {lr} --warmup 30 --momentum-dtype bf16" for lr in lrs]
+    runs = ["adamw --adamw-lr 5e-4 --warmup 60", "muon --lr 0.01 --warmup 30", *bf16]
+    results = fake_sweep(monkeypatch, tmp_path, "--runs", *runs)
+    configs = [sweep.config_from(r["config"]) for r in results["runs"]]
+    assert sorted(c.name for c in configs) == ["adamw", "muon", *["muon-bf16m"] * len(lrs)]
+    rows = {row["optimizer"]: row for row in sweep.summary_rows(results)}
+    # The bowl's best Muon lr lies above the three: the bf16 line's top is its best, an edge.
+    assert rows["muon-bf16m"]["best settings"] == "lr 0.02 warmup 30 momentum-dtype bf16"
+    assert rows["muon-bf16m"]["best at an edge"] == "lr"
+    assert rows["muon"]["best settings"] == "lr 0.01 warmup 30"
+
+
+def test_record_stores_only_the_named_rows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--record muon-bf16m`` adds that row beside a fuller search's adamw and muon rows of
+    the same model and tokens, which keep their own run; the budget row needs both."""
+    stored = tmp_path / "results"
+    rendered: list[str] = []
+    monkeypatch.setattr(
+        sweep.tables, "record", lambda name, rows, run: sweep.tables.store(name, rows, run, stored)
+    )
+    monkeypatch.setattr(sweep.tables, "render", lambda name, *a, **k: rendered.append(name))
+    search = synthetic({0: 1e-4}, {0: 2e-4})
+    earlier = {**search["run"], "command": "the full search"}
+    sweep.tables.store("sweep", sweep.summary_rows(search), earlier, stored)
+    reruns = with_bf16(synthetic({0: 1e-4}, {0: 3e-4}), {0.01: 2.5e-4})
+    path = tmp_path / "reruns.json"
+    path.write_text(json.dumps(reruns))
+
+    def table() -> dict[str, dict[str, Any]]:
+        rows = json.loads((stored / "sweep.json").read_text())["rows"]
+        return {row["cells"]["optimizer"]: row for row in rows}
+
+    sweep.main(["--from-json", str(path), "--write-table", "--record", "muon-bf16m"])
+    after = table()
+    assert set(after) == {"adamw", "muon", "muon-bf16m"}
+    assert after["adamw"]["run"] == after["muon"]["run"] == earlier
+    new = {row["optimizer"]: row for row in sweep.summary_rows(reruns)}["muon-bf16m"]
+    assert after["muon-bf16m"] == {"cells": new, "run": reruns["run"]}
+    assert not (stored / "budget.json").exists() and rendered == []
+    # An unknown name: refused by name, with the names there are; nothing recorded.
+    with pytest.raises(SystemExit) as refused:
+        sweep.main(["--from-json", str(path), "--write-table", "--record", "muon-bf16"])
+    assert str(refused.value.code) == (
+        "--record muon-bf16: this sweep has no variant of that name; give some of adamw, muon, "
+        "muon-bf16m"
+    )
+    assert table() == after
+    # Both adamw and muon recorded: the budget row too.
+    sweep.main(["--from-json", str(path), "--write-table", "--record", "adamw", "muon"])
+    assert table()["muon"]["run"] == reruns["run"] and rendered == ["budget"]
+    assert json.loads((stored / "budget.json").read_text())["rows"][0]["cells"] == (
+        sweep.budget_row(reruns)
+    )
