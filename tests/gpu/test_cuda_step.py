@@ -20,7 +20,8 @@ LR = 0.02
 
 def _params(seed: int) -> list[nn.Parameter]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    # (2048, 1024) is large enough for the fused passes, the rest take the torch form.
+    # The fused passes write the first group's pieces; cautious decay and Magma write
+    # theirs one piece at a time.
     shapes = [(2048, 1024), (96, 64), (64, 200), (4, 48, 32), (64,)]
     return [nn.Parameter(torch.randn(s, device="cuda", generator=gen)) for s in shapes]
 
