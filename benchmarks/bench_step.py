@@ -14,7 +14,9 @@ muon_dist is also timed with its step captured in a CUDA graph (``cuda_graph=Tru
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --preset tiny --device cpu
 
 ``--backward`` times whole training steps instead, with and without ``overlap="backward"``
-(:mod:`bench_backward`).
+(:mod:`bench_backward`). ``--from-json PATH --write-table`` records a finished run's step
+and host rows from its ``--json`` (which keeps its run's device, versions and command), so
+a GPU machine need only return that file.
 """
 
 from __future__ import annotations
@@ -496,6 +498,13 @@ def parse_args() -> argparse.Namespace:
         "gradients: PATH is a folder holding its `dion` package (a checkout of the repository)",
     )
     parser.add_argument("--json", metavar="PATH", help="default $OUT/bench_step_<preset>.json")
+    parser.add_argument(
+        "--from-json",
+        metavar="PATH",
+        type=Path,
+        help="print (with --write-table: record) a finished run's --json again, no timing; "
+        "say, on the machine that holds the repository",
+    )
     parser.add_argument("--write-table", action="store_true", help=tables.WRITE_TABLE_HELP)
     args = parser.parse_args()
     if args.steps < 5 or args.warmup < 2:
@@ -671,17 +680,46 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     }
     report["wall_s"] = time.perf_counter() - START
     if dist.get_rank() == 0:
+        report["run"] = tables.run_info(gpus=world)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         print(f"\nwrote {args.json} ({report['wall_s']:.0f} s)")
         print_table(report)
         if args.write_table:
-            info = tables.run_info(gpus=world)
-            tables.record("step", table_rows(report), info)
-            captured = [m for m in methods if m["name"].startswith("muon_dist graph")]
-            if captured:
-                tables.record("host", [host_row(report, captured[0])], info)
+            record_tables(report)
     return 0 if parity["ok"] else 1
+
+
+def record_tables(report: dict[str, Any]) -> None:
+    """The report's rows of the step table and, where it timed a captured step, its row
+    of the host table, under the run info it was measured with."""
+    tables.record("step", table_rows(report), report["run"])
+    captured = [m for m in report["methods"] if m["name"].startswith("muon_dist graph")]
+    if captured:
+        tables.record("host", [host_row(report, captured[0])], report["run"])
+
+
+# What a report needs to be printed and recorded again (--from-json).
+REPORT_KEYS = (
+    "preset",
+    "layers",
+    "params",
+    "muon_matrices",
+    "world_size",
+    "mesh_shape",
+    "mesh_names",
+    "device",
+    "options",
+    "matmul_size",
+    "matmul_tflops",
+    "ns_flops",
+    "floor_ms",
+    "state_gib_per_rank",
+    "parity",
+    "methods",
+    "run",
+)
 
 
 def run_backward_mode(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int:
@@ -718,6 +756,12 @@ def run_backward_mode(args: argparse.Namespace, device: torch.device, mesh: Devi
 
 def main() -> int:
     args = parse_args()
+    if args.from_json is not None:
+        report = tables.read_results(args.from_json, "bench_step.py", REPORT_KEYS)
+        print_table(report)
+        if args.write_table:
+            record_tables(report)
+        return 0
     device, mesh = init_distributed(args)
     try:
         if args.backward:
