@@ -134,8 +134,9 @@ def _decay_and_update_block(  # type: ignore[no-untyped-def]  # Triton reads ann
     dtype. With FEEDBACK, also Dion2's error feedback (:func:`_decay_selected`) on the
     momentum, from the same read of the update.
 
-    Rounded after each product and the sum, as the torch form's decay, scale and add are
-    (launched with :data:`_UNFUSED`, so the compiler contracts no product into the add)."""
+    Rounded after each product and the sum, as the batched torch write's decay, scale and
+    add are (:func:`muon_dist.rules.ops.shared_step_updates_`; launched with
+    :data:`_UNFUSED`, so the compiler contracts no product into the add)."""
     stored = tl.load(param_ptr + offsets, mask=mask)
     update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     decayed = decay * stored.to(tl.float32)
