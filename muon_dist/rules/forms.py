@@ -34,7 +34,7 @@ def fused_form(backend: str, *tensors: torch.Tensor) -> bool:
         return False
     if backend == "auto" and first.numel() < FUSED_MIN_NUMEL:
         return False
-    return all(t.shape == first.shape and t.is_contiguous() for t in tensors) and triton_available()
+    return _alike(*tensors) and triton_available()
 
 
 def fused_pieces(backend: str, shard: torch.Tensor, momentum: torch.Tensor) -> bool:
@@ -42,9 +42,11 @@ def fused_pieces(backend: str, shard: torch.Tensor, momentum: torch.Tensor) -> b
     from address tables, every piece of a batch in one launch, so like
     :func:`fused_launches` they pay wherever Triton runs, whatever the size; the shard and
     its momentum of one shape, each contiguous (a piece inside them may be strided)."""
-    return (
-        fused_launches(backend, shard)
-        and shard.shape == momentum.shape
-        and shard.is_contiguous()
-        and momentum.is_contiguous()
-    )
+    return fused_launches(backend, shard) and _alike(shard, momentum)
+
+
+def _alike(*tensors: torch.Tensor) -> bool:
+    """One shape, each contiguous: a fused pass reads every operand as consecutive elements
+    from its address."""
+    first = tensors[0]
+    return all(t.shape == first.shape and t.is_contiguous() for t in tensors)
