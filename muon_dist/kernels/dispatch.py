@@ -64,8 +64,13 @@ def replays_from_graph(X: torch.Tensor, graphed: bool = False) -> bool:
     stack-sized buffers)."""
     if not X.is_cuda or X.ndim < 2 or torch.cuda.is_current_stream_capturing():
         return False
-    if graphed:
-        return True
+    return graphed or launch_bound(X)
+
+
+def launch_bound(X: torch.Tensor) -> bool:
+    """Whether Newton–Schulz on the stack ``X`` is bound by launching its kernels rather
+    than by their work: below :data:`TRITON_MIN_FLOP_PER_STEP` and at most
+    :data:`~muon_dist.kernels.graphs.GRAPH_MAX_BYTES`."""
     small = X.numel() * X.element_size() <= GRAPH_MAX_BYTES
     return small and not prefer_triton(*_matrices(X))
 

@@ -57,6 +57,33 @@ class PinnedStaging:
         return moved
 
 
+class HostMirror:
+    """A host buffer of one device tensor's values, written in place and copied over whole:
+    pinned for a CUDA tensor (its copy queued on the current stream; a write waits,
+    rarely, for the last copy to be done), the tensor itself on the CPU."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+        self._host = target
+        self._copied: torch.cuda.Event | None = None
+        if target.device.type == "cuda":
+            self._host = torch.empty_like(target, device="cpu", pin_memory=True)
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
+        self._view = self._host.numpy()
+
+    def values(self) -> np.ndarray:
+        """The host buffer as an array to write this round's values into."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._view
+
+    def send(self) -> None:
+        """Queue the copy of the values written to the device tensor (nothing on the CPU)."""
+        if self._copied is not None:
+            self.target.copy_(self._host, non_blocking=True)
+            self._copied.record()
+
+
 class _Ring:
     """Address tables' staging buffers, taken in turn."""
 

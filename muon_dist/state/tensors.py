@@ -13,13 +13,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+data_ptr = torch._C.TensorBase.data_ptr
+"""Where a tensor starts in memory, read past ``__torch_function__`` (no dispatch)."""
+
+
 def storage(params: Sequence[torch.Tensor]) -> list[int]:
     """Where each parameter's local tensor starts in memory now: a pointer read per
-    parameter, past ``__torch_function__``, so a check every step costs almost nothing."""
-    return [
-        _data_ptr(p._local_tensor if isinstance(p, DTensor) else p)  # no dispatch
-        for p in params
-    ]
-
-
-_data_ptr = torch._C.TensorBase.data_ptr
+    parameter, so a check every step costs almost nothing."""
+    return [data_ptr(p._local_tensor if isinstance(p, DTensor) else p) for p in params]

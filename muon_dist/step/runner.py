@@ -10,6 +10,7 @@ replayed (:mod:`muon_dist.step.launch.cuda_graph`).
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,7 +121,7 @@ class StepRunner:
             [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
         )
         self.inputs = StepInputs.allocate(
-            len(groups), len(self.params), self.agreement.stage_size, self.device
+            len(groups), self._group_of, self.agreement.stage_size, self.device
         )
         # The mode of a step run whole at step(), and of one started from gradient hooks.
         self.modes = StepMode.pair(settings.nonfinite)
@@ -144,9 +145,9 @@ class StepRunner:
                 members.setdefault(group_index[id(group)], []).append(position)
         self.adamw = AdamWPhase(members, self.params, self.inputs, self.agreement)
         self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
-        self._grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
-            (None, None) for _ in self.params
-        ]
+        # The gradients last read (``p.grad``) and their checked local shards.
+        self._sources: list[torch.Tensor | None] = [None] * len(self.params)
+        self._unwrapped: list[torch.Tensor | None] = [None] * len(self.params)
         self.bind_state(state)
 
     def stale(self, groups: Sequence[dict[str, Any]]) -> str | None:
@@ -206,16 +207,26 @@ class StepRunner:
 
     def _local_grads(self) -> list[torch.Tensor | None]:
         """Local gradient shards; a gradient kept between steps is checked and unwrapped
-        only once."""
-        return [self._local_grad(index) for index in range(len(self.params))]
+        only once, and a step whose gradients are all the last step's objects costs one
+        identity test per parameter."""
+        with torch._C.DisableTorchFunctionSubclass():  # DTensor's .grad: a third of the cost
+            grads = [p.grad for p in self.params]
+        if not all(map(operator.is_, grads, self._sources)):
+            for index, grad in enumerate(grads):
+                if grad is not self._sources[index]:
+                    self._read(index, grad)
+        return list(self._unwrapped)
 
     def _local_grad(self, index: int) -> torch.Tensor | None:
         grad = self.params[index].grad
-        source, unwrapped = self._grads[index]
-        if grad is not source:
-            unwrapped = None if grad is None else self._checks[index](grad)
-            self._grads[index] = (grad, unwrapped)
-        return unwrapped
+        if grad is not self._sources[index]:
+            self._read(index, grad)
+        return self._unwrapped[index]
+
+    def _read(self, index: int, grad: torch.Tensor | None) -> None:
+        """Check and unwrap parameter ``index``'s new gradient ``grad``, and keep both."""
+        unwrapped = None if grad is None else self._checks[index](grad)
+        self._sources[index], self._unwrapped[index] = grad, unwrapped
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """A Muon parameter's gradient is final (its post-accumulate-grad hook, in a step
@@ -264,7 +275,6 @@ class StepRunner:
         present = [g is not None for g in grads]
         self.inputs.stage(
             groups,
-            self._group_of,
             present,
             None if failure is None else self.rank,
             [] if failure is not None else self.agreement.stage(groups, self.rank),

@@ -14,6 +14,7 @@ from dist_harness import pool
 from torch import nn
 
 import muon_dist
+from muon_dist.step.bucket import orthogonalizer
 
 LR = 0.02
 
@@ -119,6 +120,28 @@ def test_captured_step_with_zero_grad_is_bitwise_the_eager_step(set_to_none: boo
     assert graphed.uncaptured_reason is None
     assert graphed.runner.graph is not None and graphed.runner.graph.captured
     _equal(expected, got, f"captured, zero_grad(set_to_none={set_to_none})")
+
+
+def test_captured_step_runs_small_stacks_beside_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured step spreads its launch-bound stacks over its stream and side streams
+    (branches of the graph), and still equals the eager step bit for bit."""
+    uses: list[str] = []
+    real = orthogonalizer.side_stream
+
+    def spy(device: torch.device, use: str) -> torch.cuda.Stream:
+        uses.append(use)
+        return real(device, use)
+
+    monkeypatch.setattr(orthogonalizer, "side_stream", spy)
+    eager_params, graph_params = _params(5), _params(5)
+    eager = muon_dist.Muon(_groups(eager_params), lr=LR, cuda_graph=False)
+    expected = _run(eager_params, eager, range(5), set_to_none=True)
+    assert not uses  # an uncaptured step runs its stacks in order
+    graphed = muon_dist.Muon(_groups(graph_params), lr=LR, cuda_graph=True)
+    got = _run(graph_params, graphed, range(5), set_to_none=True)
+    assert any(use.startswith("stacks beside") for use in uses)
+    assert graphed.runner.graph is not None and graphed.runner.graph.captured
+    _equal(expected, got, "captured, stacks beside each other")
 
 
 def test_a_step_with_a_missing_gradient_runs_eagerly_between_replays() -> None:

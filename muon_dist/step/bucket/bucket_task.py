@@ -38,7 +38,7 @@ def run_bucket(where: BucketMap, tools: BucketTools, exchange: BucketExchange) -
         tools.io.read(where.own_reads, region_views(stacks, where.own_read_regions))
 
     stacks = yield from exchange.gather(lambda outs: tools.io.read(where.gather_reads, outs), own)
-    results = [tools.orthogonalize(t, s) for t, s in zip(stacks, where.stacks, strict=True)]
+    results = tools.orthogonalize.stacks(stacks, where.stacks)
     del stacks
     tools.io.write(where.own_writes, region_views(results, where.own_write_regions))
     updates = yield from exchange.scatter(results)

@@ -8,8 +8,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from muon_dist.kernels.dispatch import newton_schulz
+from muon_dist.kernels.dispatch import launch_bound, newton_schulz
 from muon_dist.kernels.graphs import GraphCache
+from muon_dist.kernels.streams import side_stream
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import StackSpec
 from muon_dist.plan.indices import TensorIndex
@@ -20,9 +21,11 @@ from muon_dist.step.agree.failures import Failures
 class OwnerPart:
     """What an owner does around Newton–Schulz on a stack; this class is Muon's: Newton–Schulz
     of the input as it is. ``graphed``: whether its Newton–Schulz replays from CUDA graphs
-    whatever the stack's size."""
+    whatever the stack's size. ``beside``: whether it may run on a side stream beside the
+    other stacks of its bucket (it touches nothing but its stack and result)."""
 
     graphed = False
+    beside = True
 
     def run(
         self,
@@ -32,6 +35,27 @@ class OwnerPart:
     ) -> torch.Tensor:
         """The owner's result for ``x`` (a stack, or one part of its matrices: ``part``)."""
         return orthogonalize(x)
+
+
+# Streams a captured step spreads a bucket's launch-bound stacks over: its own and three
+# side streams, each stack of a small model's bucket on its own. Each stream that runs a
+# matmul keeps a cuBLAS workspace (32 MiB on Hopper) for the life of the process.
+LANES = 4
+
+
+def lanes(costs: Sequence[float | None], count: int = LANES) -> list[int]:
+    """Each stack's lane among ``count``, 0 being the step's stream: stacks of a ``None``
+    cost stay on lane 0, in order; the others, largest first, each go to the lane with the
+    least cost so far, so the lanes' Newton–Schulz work ends close together."""
+    load = [0.0] * count
+    lane = [0] * len(costs)
+    for index in sorted(
+        (i for i, c in enumerate(costs) if c is not None), key=lambda i: -(costs[i] or 0.0)
+    ):
+        target = load.index(min(load))
+        lane[index] = target
+        load[target] += costs[index] or 0.0
+    return lane
 
 
 class Orthogonalizer:
@@ -72,6 +96,49 @@ class Orthogonalizer:
         if owner is None:
             owner = self._owners[spec.index] = self._owner_of(spec)
         return owner
+
+    def stacks(
+        self, stacks: Sequence[torch.Tensor], specs: Sequence[StackSpec]
+    ) -> list[torch.Tensor]:
+        """Newton–Schulz on each of a bucket's stacks (:meth:`__call__`). In a captured step
+        on CUDA the launch-bound ones whose owner part may run ``beside`` the others are
+        spread over the step's stream and side streams (:func:`lanes`, by FLOPs): in the
+        graph the lanes are parallel branches, so small stacks, whose chains of short
+        kernels each leave most of the GPU idle, run at once. Elsewhere they run in order:
+        an uncaptured step would pay the streams' synchronisation on the host."""
+        costs = [self._beside_cost(x, spec) for x, spec in zip(stacks, specs, strict=True)]
+        if sum(c is not None for c in costs) < 2:
+            return [self(x, spec) for x, spec in zip(stacks, specs, strict=True)]
+        lane = lanes(costs)
+        step = torch.cuda.current_stream()
+        sides = {k: side_stream(stacks[0].device, f"stacks beside {k}") for k in set(lane) - {0}}
+        for side in sides.values():
+            side.wait_stream(step)
+        results: dict[int, torch.Tensor] = {}
+        for index, (x, spec) in enumerate(zip(stacks, specs, strict=True)):
+            if lane[index]:
+                with torch.cuda.stream(sides[lane[index]]):
+                    result = self(x, spec)
+                # Made and read across streams: freed only once both are done with them.
+                x.record_stream(sides[lane[index]])
+                result.record_stream(step)
+                results[index] = result
+        for index, (x, spec) in enumerate(zip(stacks, specs, strict=True)):
+            if lane[index] == 0:
+                results[index] = self(x, spec)
+        for side in sides.values():
+            step.wait_stream(side)
+        return [results[index] for index in range(len(stacks))]
+
+    def _beside_cost(self, x: torch.Tensor, spec: StackSpec) -> float | None:
+        """The Newton–Schulz FLOPs of a stack that may run on a side stream, else None."""
+        if not (self._settings.cuda_graph and x.is_cuda and launch_bound(x)):
+            return None
+        if not self._owner(spec).beside:
+            return None
+        batch, rows, cols = spec.shape
+        small, large = min(rows, cols), max(rows, cols)
+        return float(batch * (4 * small * small * large + 2 * small**3))
 
     def finite(self) -> torch.Tensor:
         """Per matrix of every stack: whether its last result was finite (a new tensor)."""

@@ -38,6 +38,7 @@ from muon_dist.comm.groups import CommGroups
 from muon_dist.kernels.streams import side_stream
 from muon_dist.kernels.tables import StepStaging
 from muon_dist.options.settings import ExecutionSettings
+from muon_dist.state.tensors import data_ptr
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class StepGraph:
         if self.given_up is not None:
             body()
             return
-        pointers = tuple(g.data_ptr() for g in grads)
+        pointers = tuple(map(data_ptr, grads))
         if key != self._key:
             if self._key is not None:
                 self._changes += 1

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from muon_dist.kernels.tables import HostMirror
 from muon_dist.rules.ops import decay_factor, decay_rate, step_size
 
 # Newton–Schulz divides its input by the Frobenius norm, whose square overflows fp32 above
@@ -83,46 +84,61 @@ class StepInputs:
     failed: torch.Tensor  # [1]: this rank's rank + 1 when it refused its inputs, else 0
     compared: torch.Tensor  # what the agreement compares across ranks (Agreement.stage)
     lr_of_group: tuple[torch.Tensor, ...]  # one-element views of ``lr`` (fused AdamW's lr)
+    group_of: np.ndarray[Any, Any]  # each parameter's group index
+    mirror: HostMirror  # where the host writes the values, segment by segment
+    staged: dict[str, np.ndarray[Any, Any]]  # the mirror's segments by name
 
     @classmethod
-    def allocate(cls, groups: int, params: int, compared: int, device: torch.device) -> StepInputs:
+    def allocate(
+        cls, groups: int, group_of: Sequence[int], compared: int, device: torch.device
+    ) -> StepInputs:
+        """The buffer of a step over ``groups`` groups and a parameter per ``group_of``
+        entry (its group's index), ``compared`` values compared across ranks."""
         layout = Segments.of(
             lr=groups,
             weight_decay=groups,
-            present=params,
-            norm_limit=params,
+            present=len(group_of),
+            norm_limit=len(group_of),
             failed=1,
             compared=compared,
         )
         buffer = torch.zeros(layout.numel, device=device)
         views = layout.views(buffer)
-        return cls(buffer, **views, lr_of_group=tuple(views["lr"].unbind(0)))
+        mirror = HostMirror(buffer)
+        return cls(
+            buffer,
+            **views,
+            lr_of_group=tuple(views["lr"].unbind(0)),
+            group_of=np.asarray(group_of, dtype=np.int64),
+            mirror=mirror,
+            staged=layout.views(mirror.values()),
+        )
 
     def stage(
         self,
         groups: Sequence[dict[str, Any]],
-        group_of: Sequence[int],
         present: Sequence[bool],
         failed_rank: int | None,
         compared: Sequence[float],
     ) -> None:
-        """Copy this step's values in (``group_of``: each parameter's group index). A rank
-        that refused its inputs stages nothing read from the groups (their options may be
-        what it refused): zeros, no norm limits, and zeros for ``compared``."""
+        """Copy this step's values in. A rank that refused its inputs stages nothing read
+        from the groups (their options may be what it refused): zeros, no norm limits, and
+        zeros for ``compared``."""
+        self.mirror.values()
+        staged = self.staged
         if failed_rank is None:
-            values = [float(g["lr"]) for g in groups]
-            values += [float(g["weight_decay"]) for g in groups]
-            values += [1.0 if here else 0.0 for here in present]
-            limits = [norm_limit(g) for g in groups]
-            values += [limits[g] for g in group_of]
-            values += [0.0, *compared]
+            staged["lr"][:] = [float(g["lr"]) for g in groups]
+            staged["weight_decay"][:] = [float(g["weight_decay"]) for g in groups]
+            staged["present"][:] = present
+            staged["norm_limit"][:] = np.array([norm_limit(g) for g in groups])[self.group_of]
+            staged["failed"][:] = 0.0
+            staged["compared"][:] = compared
         else:
-            values = [0.0] * (self.lr.numel() + self.weight_decay.numel() + len(group_of))
-            values += [math.inf] * len(group_of) + [float(failed_rank + 1)]
-            values += [0.0] * self.compared.numel()
-        pinned = self.buffer.device.type == "cuda"
-        staged = torch.tensor(values, dtype=torch.float32, pin_memory=pinned)
-        self.buffer.copy_(staged, non_blocking=pinned)
+            for name in ("lr", "weight_decay", "present", "compared"):
+                staged[name][:] = 0.0
+            staged["norm_limit"][:] = math.inf
+            staged["failed"][:] = float(failed_rank + 1)
+        self.mirror.send()
 
 
 class MuonScalars:

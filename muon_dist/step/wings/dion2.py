@@ -42,6 +42,7 @@ class ChosenSlices(OwnerPart):
     work."""
 
     graphed = True
+    beside = False  # its stacks replay from graphs of their own (graphed)
 
     def __init__(
         self, part: RulePart, backend: str, chosen: dict[int, list[torch.Tensor]], stack: int

@@ -20,6 +20,8 @@ from muon_dist.step.wings.base import Wing
 class RowNormalization(OwnerPart):
     """Newton–Schulz, then the rows normalized, for one stack whose rows are ``rows``."""
 
+    beside = False  # every stack adds its rows' sums into one tensor of the wing
+
     def __init__(self, moments: RowMoments, rows: StackRows) -> None:
         self._moments, self._rows = moments, rows
 
