@@ -7,8 +7,9 @@ stops with an error naming each file. A ``--data`` file cut under the job stops 
 with its name and both sizes.
 
 The cases run in one torchrun launch (checkpoint_fault_cases.py: one group, examples/train.py's
-``train()`` per case, each a 2-step resume of the tiny model); one more launch of the script
-itself shows what a user sees: the warning on the log, the same final weights.
+``train()`` per case, each a 2-step resume of the tiny model); one more run of the script
+itself, its 2 ranks forked with torch imported (train_launch.launch_forked), shows what a
+user sees: the warning on the log, the same final weights.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 import torch
 from checkpoint_fault_cases import CASES, NEWEST, OLDER, SHARD, STEPS, flags, flip
 from repo_paths import ROOT
-from train_launch import LAUNCH_TIMEOUT_S, SCRIPT, launch_env
+from train_launch import LAUNCH_TIMEOUT_S, launch_env, launch_forked
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 WORKER = Path(__file__).with_name("checkpoint_fault_cases.py")
@@ -120,17 +121,9 @@ def test_the_script_falls_back_with_one_warning_on_its_log(
     shutil.copytree(out / "ckpt", run / "ckpt")
     flip(run / "ckpt" / NEWEST / SHARD)
     argv = flags(run, "--ckpt-dir", str(run / "ckpt"), "--resume", "--save-final", f"{run}.pt")
-    proc = subprocess.run(
-        [*TORCHRUN, str(SCRIPT), *argv],
-        cwd=ROOT,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-    )
-    assert proc.returncode == 0, proc.stderr[-8000:]
-    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING checkpoint")]
-    assert len(warnings) == 1, proc.stderr
+    log = launch_forked(2, argv, run / "logs")
+    warnings = [line for line in log.splitlines() if line.startswith("WARNING checkpoint")]
+    assert len(warnings) == 1, log
     assert str(run / "ckpt" / NEWEST) in warnings[0] and SHARD in warnings[0]
-    assert f"[muon] resumed {run / 'ckpt' / OLDER} " in proc.stdout
+    assert f"[muon] resumed {run / 'ckpt' / OLDER} " in log
     assert _bitwise_equal(out / "reference.pt", Path(f"{run}.pt"))

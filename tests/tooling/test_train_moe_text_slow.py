@@ -1,9 +1,11 @@
 """End-to-end checks of examples/train.py: MoE Muon (against AdamW, and expert parallel
 against one process), and byte-level text data (``--data``, ``--compare``).
 
-Every case launches the real script under torchrun on CPU/gloo with a tiny model
-(train_launch.py: fp32 communication and Newton-Schulz, so one process and several ranks
-differ by fp32 rounding only). The checkpoint/resume runs are test_train_resume_slow.py's:
+Every case runs the real script on CPU/gloo with a tiny model (train_launch.py: fp32
+communication and Newton-Schulz, so one process and several ranks differ by fp32 rounding
+only): the two-rank text run under torchrun, the others in ranks forked with torch imported
+(``launch_forked``: the same script and environment, without importing torch again per
+rank). The checkpoint/resume runs are test_train_resume_slow.py's:
 a file of their own, so that pytest-xdist's two workers run the two halves of the example's
 launches side by side.
 """
@@ -16,15 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 from repo_paths import ROOT
-from train_launch import TINY, drawn, launch, losses, max_rel_diff
+from train_launch import TINY, drawn, launch, launch_forked, losses, max_rel_diff
 
-# Each case launches torchrun (seconds per launch on 2 cores): the slow tier (by its name).
+# Each case runs the script (a torchrun launch takes seconds on 2 cores): the slow tier.
 
 
 def test_moe_muon_beats_adamw(tmp_path: Path) -> None:
     """MoE with 3-D expert stacks: Muon at its default lr beats AdamW at its default lr."""
     out = tmp_path / "moe"
-    stdout = launch(
+    stdout = launch_forked(
         2,
         [
             "--moe", "--experts", "4", "--top-k", "2",
@@ -32,6 +34,7 @@ def test_moe_muon_beats_adamw(tmp_path: Path) -> None:
             "--seq-len", "32", "--batch-size", "16", "--steps", "40",
             "--compare", "muon", "adamw", "--no-progress", "--no-plot", "--out", str(out),
         ],
+        tmp_path / "logs",
     )  # fmt: skip
     assert "experts.w1" in stdout and "expert_stack 4x[" in stdout, "routing table"
     muon, adamw = losses(out, "muon"), losses(out, "adamw")
@@ -51,7 +54,7 @@ def test_expert_parallel_matches_one_process(tmp_path: Path) -> None:
     runs = {"one": (None, "1"), "ep2x2": (4, "2")}
     for name, (nproc, ep) in runs.items():
         out = ["--out", str(tmp_path / name), "--save-final", str(tmp_path / f"{name}.pt")]
-        stdout = launch(nproc, [*moe, "--ep", ep, *out])
+        stdout = launch_forked(nproc, [*moe, "--ep", ep, *out], tmp_path / "logs" / name)
         assert "expert_stack 4x[" in stdout
     ref, got = losses(tmp_path / "one"), losses(tmp_path / "ep2x2")
     assert sorted(ref) == sorted(got) == [1, 2, 3, 4]
@@ -64,13 +67,13 @@ def test_expert_parallel_matches_one_process(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def text_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``--data`` on byte-level text, 4 steps: ``--compare muon normuon`` on two ranks with
-    the plot, and Muon alone in one process."""
+    the plot (torchrun), and Muon alone in one process (forked)."""
     tmp = tmp_path_factory.mktemp("text")
     text = tmp / "readme.txt"
     text.write_bytes((ROOT / "README.md").read_bytes())
     args = [*TINY, "--vocab", "256", "--steps", "4", "--data", str(text), "--eval-every", "2"]
     launch(2, drawn([*args, "--compare", "muon", "normuon", "--out", str(tmp / "two")]))
-    launch(None, [*args, "--out", str(tmp / "one")])
+    launch_forked(None, [*args, "--out", str(tmp / "one")], tmp / "logs")
     return tmp
 
 

@@ -1,10 +1,13 @@
 """End-to-end checks of examples/train.py: checkpoint/resume across world sizes, and the flags
 checked against the same uninterrupted run (``--qk-clip``, ``--overlap auto``).
 
-Every case launches the real script under torchrun on CPU/gloo with a tiny model
-(train_launch.py), so the path a user runs (fully_shard, muon_dist.Muon, DCP) is what is
-tested. Launches cost a few seconds each (importing torch in every rank), hence one
-module-scoped fixture runs the checkpoint scenario once and several tests read its outputs.
+Every case runs the real script on CPU/gloo with a tiny model (train_launch.py), so the
+path a user runs (fully_shard, muon_dist.Muon, DCP) is what is tested: the uninterrupted
+reference under torchrun, the other runs in ranks forked with torch imported
+(``launch_forked``: the same script and environment, without the seconds each rank spends
+importing torch again). The 2-rank resume and ``--overlap auto`` must end bit for bit where
+the reference ends, so the forked runs are held to the torchrun one. One module-scoped
+fixture runs the checkpoint scenario once and several tests read its outputs.
 The MoE and text-data runs are test_train_moe_text_slow.py's: a file of their own, so that
 pytest-xdist's two workers run the two halves of the example's launches side by side.
 
@@ -23,24 +26,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_launch import TINY, launch, losses, max_rel_diff
+from train_launch import TINY, launch, launch_forked, losses, max_rel_diff
 
-# Each case launches torchrun (seconds per launch on 2 cores): the slow tier (by its name).
+# Each case runs the script (a torchrun launch takes seconds on 2 cores): the slow tier.
 
 CKPT_STEP = 6
 
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """An uninterrupted 2-rank run, a 2-rank run stopped at step 6, and three resumes."""
+    """An uninterrupted 2-rank run under torchrun, and forked: a 2-rank run stopped at step
+    6 and three resumes."""
     tmp = tmp_path_factory.mktemp("train_example")
     ckpt = tmp / "ckpt"
     launch(2, [*TINY, "--out", str(tmp / "full"), "--save-final", str(tmp / "full.pt")])
     stop = ["--ckpt-every", str(CKPT_STEP), "--ckpt-dir", str(ckpt), "--stop-after", str(CKPT_STEP)]
-    launch(2, [*TINY, "--out", str(tmp / "part"), *stop])
+    launch_forked(2, [*TINY, "--out", str(tmp / "part"), *stop], tmp / "logs" / "part")
     for name, nproc in (("res2", 2), ("res3", 3), ("res1", None)):
         resume = ["--ckpt-dir", str(ckpt), "--resume", "--save-final", str(tmp / f"{name}.pt")]
-        launch(nproc, [*TINY, "--out", str(tmp / name), *resume])
+        launch_forked(nproc, [*TINY, "--out", str(tmp / name), *resume], tmp / "logs" / name)
     return {"tmp": tmp, "ckpt": ckpt}
 
 
@@ -99,7 +103,8 @@ def test_qk_clip_flag_shrinks_query_and_key_heads(resume_runs: dict[str, Path]) 
     the same run without it (the uninterrupted run of ``resume_runs``)."""
     tmp = resume_runs["tmp"]
     final = ["--save-final", str(tmp / "clip.pt")]
-    launch(2, [*TINY, "--out", str(tmp / "clip"), *final, "--qk-clip", "0.001"])
+    clip = [*TINY, "--out", str(tmp / "clip"), *final, "--qk-clip", "0.001"]
+    launch_forked(2, clip, tmp / "logs" / "clip")
     plain, clipped = torch.load(tmp / "full.pt"), torch.load(tmp / "clip.pt")
     for name in plain:
         if ".attention.wq." in name or ".attention.wk." in name:
@@ -117,7 +122,8 @@ def test_overlap_auto_matches_plain_run(resume_runs: dict[str, Path]) -> None:
     through the same argument."""
     tmp = resume_runs["tmp"]
     final = ["--save-final", str(tmp / "auto.pt")]
-    stdout = launch(2, [*TINY, "--overlap", "auto", "--out", str(tmp / "auto"), *final])
+    auto = [*TINY, "--overlap", "auto", "--out", str(tmp / "auto"), *final]
+    stdout = launch_forked(2, auto, tmp / "logs" / "auto")
     assert losses(tmp / "auto") == losses(tmp / "full")
     ref, got = torch.load(tmp / "full.pt"), torch.load(tmp / "auto.pt")
     assert ref.keys() == got.keys()

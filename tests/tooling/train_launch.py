@@ -3,18 +3,29 @@ model (``TINY``), or as one plain process, and reading what a run wrote.
 
 ``TINY`` runs fp32 communication and fp32 Newton-Schulz, so that runs on different world
 sizes differ by fp32 rounding only (test_train_resume_slow.py's docstring says why).
+
+A launch costs about 14 s of which a second or two is training: torchrun's agent and then
+every rank import torch (and DCP, dynamo, muon_dist) again. :func:`launch_forked` runs the
+same script, as ``__main__``, in ranks forked from dist_harness's forkserver, which imported
+those once, with the environment torchrun gives its workers: the files that launch many runs
+launch one of them through torchrun, the rest forked.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
+from dist_harness import PRELOAD
 from repo_paths import ROOT
 
 SCRIPT = ROOT / "examples" / "train.py"
@@ -66,6 +77,63 @@ def launch(nproc: int | None, args: Sequence[str]) -> str:
             f"\n--- stderr\n{proc.stderr[-8000:]}"
         )
     return proc.stdout
+
+
+def launch_forked(nproc: int | None, args: Sequence[str], logs: Path) -> str:
+    """:func:`launch`'s run, its ranks forked with torch imported (the module's docstring):
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and a rendezvous on a free local port, as torchrun
+    sets them, or none of them when ``nproc`` is None. Each rank writes its output to
+    ``logs/rank<R>.log``; returns them all, rank 0's first."""
+    logs.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # dist_harness's: one server per test process
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as dist_harness starts the server
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = int(s.getsockname()[1])
+    world = nproc or 1
+    paths = [logs / f"rank{rank}.log" for rank in range(world)]
+    procs = [
+        ctx.Process(target=_forked_rank, args=(rank, nproc, port, list(args), paths[rank]))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+    output = "".join(path.read_text() for path in paths if path.exists())
+    codes = [proc.exitcode for proc in procs]
+    if any(code != 0 for code in codes):
+        raise AssertionError(f"{SCRIPT.name} {' '.join(args)} exited {codes}\n{output[-8000:]}")
+    return output
+
+
+def _forked_rank(rank: int, nproc: int | None, port: int, args: list[str], log: Path) -> None:
+    """One rank of :func:`launch_forked`: examples/train.py run as ``python train.py`` would."""
+    env = launch_env()
+    if nproc is not None:
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
+        env.update(LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    for stream in (sys.stdout, sys.stderr):  # whole lines: the two streams share the file
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    os.chdir(ROOT)
+    sys.argv = [str(SCRIPT), *args]
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def losses(out: Path, optimizer: str = "muon") -> dict[int, float]:
