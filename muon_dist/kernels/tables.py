@@ -59,8 +59,8 @@ class PinnedStaging:
 
 class HostMirror:
     """A host buffer of one device tensor's values, written in place and copied over whole:
-    pinned for a CUDA tensor (its copy queued on the current stream; a write waits,
-    rarely, for the last copy to be done), the tensor itself on the CPU."""
+    pinned for a CUDA tensor (its copy queued on the current stream), the tensor itself on
+    the CPU. ``array`` is the buffer as numpy sees it; :meth:`wait` before writing it."""
 
     def __init__(self, target: torch.Tensor) -> None:
         self.target = target
@@ -69,13 +69,13 @@ class HostMirror:
         if target.device.type == "cuda":
             self._host = torch.empty_like(target, device="cpu", pin_memory=True)
             self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch
-        self._view = self._host.numpy()
+        self.array = self._host.numpy()
 
-    def values(self) -> np.ndarray:
-        """The host buffer as an array to write this round's values into."""
+    def wait(self) -> None:
+        """Wait, rarely, until the last copy has read the buffer (a step waits for the
+        previous step's outcome before this anyway)."""
         if self._copied is not None:
             self._copied.synchronize()
-        return self._view
 
     def send(self) -> None:
         """Queue the copy of the values written to the device tensor (nothing on the CPU)."""

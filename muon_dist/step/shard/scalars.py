@@ -111,7 +111,7 @@ class StepInputs:
             lr_of_group=tuple(views["lr"].unbind(0)),
             group_of=np.asarray(group_of, dtype=np.int64),
             mirror=mirror,
-            staged=layout.views(mirror.values()),
+            staged=layout.views(mirror.array),
         )
 
     def stage(
@@ -124,7 +124,7 @@ class StepInputs:
         """Copy this step's values in. A rank that refused its inputs stages nothing read
         from the groups (their options may be what it refused): zeros, no norm limits, and
         zeros for ``compared``."""
-        self.mirror.values()
+        self.mirror.wait()
         staged = self.staged
         if failed_rank is None:
             staged["lr"][:] = [float(g["lr"]) for g in groups]
