@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import statistics
 import sys
@@ -90,6 +91,7 @@ def main() -> int:
         for _ in range(args.repeats):
             for count in args.lanes:
                 orthogonalizer.lanes = functools.partial(lanes, count=count)  # type: ignore[assignment]
+                gc.collect()  # the last round's optimizer and its graph's memory pool
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 opt = muon_dist.Muon(
