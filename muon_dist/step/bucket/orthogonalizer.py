@@ -100,12 +100,12 @@ class Orthogonalizer:
     def stacks(
         self, stacks: Sequence[torch.Tensor], specs: Sequence[StackSpec]
     ) -> list[torch.Tensor]:
-        """Newton–Schulz on each of a bucket's stacks (:meth:`__call__`). In a captured step
-        on CUDA the launch-bound ones whose owner part may run ``beside`` the others are
-        spread over the step's stream and side streams (:func:`lanes`, by FLOPs): in the
-        graph the lanes are parallel branches, so small stacks, whose chains of short
-        kernels each leave most of the GPU idle, run at once. Elsewhere they run in order:
-        an uncaptured step would pay the streams' synchronisation on the host."""
+        """Newton–Schulz on each of a bucket's stacks (:meth:`__call__`). A step built for
+        capture (``cuda_graph``) on CUDA spreads the launch-bound ones whose owner part may
+        run ``beside`` the others over its stream and side streams (:func:`lanes`, by
+        FLOPs): in the graph the lanes are parallel branches, so small stacks, whose chains
+        of short kernels each leave most of the GPU idle, run at once. A step built eager
+        runs them in order: it would pay the streams' synchronisation on the host."""
         costs = [self._beside_cost(x, spec) for x, spec in zip(stacks, specs, strict=True)]
         if sum(c is not None for c in costs) < 2:
             return [self(x, spec) for x, spec in zip(stacks, specs, strict=True)]
