@@ -95,6 +95,15 @@ def schedule(variants: Sequence[str], repeats: int) -> list[tuple[int, str]]:
     return [(round_, variant) for round_ in range(repeats) for variant in variants]
 
 
+def run_logged(argv: Sequence[str], env: dict[str, str], log: Path) -> int:
+    """Run ``argv`` from the repository root, its output into ``log``; its exit code. A
+    module-level function so that tests can run most launches forked from a process that
+    imported torch once (tests/tooling/test_train_table_slow.py)."""
+    with log.open("w") as out:
+        proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return proc.returncode
+
+
 def launch(nproc: int, flags: Sequence[str], out: Path) -> dict[str, Any]:
     """One torchrun run of the example into ``out``; its metrics, argv and wall time."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -105,12 +114,11 @@ def launch(nproc: int, flags: Sequence[str], out: Path) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     begin = time.perf_counter()
-    with (out / "train.log").open("w") as log:
-        code = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    code = run_logged(argv, env, out / "train.log")
     wall = time.perf_counter() - begin
-    if code.returncode != 0:
+    if code != 0:
         tail = (out / "train.log").read_text().splitlines()[-40:]
-        raise SystemExit(f"{shlex.join(argv)} exited {code.returncode}:\n" + "\n".join(tail))
+        raise SystemExit(f"{shlex.join(argv)} exited {code}:\n" + "\n".join(tail))
     lines = (out / "metrics.jsonl").read_text().splitlines()
     metrics = [json.loads(line) for line in lines if line.strip()]
     return {"argv": argv, "started": started, "wall_s": wall, "metrics": metrics}

@@ -8,13 +8,15 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from repo_paths import ROOT
-from train_launch import launch_env
+from train_launch import SCRIPT, launch_env, launch_forked
 
-# Four torchrun launches: tens of seconds on 2 cores.
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import train_table
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "32"]
 TINY += ["--batch-size", "4", "--steps", "5"]
@@ -55,16 +57,47 @@ def numbers(text: str) -> list[float]:
     return [float(n.replace(",", "")) for n in re.findall(r"[\d,]+\.?\d*", text)]
 
 
-# Four torchrun launches of one rank each: the table is made of the runs' own metrics whatever
-# the rank count, and each phase as the slowest of two ranks is test_train_timing.py's
-# (test_step_timer_reports_each_phase_of_the_slowest_rank). A second rank would only add a
-# process importing torch to every launch.
-def test_interleaved_runs_and_a_table_of_their_medians(tmp_path: Path) -> None:
+def forked_after_the_first(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make train_table's first launch as it is (torchrun) and fork the others' ranks with
+    torch imported (train_launch's docstring says why: seconds a launch); the way each ran."""
+    torchrun = train_table.run_logged
+    ways: list[str] = []
+
+    def run_logged(argv: Sequence[str], env: dict[str, str], log: Path) -> int:
+        if not ways:
+            ways.append("torchrun")
+            return torchrun(argv, env, log)
+        script = list(argv).index(str(SCRIPT))
+        nproc = int(argv[script - 1])
+        assert list(argv[:script]) == [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc),
+        ]  # fmt: skip
+        log.write_text(launch_forked(nproc, argv[script + 1 :], log.parent / "ranks"))
+        ways.append("forked")
+        return 0
+
+    monkeypatch.setattr(train_table, "run_logged", run_logged)
+    return ways
+
+
+# Four launches of one rank each: the table is made of the runs' own metrics whatever the rank
+# count, and each phase as the slowest of two ranks is test_train_timing.py's
+# (test_step_timer_reports_each_phase_of_the_slowest_rank). The driver runs in this process
+# (its own would import torch, through train.py's parser) and forks all runs but the first.
+def test_interleaved_runs_and_a_table_of_their_medians(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     logs = tmp_path / "logs"
-    stdout = driver(
+    ways = forked_after_the_first(monkeypatch)
+    argv = [
         "--nproc", "1", "--model", "tiny", "--variants", *VARIANTS, "--repeats", "2",
         "--skip", str(SKIP), "--logs", str(logs), "--", *TINY,
-    )  # fmt: skip
+    ]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "train_table.py"), *argv])
+    train_table.main()
+    stdout = capsys.readouterr().out
+    assert ways == ["torchrun", "forked", "forked", "forked"]
     results = json.loads((logs / "results.json").read_text())
     runs = results["runs"]
     # Interleaved A B A B, each run its own launch: the order the runs' metrics were last

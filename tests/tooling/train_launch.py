@@ -79,11 +79,12 @@ def launch(nproc: int | None, args: Sequence[str]) -> str:
     return proc.stdout
 
 
-def launch_forked(nproc: int | None, args: Sequence[str], logs: Path) -> str:
+def launch_forked(nproc: int | None, args: Sequence[str], logs: Path, script: Path = SCRIPT) -> str:
     """:func:`launch`'s run, its ranks forked with torch imported (the module's docstring):
     ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and a rendezvous on a free local port, as torchrun
     sets them, or none of them when ``nproc`` is None. Each rank writes its output to
-    ``logs/rank<R>.log``; returns them all, rank 0's first."""
+    ``logs/rank<R>.log``; returns them all, rank 0's first. ``script``: another script run
+    the same way (a benchmark's)."""
     logs.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # dist_harness's: one server per test process
@@ -94,7 +95,7 @@ def launch_forked(nproc: int | None, args: Sequence[str], logs: Path) -> str:
     world = nproc or 1
     paths = [logs / f"rank{rank}.log" for rank in range(world)]
     procs = [
-        ctx.Process(target=_forked_rank, args=(rank, nproc, port, list(args), paths[rank]))
+        ctx.Process(target=_forked_rank, args=(rank, nproc, port, list(args), paths[rank], script))
         for rank in range(world)
     ]
     for proc in procs:
@@ -108,12 +109,14 @@ def launch_forked(nproc: int | None, args: Sequence[str], logs: Path) -> str:
     output = "".join(path.read_text() for path in paths if path.exists())
     codes = [proc.exitcode for proc in procs]
     if any(code != 0 for code in codes):
-        raise AssertionError(f"{SCRIPT.name} {' '.join(args)} exited {codes}\n{output[-8000:]}")
+        raise AssertionError(f"{script.name} {' '.join(args)} exited {codes}\n{output[-8000:]}")
     return output
 
 
-def _forked_rank(rank: int, nproc: int | None, port: int, args: list[str], log: Path) -> None:
-    """One rank of :func:`launch_forked`: examples/train.py run as ``python train.py`` would."""
+def _forked_rank(
+    rank: int, nproc: int | None, port: int, args: list[str], log: Path, script: Path
+) -> None:
+    """One rank of :func:`launch_forked`: ``script`` run as ``python script.py`` would."""
     env = launch_env()
     if nproc is not None:
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
@@ -127,10 +130,10 @@ def _forked_rank(rank: int, nproc: int | None, port: int, args: list[str], log: 
     for stream in (sys.stdout, sys.stderr):  # whole lines: the two streams share the file
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     os.chdir(ROOT)
-    sys.argv = [str(SCRIPT), *args]
-    sys.path.insert(0, str(SCRIPT.parent))
+    sys.argv = [str(script), *args]
+    sys.path.insert(0, str(script.parent))
     try:
-        runpy.run_path(str(SCRIPT), run_name="__main__")
+        runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

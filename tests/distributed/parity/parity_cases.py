@@ -72,10 +72,13 @@ BF16_PARAM = 3e-2
 
 
 def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """Give each parameter its full gradient, placed like the parameter."""
+    """Give each parameter its full gradient, placed like the parameter. Every rank holds
+    the same gradients (one seed), so each cuts its own piece: distribute_tensor's default
+    scatter from rank 0 would add a collective per parameter and step, seconds over the
+    parity suite on 2 cores. A copy, as the scatter's output is, never a view of ``g``."""
     for p, g in zip(params, grads, strict=True):
         if isinstance(p, DTensor):
-            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None).clone()
         else:
             p.grad = g.clone()
 

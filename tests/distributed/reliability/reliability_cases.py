@@ -348,8 +348,8 @@ def long_run_worker(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         grads = [torch.randn(s, generator=gen) for s in shapes]
         for p, g in zip(replicated, grads, strict=True):
             p.grad = g.clone()
-        for p, g in zip(sharded, grads, strict=True):
-            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        for p, g in zip(sharded, grads, strict=True):  # the same on every rank: no scatter
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)], src_data_rank=None)
         opt.step()
         for r, g, m in zip(refs, grads, moms, strict=True):
             reference_muon_step(r, g, m, lr=0.02, ns_dtype=torch.float32)
