@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
@@ -87,14 +87,19 @@ def test_two_nodes_train_checkpoint_and_resume_on_one_node(two_nodes: Path) -> N
     assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
-def _workers(agent: int, job: subprocess.Popen[bytes]) -> dict[int, int]:
-    """The agent's two train.py workers, by local rank (once both are up)."""
+def _workers(
+    agent: int, job: subprocess.Popen[bytes], excluding: Collection[int] = ()
+) -> dict[int, int]:
+    """The agent's two train.py workers, by local rank (once both are up), leaving out the
+    processes ``excluding`` names (an earlier attempt's, still being torn down)."""
     workers: dict[int, int] = {}
 
     def found() -> bool:
         listed = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True)
         workers.clear()
         for pid in map(int, listed.stdout.split()):
+            if pid in excluding:
+                continue
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -136,10 +141,13 @@ def killed_twice(two_nodes: Path) -> tuple[Path, str]:
     try:
         metrics = tmp / "metrics.jsonl"
         _wait_for(lambda: metrics.is_file() and '"step": 5,' in metrics.read_text(), job, "step 5")
-        os.kill(_workers(job.pid, job)[1], signal.SIGKILL)
+        first = _workers(job.pid, job)
+        os.kill(first[1], signal.SIGKILL)
+        # The restarted attempt's workers, found before its step-8 save begins: once the
+        # save is seen they are stopped at once (a lookup then could let it complete).
+        workers = _workers(job.pid, job, excluding=set(first.values()))
         partial = ckpt / "step_000008.partial"
         _wait_for(partial.exists, job, "step 8's checkpoint to start")
-        workers = _workers(job.pid, job)
         for pid in workers.values():
             os.kill(pid, signal.SIGSTOP)
         assert not (ckpt / "step_000008").exists(), "the save completed before the kill"
