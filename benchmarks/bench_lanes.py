@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import os
 import statistics
 import sys
 
 import bench_step
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import muon_dist
 from muon_dist.step.bucket import orthogonalizer
@@ -75,10 +73,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_lanes.py: captured steps need a CUDA device; none here", file=sys.stderr)
         return 1
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    device, mesh = bench_step.init_distributed(argparse.Namespace(device="cuda", replicate=1))
     preset = bench_step.PRESETS[args.preset]
     model = bench_step.build_model(preset, args.layers or preset.layers, mesh, device)
     params = list(model.parameters())
@@ -95,14 +90,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 opt = muon_dist.Muon(
-                    groups,
-                    lr=bench_step.LR,
-                    momentum=bench_step.MOMENTUM,
-                    nesterov=True,
-                    weight_decay=bench_step.WEIGHT_DECAY,
-                    adjust_lr="spectral_norm",
-                    cuda_graph=True,
-                    graph_warmup=1,
+                    groups, **bench_step.MUON_RULE, cuda_graph=True, graph_warmup=1
                 )
                 for _ in range(3):  # warm-up, capture, one replay
                     opt.step()

@@ -56,6 +56,15 @@ from muon_dist.rules.registry import RULES
 LR = 0.02
 MOMENTUM = 0.95
 WEIGHT_DECAY = 0.1  # non-zero so the parity check covers decoupled decay too
+# The update rule every muon_dist step here is timed with (profile_step.py and
+# bench_lanes.py build their Muon from it too).
+MUON_RULE: dict[str, Any] = {
+    "lr": LR,
+    "momentum": MOMENTUM,
+    "nesterov": True,
+    "weight_decay": WEIGHT_DECAY,
+    "adjust_lr": "spectral_norm",
+}
 ADAMW_LR = 3e-4
 PARAM_STD = 0.02
 # First-step updates of muon_dist and the baseline may differ only where the two run bf16
@@ -566,11 +575,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     ) -> muon_dist.Muon:
         return muon_dist.Muon(
             groups,
-            lr=LR,
-            momentum=MOMENTUM,
-            nesterov=True,
-            weight_decay=WEIGHT_DECAY,
-            adjust_lr="spectral_norm",
+            **MUON_RULE,
             ns_steps=args.ns_steps,
             coefficients=args.coefficients,
             backend=args.backend,

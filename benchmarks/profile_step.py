@@ -445,16 +445,7 @@ def preset_step(
         model = bench_step.build_model(bench_step.PRESETS[args.preset], layers, mesh, device)
     bench_step.set_random_grads(list(model.parameters()))  # type: ignore[arg-type]
     groups = muon_dist.param_groups(model, lr=bench_step.LR, weight_decay=bench_step.WEIGHT_DECAY)
-    opt = muon_dist.Muon(
-        groups,
-        lr=bench_step.LR,
-        momentum=bench_step.MOMENTUM,
-        nesterov=True,
-        weight_decay=bench_step.WEIGHT_DECAY,
-        adjust_lr="spectral_norm",
-        backend=args.backend,
-        rule=args.rule,
-    )
+    opt = muon_dist.Muon(groups, **bench_step.MUON_RULE, backend=args.backend, rule=args.rule)
 
     @torch.no_grad()
     def step() -> None:
