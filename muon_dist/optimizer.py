@@ -24,7 +24,7 @@ from muon_dist.comm.consensus import agreed_comm
 from muon_dist.comm.groups import CommGroups
 from muon_dist.options.schema import OPTIONS, SETTINGS, args_section, group_defaults
 from muon_dist.options.settings import ExecutionSettings
-from muon_dist.options.validation import check_step_values, validate_group
+from muon_dist.options.validation import check_lr, check_step_values, validate_group
 from muon_dist.plan.views import named_params, param_list
 from muon_dist.qk_clip import MaxLogitTracker, QKClip, qk_clipper
 from muon_dist.routing.param_groups import UnlabelledRouting
@@ -379,16 +379,24 @@ class Muon(torch.optim.Optimizer):
         """Refuse group edits the state cannot follow, check the keys and step values, and
         rebuild the step where it no longer fits the groups and parameters
         (:mod:`muon_dist.step.changes`, :meth:`muon_dist.step.runner.StepRunner.stale`),
-        state moved along with storage."""
+        state moved along with storage. Groups that hold what the last step checked, the lr
+        and step counts aside (``runner.checked``), have only their lr checked."""
         previous = self.runner
-        self._refuse_group_edits(previous)
-        reason = previous.stale(self.param_groups)
+        groups = self.param_groups
+        if previous.checked.unchanged(groups):
+            check_lr(groups)  # schedulers set it at every step; the rest is as last checked
+            reason = previous.moved()
+        else:
+            self._refuse_group_edits(previous)
+            reason = previous.stale(groups)
+            if reason is None:
+                previous.checked.record(groups)
         if reason is None:
             return
-        for index, group in enumerate(self.param_groups):
+        for index, group in enumerate(groups):
             validate_group(group, index)
         logger.info("muon_dist.Muon: %s; rebuilding the step", reason)
-        follow_params(self.param_groups, self.state)
+        follow_params(groups, self.state)
         self._runner = None
         try:
             rebuilt = self.runner
@@ -396,6 +404,7 @@ class Muon(torch.optim.Optimizer):
             self._runner = previous  # this step is refused through the step it replaces
             raise
         rebuilt.replacing(previous)
+        rebuilt.checked.record(groups)
 
     def _refuse_group_edits(self, runner: StepRunner | None) -> None:
         """Raise, by name, for a group edit the state built by ``runner`` cannot follow, a

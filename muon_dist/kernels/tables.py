@@ -59,8 +59,10 @@ class PinnedStaging:
 
 class HostMirror:
     """A host buffer of one device tensor's values, written in place and copied over whole:
-    pinned for a CUDA tensor (its copy queued on the current stream), the tensor itself on
-    the CPU. ``array`` is the buffer as numpy sees it; :meth:`wait` before writing it."""
+    pinned for a CUDA tensor (its copy queued on the current stream, or captured into a
+    graph, which repeats it at every replay), the tensor itself on the CPU. ``array`` is
+    the buffer as numpy sees it; :meth:`wait` before writing it, :meth:`mark` once the work
+    that copies it is queued."""
 
     def __init__(self, target: torch.Tensor) -> None:
         self.target = target
@@ -72,8 +74,8 @@ class HostMirror:
         self.array = self._host.numpy()
 
     def wait(self) -> None:
-        """Wait, rarely, until the last copy has read the buffer (a step waits for the
-        previous step's outcome before this anyway)."""
+        """Wait, rarely, until the work marked last has read the buffer (a step waits for
+        the previous step's outcome before this anyway)."""
         if self._copied is not None:
             self._copied.synchronize()
 
@@ -81,6 +83,10 @@ class HostMirror:
         """Queue the copy of the values written to the device tensor (nothing on the CPU)."""
         if self._copied is not None:
             self.target.copy_(self._host, non_blocking=True)
+
+    def mark(self) -> None:
+        """The work queued so far includes the last copy (or replay) reading the buffer."""
+        if self._copied is not None:
             self._copied.record()
 
 
@@ -98,29 +104,53 @@ class _Ring:
 
 
 class StepStaging:
-    """The staging buffers of one captured step, in the order of its uploads.
+    """The address tables of one captured step, in the order of its uploads, kept in device
+    memory so that a replay copies none of them.
 
-    Each round (a warm-up step, then the capture) starts from the first buffer, so the k-th
-    table of the capture goes through the buffer the k-th table of the warm-up pinned and
-    sized, and waits, if at all, on a warm-up copy. Only the step's own rounds write them:
-    the tables stay as captured for as long as the graph replays them.
+    Each round (a warm-up step, then the capture) starts from the first table. A warm-up
+    copies its k-th table into a device tensor kept here, through a pinned buffer kept
+    too. The capture writes its own k-th table (of the same length: the step's structure
+    is the warm-up's) into that buffer and hands out that device tensor, copying nothing
+    while the graph is captured; :meth:`settle` copies the capture's tables in once the
+    capture is over, before the first replay. Only the step's own rounds write them: the
+    tables stay as captured for as long as the graph replays them.
     """
 
     def __init__(self) -> None:
-        self._buffers: list[PinnedStaging] = []
+        self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pinned, on the device)
         self._next = 0
+        self._unsettled: list[int] = []
 
     def upload(self, values: list[int], device: torch.device) -> torch.Tensor:
-        if self._next == len(self._buffers):
-            self._buffers.append(PinnedStaging())
-        buffer = self._buffers[self._next]
-        self._next += 1
-        return buffer.upload(values, device)
+        index, self._next = self._next, self._next + 1
+        if not torch.cuda.is_current_stream_capturing():
+            host = torch.tensor(values, dtype=torch.long).pin_memory()
+            table = host.to(device, non_blocking=True)
+            self._tables[index : index + 1] = [(host, table)]
+            return table
+        if index >= len(self._tables) or self._tables[index][0].numel() != len(values):
+            raise RuntimeError(
+                f"muon_dist: the captured step's address table {index} ({len(values)} "
+                "values) has no table of its length from the warm-up step; this is a bug"
+            )
+        host, table = self._tables[index]
+        host.numpy()[:] = values  # the capture began after a device synchronize
+        self._unsettled.append(index)
+        return table
+
+    def settle(self) -> None:
+        """Copy the tables of the capture just ended to the device, and wait for them."""
+        for index in self._unsettled:
+            host, table = self._tables[index]
+            table.copy_(host, non_blocking=True)
+        self._unsettled.clear()
+        torch.cuda.current_stream().synchronize()
 
     @contextlib.contextmanager
     def round(self) -> Iterator[None]:
-        """This context's address tables go through these buffers, from the first."""
+        """This context's address tables are this step's, from the first."""
         self._next = 0
+        self._unsettled.clear()
         token = _step_staging.set(self)
         try:
             yield

@@ -18,6 +18,12 @@ from muon_dist.options.schema import OPTIONS, SETTINGS, check_options, number
 from muon_dist.plan.views import group_param_names, matrix_views
 from muon_dist.rules.registry import RULES
 
+# Each algorithm's check of its lr (:func:`check_lr`).
+_LR = {
+    algorithm: next(o.check for o in options if o.key == "lr" and o.check is not None)
+    for algorithm, options in OPTIONS.items()
+}
+
 # Keys a group may hold besides its algorithm's options: bookkeeping of this optimizer and
 # the keys torch's lr schedulers add (an unknown key is a misspelling, never ignored).
 BOOKKEEPING_KEYS = frozenset(
@@ -141,6 +147,15 @@ def check_unique_names(groups: Sequence[dict[str, Any]], group: dict[str, Any]) 
                 "[(f'tower_a.{n}', p) for n, p in tower_a.named_parameters()]"
             )
         seen[name] = index
+
+
+def check_lr(groups: Sequence[dict[str, Any]]) -> None:
+    """Each group's lr, which schedulers set at every step: what a step checks of groups
+    that hold what the last step checked otherwise
+    (:class:`muon_dist.step.changes.GroupWatch`)."""
+    for index, group in enumerate(groups):
+        algorithm = group["algorithm"]
+        _LR[algorithm](f"param group {index} ({algorithm})", "lr", group["lr"])
 
 
 def check_step_values(groups: Sequence[dict[str, Any]]) -> None:

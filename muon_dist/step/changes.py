@@ -16,6 +16,9 @@ A step binds its plan, views and state to the groups as they were when it was bu
 Ranks must agree on a rebuilt plan before its collectives run; the caller checks that
 (:meth:`muon_dist.step.runner.StepRunner.run`, ``previous``).
 
+Most steps change nothing but the lr and the step counts: :class:`GroupWatch` tells such a
+step by object identity, and the step then skips every check that reads the groups again.
+
 A refused step still runs its collectives, so the other ranks learn of the refusal; it runs
 them on the option values the step was built from (:meth:`BuiltFrom.restored`), never on
 the values it refused: a NaN read into a masked update is NaN however it is masked.
@@ -25,11 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from muon_dist.options.schema import LAYOUT_STATE, OPTIONS, layout_keys, plan_keys
+
+# Values a group entry holds that cannot change in place: one of the same type and
+# ``repr`` as the last checked value is as good as the same object.
+_ATOMS = (bool, int, float, str, type(None), torch.dtype)
+# Entries compared item by item: the parameters by identity, their names by value.
+_LISTS = ("params", "param_names")
 
 
 @dataclass(frozen=True)
@@ -150,3 +162,80 @@ def _refused_change(index: int, built: _Group, group: dict[str, Any]) -> str | N
                 )
             )
     return None
+
+
+class _Checked:
+    """One group as the last step that checked it left it: its keys, the values compared
+    (by position in the group), the ``repr`` of those that may change in place, and its
+    parameters and their names."""
+
+    def __init__(self, group: dict[str, Any], skipped: frozenset[str]) -> None:
+        self.group = group
+        self.keys = list(group)
+        positions = [i for i, k in enumerate(self.keys) if k not in skipped and k not in _LISTS]
+        if len(positions) == 1:  # itemgetter returns a tuple from two positions up
+            positions *= 2
+        self.compared = [self.keys[i] for i in positions]
+        # The compared values, read in one C call.
+        pick = operator.itemgetter(*positions) if positions else None
+        self._pick: Callable[[list[Any]], tuple[Any, ...]] = pick or (lambda _: ())
+        self.values = self._pick(list(group.values()))
+        self.texts = {
+            k: repr(v)
+            for k, v in zip(self.compared, self.values, strict=True)
+            if not isinstance(v, _ATOMS)
+        }
+        self.params = tuple(group["params"])
+        names = group.get("param_names")
+        self.names = None if names is None else tuple(names)
+
+    def holds(self, group: dict[str, Any]) -> bool:
+        if group is not self.group or list(group) != self.keys:
+            return False
+        now = self._pick(list(group.values()))
+        if not all(map(operator.is_, now, self.values)):
+            for key, value, seen in zip(self.compared, now, self.values, strict=True):
+                if value is seen or key in self.texts:
+                    continue  # the values kept as text are compared below
+                same = isinstance(value, _ATOMS) and type(value) is type(seen)
+                if not (same and repr(value) == repr(seen)):  # repr: -0.0 is not 0.0
+                    return False
+        params = group["params"]
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return False
+        names = group.get("param_names")
+        if (None if names is None else tuple(names)) != self.names:
+            return False
+        return all(repr(group[k]) == text for k, text in self.texts.items())
+
+
+class GroupWatch:
+    """Whether the groups still hold what the last checked step saw: a step whose groups do
+    needs none of the checks that read them (:meth:`BuiltFrom.refused`,
+    :meth:`BuiltFrom.replanned`, the step values' checks) again.
+
+    The ``skipped`` entries (the lr, which schedulers set at every step and the step checks
+    anyway, and the step counts) are not compared. A value counts as unchanged when it is
+    the same object, or a number, string or dtype of the same type and ``repr``; any other
+    value (a list, which may be edited in place) when its ``repr`` is; the parameters and their
+    names when the lists hold the same objects in the same order. ``edits`` counts the
+    :meth:`record` calls: it moves whenever a changed group was checked again.
+    """
+
+    def __init__(self, skipped: frozenset[str]) -> None:
+        self._skipped = skipped
+        self._checked: list[_Checked] | None = None
+        self.edits = 0
+
+    def record(self, groups: Sequence[dict[str, Any]]) -> None:
+        """``groups`` passed every check."""
+        self._checked = [_Checked(g, self._skipped) for g in groups]
+        self.edits += 1
+
+    def unchanged(self, groups: Sequence[dict[str, Any]]) -> bool:
+        """Whether ``groups`` hold what :meth:`record` last saw, the ``skipped`` entries
+        aside."""
+        checked = self._checked
+        if checked is None or len(groups) != len(checked):
+            return False
+        return all(c.holds(g) for c, g in zip(checked, groups, strict=True))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -29,7 +29,7 @@ from muon_dist.step.adamw_phase import AdamWPhase
 from muon_dist.step.agree.agreement import Agreement
 from muon_dist.step.agree.grad_check import GradCheck
 from muon_dist.step.agree.report import Outcome
-from muon_dist.step.changes import BuiltFrom
+from muon_dist.step.changes import BuiltFrom, GroupWatch
 from muon_dist.step.launch.backward import BackwardStart
 from muon_dist.step.launch.cuda_graph import StepGraph
 from muon_dist.step.program.binding import bind
@@ -40,9 +40,11 @@ from muon_dist.step.shard.scalars import StepInputs
 
 logger = logging.getLogger(__name__)
 
-# Group entries that a captured step does not read from the group: the lr is staged into
-# device memory every step, the rest is bookkeeping. Any other change is captured anew.
-_NOT_CAPTURED = ("lr", "initial_lr", "params", "param_names", "steps", "skipped_steps")
+# Group entries that a step may find changed at every step: the lr (a scheduler's; staged
+# into device memory every step) and bookkeeping. A captured step reads none of them, nor
+# the parameter lists (a change is refused); any other change is captured anew.
+_PER_STEP = frozenset({"lr", "initial_lr", "steps", "skipped_steps"})
+_NOT_CAPTURED = (*_PER_STEP, "params", "param_names")
 
 
 def _travelling_share(group: dict[str, Any], settings: ExecutionSettings, peers: int) -> float:
@@ -99,6 +101,11 @@ class StepRunner:
     ) -> None:
         self.settings = settings
         self.built = BuiltFrom(groups)
+        # The groups as the last checked step left them (muon_dist.Muon._follow_groups).
+        self.checked = GroupWatch(_PER_STEP)
+        # The captured step's key: what it reads of the groups, as of ``checked.edits``.
+        self._key: tuple[Any, ...] = ()
+        self._key_edits = -1
         # The step this one replaces, until a step shows every rank rebuilt alike: a rank
         # whose rebuilt plan the others do not share runs the previous one's collectives.
         self.previous: StepRunner | None = None
@@ -148,6 +155,7 @@ class StepRunner:
         # The gradients last read (``p.grad``) and their checked local shards.
         self._sources: list[torch.Tensor | None] = [None] * len(self.params)
         self._unwrapped: list[torch.Tensor | None] = [None] * len(self.params)
+        self._present: list[bool] | None = None  # of the gradients last read
         self.bind_state(state)
 
     def stale(self, groups: Sequence[dict[str, Any]]) -> str | None:
@@ -157,6 +165,11 @@ class StepRunner:
         replanned = self.built.replanned(groups)
         if replanned is not None:
             return replanned
+        return self.moved()
+
+    def moved(self) -> str | None:
+        """Why this step no longer fits its parameters (one got new storage since the step
+        was built), or None."""
         if storage(self.params) != self.storage:
             return "parameter storage changed"
         return None
@@ -205,17 +218,18 @@ class StepRunner:
         if self.graph is not None:
             self.graph.reset()
 
-    def _local_grads(self) -> list[torch.Tensor | None]:
-        """Local gradient shards; a gradient kept between steps is checked and unwrapped
-        only once, and a step whose gradients are all the last step's objects costs one
-        identity test per parameter."""
+    def _local_grads(self) -> tuple[list[torch.Tensor | None], bool]:
+        """Local gradient shards, and whether any is another tensor than at the last read. A
+        gradient kept between steps is checked and unwrapped only once, and a step whose
+        gradients are all the last step's objects costs one identity test per parameter."""
         with torch._C.DisableTorchFunctionSubclass():  # DTensor's .grad: a third of the cost
             grads = [p.grad for p in self.params]
-        if not all(map(operator.is_, grads, self._sources)):
+        fresh = not all(map(operator.is_, grads, self._sources))
+        if fresh:
             for index, grad in enumerate(grads):
                 if grad is not self._sources[index]:
                     self._read(index, grad)
-        return list(self._unwrapped)
+        return list(self._unwrapped), fresh
 
     def _local_grad(self, index: int) -> torch.Tensor | None:
         grad = self.params[index].grad
@@ -266,13 +280,19 @@ class StepRunner:
         mode = self.modes[1] if overlap else self.modes[0]
         failure = refusal
         grads: list[torch.Tensor | None] = [None] * len(self.params)
+        fresh = True
         if failure is None:
             try:
-                grads = self._local_grads()
+                grads, fresh = self._local_grads()
             except (TypeError, ValueError, RuntimeError) as exc:
                 failure = exc
                 grads = [None] * len(self.params)
-        present = [g is not None for g in grads]
+        if failure is not None:
+            present = [False] * len(grads)
+        else:
+            if fresh or self._present is None:
+                self._present = [g is not None for g in grads]
+            present = self._present
         self.inputs.stage(
             groups,
             present,
@@ -282,23 +302,23 @@ class StepRunner:
         if failure is not None:
             with self.built.restored():
                 self._body(groups, grads, mode, failure)
-            return failure
-        if self.graph is None or self.previous is not None:
+        elif self.graph is None or self.previous is not None:
             self._body(groups, grads, mode)
-            return self.crash()
-
-        def body() -> None:
-            self._body(groups, grads, mode)
-
-        kept = [g for g in grads if g is not None]
-        if len(kept) < len(grads):
+        elif not all(present):
             self.graph.uncaptured(
-                body, [n for n, g in zip(self.names, grads, strict=True) if g is None]
+                lambda: self._body(groups, grads, mode),
+                [n for n, here in zip(self.names, present, strict=True) if not here],
             )
-            return self.crash()
-        key = (tuple((k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED),)
-        self.graph.run(body, key, kept)
-        return self.crash()
+        else:
+            if self._key_edits != self.checked.edits:
+                self._key = tuple(
+                    (k, repr(v)) for g in groups for k, v in g.items() if k not in _NOT_CAPTURED
+                )
+                self._key_edits = self.checked.edits
+            every = cast(list[torch.Tensor], grads)  # all present
+            self.graph.run(lambda: self._body(groups, every, mode), self._key, every, fresh)
+        self.inputs.mirror.mark()  # the step that copies the staged values is queued
+        return failure or self.crash()
 
     def mirror(self, muon_grads: Sequence[torch.Tensor | None], mode: StepMode) -> None:
         """Run this step's Muon collectives in ``mode``, keeping nothing: a rank whose
@@ -360,6 +380,7 @@ class StepRunner:
         """The device work of one step of ``mode``: everything a captured step replays. A
         rank that refused the step (``refusal``) runs the collectives only (its groups may
         be what it refused)."""
+        self.inputs.mirror.send()  # a captured step's graph copies them at every replay
         muon_grads = [grads[i] for i in self.muon_positions]
         early = self.early if mode.early else None
         asks = None if early is None else self._redo(early, muon_grads, refusal)

@@ -158,9 +158,9 @@ def test_a_step_with_a_missing_gradient_runs_eagerly_between_replays() -> None:
 
 
 def test_replays_read_their_own_address_tables_while_another_step_runs_eagerly() -> None:
-    """The fused kernels' address tables travel through pinned buffers that a captured
-    step's copies read at every replay: another optimizer's eager steps between two replays
-    (enough to go round the shared buffers) must not rewrite them."""
+    """The fused kernels' address tables of a captured step are its own: another
+    optimizer's eager steps between two replays (enough to go round the shared pinned
+    buffers) must not rewrite them."""
     eager_params, graph_params, other_params = _params(6), _params(6), _params(7)
     eager = muon_dist.Muon(_groups(eager_params), lr=LR, cuda_graph=False)
     graphed = muon_dist.Muon(_groups(graph_params), lr=LR, cuda_graph=True)
@@ -171,6 +171,24 @@ def test_replays_read_their_own_address_tables_while_another_step_runs_eagerly()
     _run(other_params, other, range(40), set_to_none=True)  # many tables through the ring
     got += _run(graph_params, graphed, range(3, 4), set_to_none=True)
     _equal(expected, got, "a replay after another optimizer's eager steps")
+
+
+def test_replays_copy_no_address_table() -> None:
+    """A captured step's address tables stay in device memory: its pinned buffers,
+    overwritten after the capture, change no replay."""
+    eager_params, graph_params = _params(8), _params(8)
+    eager = muon_dist.Muon(_groups(eager_params), lr=LR, cuda_graph=False)
+    graphed = muon_dist.Muon(_groups(graph_params), lr=LR, cuda_graph=True)
+    expected = _run(eager_params, eager, range(5), set_to_none=True)
+    got = _run(graph_params, graphed, range(3), set_to_none=True)
+    graph = graphed.runner.graph
+    assert graph is not None and graph.captured
+    tables = graph._staging._tables
+    assert tables
+    for host, _ in tables:
+        host.fill_(-1)
+    got += _run(graph_params, graphed, range(3, 5), set_to_none=True)
+    _equal(expected, got, "replays after the pinned tables were overwritten")
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:

@@ -95,8 +95,9 @@ class StepGraph:
         self._stream: torch.cuda.Stream | None = None
         self._key: Hashable = None
         self._held: tuple[torch.Tensor, ...] = ()
-        self._staging = StepStaging()  # the address tables the graph's copies read
-        self._pointers: tuple[int, ...] = ()
+        self._staging = StepStaging()  # the address tables the graph reads
+        self._pointers: tuple[int, ...] = ()  # the gradients' addresses at capture
+        self._now: tuple[int, ...] = ()  # their addresses at the last step
         self._eager = 0
         self._changes = 0
 
@@ -104,8 +105,8 @@ class StepGraph:
         """Forget the graph (and the gradient tensors it reads): the next steps warm up and
         capture again."""
         if self._graph is not None:
-            # A replay may still read the tables' pinned buffers: let it finish before
-            # they are freed (new ones serve the next warm-up and capture).
+            # A replay may still read the address tables: let it finish before they are
+            # freed (new ones serve the next warm-up and capture).
             torch.cuda.synchronize()
             self._staging = StepStaging()
         self._graph = None
@@ -127,15 +128,25 @@ class StepGraph:
             )
         body()
 
-    def run(self, body: Callable[[], None], key: Hashable, grads: Sequence[torch.Tensor]) -> None:
+    def run(
+        self,
+        body: Callable[[], None],
+        key: Hashable,
+        grads: Sequence[torch.Tensor],
+        fresh: bool = True,
+    ) -> None:
         """Run one step: eagerly while warming up, else by replaying the captured graph.
 
-        ``grads`` are the local gradients ``body`` reads, one per parameter.
+        ``grads`` are the local gradients ``body`` reads, one per parameter; ``fresh``:
+        whether any is another tensor than at the last step (else their addresses are the
+        last step's).
         """
         if self.given_up is not None:
             body()
             return
-        pointers = tuple(map(data_ptr, grads))
+        if fresh or self._graph is None:
+            self._now = tuple(map(data_ptr, grads))
+        pointers = self._now
         if key != self._key:
             if self._key is not None:
                 self._changes += 1
@@ -194,6 +205,7 @@ class StepGraph:
         if failure is not None:
             self._give_up(failure)
             return
+        self._staging.settle()
         self._graph, self._held, self._pointers = graph, tuple(grads), pointers
 
     def _copy_in(self, grads: Sequence[torch.Tensor], pointers: tuple[int, ...]) -> None:

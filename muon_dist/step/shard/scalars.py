@@ -74,7 +74,8 @@ class Segments:
 @dataclass(frozen=True)
 class StepInputs:
     """A step's host values in device memory: named views of one buffer, staged by
-    :meth:`stage` with one host-to-device copy (a CUDA graph replays reading them)."""
+    :meth:`stage` and moved with one host-to-device copy (``mirror.send()``, which a
+    captured step's graph repeats at every replay)."""
 
     buffer: torch.Tensor
     lr: torch.Tensor  # per group
@@ -121,9 +122,10 @@ class StepInputs:
         failed_rank: int | None,
         compared: Sequence[float],
     ) -> None:
-        """Copy this step's values in. A rank that refused its inputs stages nothing read
-        from the groups (their options may be what it refused): zeros, no norm limits, and
-        zeros for ``compared``."""
+        """Write this step's values to the host buffer, which the step copies in first
+        (``mirror.send()``). A rank that refused its inputs stages nothing read from the
+        groups (their options may be what it refused): zeros, no norm limits, and zeros for
+        ``compared``."""
         self.mirror.wait()
         staged = self.staged
         if failed_rank is None:
@@ -138,7 +140,6 @@ class StepInputs:
                 staged[name][:] = 0.0
             staged["norm_limit"][:] = math.inf
             staged["failed"][:] = float(failed_rank + 1)
-        self.mirror.send()
 
 
 class MuonScalars:

@@ -111,7 +111,7 @@ def test_a_step_with_a_missing_gradient_runs_uncaptured(caplog: pytest.LogCaptur
     choice.bind(graph)
     replayed: list[int] = []
 
-    def replay(body: Any, key: Any, grads: list[torch.Tensor]) -> None:
+    def replay(body: Any, key: Any, grads: list[torch.Tensor], fresh: bool) -> None:
         replayed.append(len(grads))
         body()
 
