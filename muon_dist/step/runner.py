@@ -106,6 +106,7 @@ class StepRunner:
         # The captured step's key: what it reads of the groups, as of ``checked.edits``.
         self._key: tuple[Any, ...] = ()
         self._key_edits = -1
+        self._staged_edits = -1  # ``checked.edits`` at the agreement's last stage
         # The step this one replaces, until a step shows every rank rebuilt alike: a rank
         # whose rebuilt plan the others do not share runs the previous one's collectives.
         self.previous: StepRunner | None = None
@@ -126,6 +127,7 @@ class StepRunner:
             comm.holders,
             groups,
             [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
+            _PER_STEP,
         )
         self.inputs = StepInputs.allocate(
             len(groups), self._group_of, self.agreement.stage_size, self.device
@@ -293,12 +295,13 @@ class StepRunner:
             if fresh or self._present is None:
                 self._present = [g is not None for g in grads]
             present = self._present
-        self.inputs.stage(
-            groups,
-            present,
-            None if failure is None else self.rank,
-            [] if failure is not None else self.agreement.stage(groups, self.rank),
-        )
+        compared: list[float] = []
+        if failure is None:
+            # The groups hold what the last step staged, the per-step keys aside.
+            unchanged = self._staged_edits == self.checked.edits
+            compared = self.agreement.stage(groups, self.rank, unchanged)
+            self._staged_edits = self.checked.edits
+        self.inputs.stage(groups, present, None if failure is None else self.rank, compared)
         if failure is not None:
             with self.built.restored():
                 self._body(groups, grads, mode, failure)

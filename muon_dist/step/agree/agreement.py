@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -100,6 +100,7 @@ class Agreement:
         holders: Peers,
         groups: Sequence[dict[str, Any]],
         replicated: Sequence[int],
+        per_step: Collection[str] = (),
     ) -> None:
         count = len(names)
         self.names = list(names)
@@ -110,6 +111,11 @@ class Agreement:
         # slot per rank, and the gradients of the parameters at ``replicated`` positions.
         several = holders.size > 1
         self.entries = compared_entries(groups) if several else []
+        # The entries read again at every step (:meth:`stage`): those of the ``per_step``
+        # keys, and the keys no option declares (schedulers' bookkeeping among them).
+        self._volatile = [i for i, e in enumerate(self.entries) if e.key in per_step or not e.key]
+        self._volatile_entries = [self.entries[i] for i in self._volatile]
+        self._last_stage: tuple[list[float], list[str]] | None = None
         self.replicated = list(replicated) if several else []
         self._replicated_slot = {p: j for j, p in enumerate(self.replicated)}
         slots = holders.size if several else 0
@@ -158,12 +164,22 @@ class Agreement:
         """Per parameter, after :meth:`decide`: > 0 where some rank has its gradient."""
         return self._flag["present"]
 
-    def stage(self, groups: Sequence[dict[str, Any]], rank: int) -> list[float]:
+    def stage(self, groups: Sequence[dict[str, Any]], rank: int, unchanged: bool) -> list[float]:
         """What this rank stages for the comparison: its group entries, negated, and its
-        digest in its own slot (the others 0); empty on one rank."""
+        digest in its own slot (the others 0); empty on one rank. ``unchanged``: the groups
+        hold what the last call read, the ``per_step`` keys aside, so only the entries
+        those keys can change are read again."""
         if not self.stage_size:
             return []
-        values, self.report.shown = compared_values(groups, self.entries)
+        if unchanged and self._last_stage is not None:
+            values, shown = list(self._last_stage[0]), list(self._last_stage[1])
+            fresh = compared_values(groups, self._volatile_entries)
+            for i, value, text in zip(self._volatile, *fresh, strict=True):
+                values[i], shown[i] = value, text
+        else:
+            values, shown = compared_values(groups, self.entries)
+        self._last_stage = (values, shown)
+        self.report.shown = shown
         digests = [0.0] * self.holders.size
         # Every entry's text: a digest of all the group options and step counts.
         digests[self.holders.index(rank)] = _digest("\n".join(self.report.shown))

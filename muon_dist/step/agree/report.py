@@ -82,6 +82,10 @@ class Report:
         self._host = torch.zeros_like(self._buffer, device="cpu", pin_memory=pinned)
         # A numpy view of the host copy: reading it is a plain memory read, made once here.
         self._host_view = self._host.numpy() if pinned else self._buffer.numpy()
+        self._read = {
+            **self.layout.views(self._host_view),
+            "ends": self._host_view[self.layout.bounds("crashed", "found_inf")],
+        }
         self._event = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
         self._pending: int | None = None  # step number whose report is queued, unread
 
@@ -125,11 +129,12 @@ class Report:
         step, self._pending = self._pending, None
         if self._event is not None:
             self._event.synchronize()
-        values, layout = self._host_view, self.layout
-        verdicts, results = values[layout.bounds("verdict")], values[layout.bounds("bad_results")]
-        crashed, failed, found_inf = values[layout.bounds("crashed", "found_inf")]
-        if not found_inf and not np.any(results) and not crashed:
+        read = self._read
+        crashed, failed, found_inf = read["ends"]
+        results = read["bad_results"]
+        if not found_inf and not crashed and not results.any():
             return None
+        verdicts = read["verdict"]
         return Outcome(
             step,
             tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == NONFINITE),
@@ -137,7 +142,7 @@ class Report:
             tuple(n for n, v in zip(self.names, verdicts, strict=True) if v == TOO_LARGE),
             int(failed) - 1 if failed else None,
             int(crashed) - 1 if crashed else None,
-            self._disagreement(values[layout.bounds("compared")]),
+            self._disagreement(read["compared"]),
         )
 
     def _disagreement(self, compared: np.ndarray[Any, Any]) -> str | None:
