@@ -1,22 +1,27 @@
-"""Per-matrix sums and sums of squares of a stack in Triton, in a fixed order on many programs.
+"""Per-matrix sums and sums of squares of a stack in Triton, in a fixed order on many programs,
+and the float64 norms of many tensors at once, with the agreement's verdict on each.
 
 Torch reduces each matrix with few programs, which leaves most of a GPU idle for a stack of
 one to eight large matrices. Here every matrix is cut into chunks that depend on its size
 alone, one program each (pass 1 writes their fp32 partials); a second, tiny pass sums each
 matrix's partials. No atomics: the same input gives the same bits on every run, and a
-matrix is cut the same way in any stack. Importing this module imports Triton; the
-Newton–Schulz driver and :mod:`muon_dist.rules.ops` import it lazily.
+matrix is cut the same way in any stack. The many-tensor norms read the tensors from an
+address table the same way, a fixed set of programs per tensor. Importing this module
+imports Triton; the Newton–Schulz driver, :mod:`muon_dist.rules.ops` and the agreement
+import it lazily.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from muon_dist.kernels.availability import on_device
+from muon_dist.kernels.tables import address_table
 
 # Elements a program loads per loop step: 32 per thread at 8 warps, as 16-byte vectors.
 _BLOCK = 8192
@@ -170,3 +175,108 @@ def inverse_norms_triton(Y: torch.Tensor, norm_scale: float, eps: float) -> torc
     within fp32 rounding of torch's result, not bitwise equal to it.
     """
     return _reduce(Y, True, None, (norm_scale, eps))
+
+
+# Programs per tensor of the many-tensor norms, each summing every _PARTS-th block.
+_PARTS = 32
+_NORM_BLOCK = 1024
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _square_parts_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    table_ptr,
+    parts_ptr,
+    X: tl.constexpr,
+    PARTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``parts[t, j]`` = the float64 sum of squares of blocks j, j + PARTS, ... of the
+    tensor in row i of ``table`` (its address, its number of elements, t)."""
+    row = table_ptr + tl.program_id(0) * 3
+    x_ptr = tl.load(row).to(tl.pointer_type(X))
+    numel = tl.load(row + 1)
+    tensor = tl.load(row + 2)
+    part = tl.program_id(1).to(tl.int64)
+    total = tl.zeros((BLOCK,), dtype=tl.float64)
+    for start in range(part * BLOCK, numel, PARTS * BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float64)
+        total += x * x
+    tl.store(parts_ptr + tensor * PARTS + part, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _verdicts_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    parts_ptr,
+    positions_ptr,
+    limits_ptr,
+    norms_ptr,
+    verdicts_ptr,
+    too_large,
+    nonfinite,
+    PARTS: tl.constexpr,
+):
+    """Tensor t's norm (the square root of its parts' sum, in a fixed order) into
+    ``norms[t]``, and at its position p, ``verdicts[p]``: ``nonfinite`` where the norm is
+    not finite, ``too_large`` where it exceeds ``limits[p]``, else 0."""
+    tensor = tl.program_id(0).to(tl.int64)
+    parts = tl.load(parts_ptr + tensor * PARTS + tl.arange(0, PARTS))
+    norm = tl.sqrt(tl.sum(parts, axis=0))
+    position = tl.load(positions_ptr + tensor)
+    limit = tl.load(limits_ptr + position).to(tl.float64)
+    finite = norm < float("inf")  # false for inf and NaN
+    verdict = tl.where(finite, tl.where(norm > limit, too_large, 0.0), nonfinite)
+    tl.store(norms_ptr + tensor, norm)
+    tl.store(verdicts_ptr + position, verdict)
+
+
+def norm_verdicts_triton(
+    tensors: Sequence[torch.Tensor],
+    positions: torch.Tensor,
+    limits: torch.Tensor,
+    verdicts: torch.Tensor,
+    too_large: float,
+    nonfinite: float,
+) -> torch.Tensor:
+    """The float64 norm of each contiguous fp32, bf16 or fp16 tensor, and the verdict on it
+    written at its position (``positions``, int64): ``nonfinite`` where the norm is not
+    finite, ``too_large`` where it exceeds the fp32 ``limits`` at that position, else 0,
+    into the fp32 ``verdicts``. Two launches per dtype, whatever the number of tensors, from
+    address tables (only where :func:`~muon_dist.kernels.tables.tables_allowed`).
+
+    Fused form of ``torch._foreach_norm(tensors, 2, dtype=torch.float64)`` and the
+    comparisons: the sums run in another, fixed order, so within float64 rounding of
+    torch's norms, not bitwise; a verdict differs only for a norm that rounding puts on the
+    other side of its limit.
+    """
+    device = verdicts.device
+    norms = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    if not tensors:
+        return norms
+    parts = torch.empty(len(tensors), _PARTS, dtype=torch.float64, device=device)
+    batches: dict[torch.dtype, list[list[int]]] = {}
+    for index, t in enumerate(tensors):
+        batches.setdefault(t.dtype, []).append([t.data_ptr(), t.numel(), index])
+    with on_device(device):
+        for dtype, rows in batches.items():
+            _square_parts_kernel[(len(rows), _PARTS)](
+                address_table(rows, device),
+                parts,
+                X=_TL_DTYPES[dtype],
+                PARTS=_PARTS,
+                BLOCK=_NORM_BLOCK,
+                num_warps=4,
+            )
+        _verdicts_kernel[(len(tensors),)](
+            parts,
+            positions,
+            limits,
+            norms,
+            verdicts,
+            float(too_large),
+            float(nonfinite),
+            PARTS=_PARTS,
+            num_warps=1,
+        )
+    return norms

@@ -10,7 +10,6 @@ replayed (:mod:`muon_dist.step.launch.cuda_graph`).
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -27,7 +26,7 @@ from muon_dist.rules.registry import rule_of
 from muon_dist.state.tensors import local, storage
 from muon_dist.step.adamw_phase import AdamWPhase
 from muon_dist.step.agree.agreement import Agreement
-from muon_dist.step.agree.grad_check import GradCheck
+from muon_dist.step.agree.grad_check import GradReader
 from muon_dist.step.agree.report import Outcome
 from muon_dist.step.changes import BuiltFrom, GroupWatch
 from muon_dist.step.launch.backward import BackwardStart
@@ -114,7 +113,7 @@ class StepRunner:
         named = list(named_params(groups))
         self.names = [name for name, _, _ in named]
         self.params = [p for _, _, p in named]
-        self._checks = [GradCheck(name, p) for name, _, p in named]
+        self.grads = GradReader(self.names, self.params)
         self.storage = storage(self.params)  # where the bound views point (rebind.py)
         self.device = local(self.params[0]).device
         group_index = {id(g): i for i, g in enumerate(groups)}
@@ -154,10 +153,6 @@ class StepRunner:
                 members.setdefault(group_index[id(group)], []).append(position)
         self.adamw = AdamWPhase(members, self.params, self.inputs, self.agreement)
         self.graph = StepGraph(settings.graph_warmup) if settings.cuda_graph else None
-        # The gradients last read (``p.grad``) and their checked local shards.
-        self._sources: list[torch.Tensor | None] = [None] * len(self.params)
-        self._unwrapped: list[torch.Tensor | None] = [None] * len(self.params)
-        self._present: list[bool] | None = None  # of the gradients last read
         self.bind_state(state)
 
     def stale(self, groups: Sequence[dict[str, Any]]) -> str | None:
@@ -220,30 +215,6 @@ class StepRunner:
         if self.graph is not None:
             self.graph.reset()
 
-    def _local_grads(self) -> tuple[list[torch.Tensor | None], bool]:
-        """Local gradient shards, and whether any is another tensor than at the last read. A
-        gradient kept between steps is checked and unwrapped only once, and a step whose
-        gradients are all the last step's objects costs one identity test per parameter."""
-        with torch._C.DisableTorchFunctionSubclass():  # DTensor's .grad: a third of the cost
-            grads = [p.grad for p in self.params]
-        fresh = not all(map(operator.is_, grads, self._sources))
-        if fresh:
-            for index, grad in enumerate(grads):
-                if grad is not self._sources[index]:
-                    self._read(index, grad)
-        return list(self._unwrapped), fresh
-
-    def _local_grad(self, index: int) -> torch.Tensor | None:
-        grad = self.params[index].grad
-        if grad is not self._sources[index]:
-            self._read(index, grad)
-        return self._unwrapped[index]
-
-    def _read(self, index: int, grad: torch.Tensor | None) -> None:
-        """Check and unwrap parameter ``index``'s new gradient ``grad``, and keep both."""
-        unwrapped = None if grad is None else self._checks[index](grad)
-        self._sources[index], self._unwrapped[index] = grad, unwrapped
-
     def grad_ready(self, p: torch.Tensor) -> None:
         """A Muon parameter's gradient is final (its post-accumulate-grad hook, in a step
         that overlaps backward): start the buckets that now can, of the step the ranks
@@ -256,7 +227,7 @@ class StepRunner:
             return
         j = self._muon_index[id(p)]
         try:
-            grad = self._local_grad(self.muon_positions[j])
+            grad = self.grads.one(self.muon_positions[j])
         except (TypeError, ValueError, RuntimeError):
             return
         if grad is not None:
@@ -282,19 +253,13 @@ class StepRunner:
         mode = self.modes[1] if overlap else self.modes[0]
         failure = refusal
         grads: list[torch.Tensor | None] = [None] * len(self.params)
-        fresh = True
+        present, fresh = [False] * len(self.params), True
         if failure is None:
             try:
-                grads, fresh = self._local_grads()
+                grads, present, fresh = self.grads.read()
             except (TypeError, ValueError, RuntimeError) as exc:
                 failure = exc
-                grads = [None] * len(self.params)
-        if failure is not None:
-            present = [False] * len(grads)
-        else:
-            if fresh or self._present is None:
-                self._present = [g is not None for g in grads]
-            present = self._present
+                grads, present = [None] * len(self.params), [False] * len(self.params)
         compared: list[float] = []
         if failure is None:
             # The groups hold what the last step staged, the per-step keys aside.
@@ -387,7 +352,7 @@ class StepRunner:
         muon_grads = [grads[i] for i in self.muon_positions]
         early = self.early if mode.early else None
         asks = None if early is None else self._redo(early, muon_grads, refusal)
-        self.agreement.decide(grads, self.inputs, redo=asks)
+        self.agreement.decide(grads, self.inputs, redo=asks, backend=self.settings.backend)
         # A rank asked that every rank start the buckets the hooks started again.
         runner = self.previous if self.previous is not None and self._mirrors() else self
         if early is not None and self.agreement.redo_asked() and runner.early is not None:

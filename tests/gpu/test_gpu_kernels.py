@@ -568,6 +568,32 @@ def test_matrix_reductions_match_float64(shape: tuple[int, int, int], dtype: tor
     assert torch.equal(fused, matrix_sums_triton(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_many_tensor_norms_and_verdicts_match_torch(dtype: torch.dtype) -> None:
+    """The agreement's fused norms of many tensors (0 to 4M elements) within float64 rounding
+    of torch's, the same bits on a second call, and each verdict at its position: non-finite,
+    above its limit, or neither."""
+    from muon_dist.kernels.triton_reduce import norm_verdicts_triton
+
+    sizes = [4 << 20, 0, 1, 3000, 65536, 917504, 17, 229376]
+    tensors = [torch.randn(n, device="cuda").to(dtype) for n in sizes]
+    tensors[3][7] = float("nan")
+    tensors[5][-1] = float("inf")
+    tensors[7].mul_(100)
+    positions = torch.tensor([9, 0, 2, 5, 1, 7, 3, 4], device="cuda")
+    limits = torch.full((10,), 1e4, device="cuda")
+    limits[9] = float("inf")
+    verdicts = torch.full((10,), -1.0, device="cuda")
+    norms = norm_verdicts_triton(tensors, positions, limits, verdicts, 2.0, 1.0)
+    expected = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64))
+    torch.testing.assert_close(norms, expected, rtol=1e-12, atol=0, equal_nan=True)
+    assert verdicts[positions].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 2.0]
+    again = torch.full((10,), -1.0, device="cuda")
+    second = norm_verdicts_triton(tensors, positions, limits, again, 2.0, 1.0)
+    torch.testing.assert_close(second, norms, rtol=0, atol=0, equal_nan=True)  # same bits
+    assert torch.equal(again, verdicts)
+
+
 def test_matrix_reductions_past_2_31_elements() -> None:
     """64-bit offsets: the last matrix of a stack past 2**31 elements is read to its last
     element. The kernel's sums of ones and twos are exact in fp32: every partial sum of its

@@ -32,13 +32,17 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.comm.groups import Peers
+from muon_dist.kernels.tables import tables_allowed
 from muon_dist.options.schema import OPTIONS
+from muon_dist.rules.forms import fused_launches
 from muon_dist.step.agree.report import NONFINITE, TOO_LARGE, Compared, Report
 from muon_dist.step.shard.scalars import Segments, StepInputs
 
 # Group entries that are no option and are compared as numbers: the step counts.
 _COUNTS = ("steps", "skipped_steps")
 _BOOKKEEPING = ("params", "param_names", "algorithm", *_COUNTS)
+# The gradient dtypes whose norms the fused form reads.
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A digest takes 24 bits, which a float32 holds exactly.
 _DIGEST_BITS = 0xFFFFFF
 
@@ -87,6 +91,34 @@ def compared_values(
     return values, shown
 
 
+class GroupEntries:
+    """Every group entry the ranks compare (:func:`compared_entries`), and its value and
+    text as last read. A read of groups that hold what the last read saw, the ``per_step``
+    keys aside, reads again only the entries of those keys and the keys no option declares
+    (schedulers' bookkeeping among them)."""
+
+    def __init__(self, entries: Sequence[Compared], per_step: Collection[str]) -> None:
+        self.entries = list(entries)
+        self._volatile = [i for i, e in enumerate(self.entries) if e.key in per_step or not e.key]
+        self._volatile_entries = [self.entries[i] for i in self._volatile]
+        self._last: tuple[list[float], list[str]] | None = None
+
+    def read(
+        self, groups: Sequence[dict[str, Any]], unchanged: bool
+    ) -> tuple[list[float], list[str]]:
+        """The entries' values and texts (:func:`compared_values`); ``unchanged``: the
+        groups hold what the last read saw, the ``per_step`` keys aside."""
+        if unchanged and self._last is not None:
+            values, shown = list(self._last[0]), list(self._last[1])
+            fresh = compared_values(groups, self._volatile_entries)
+            for i, value, text in zip(self._volatile, *fresh, strict=True):
+                values[i], shown[i] = value, text
+        else:
+            values, shown = compared_values(groups, self.entries)
+        self._last = (values, shown)
+        return values, shown
+
+
 class Agreement:
     """Device flags of one step: presence and finiteness per parameter, ``keep`` per Muon
     parameter, ``found_inf``, the non-finite Newton–Schulz results per Muon parameter, and
@@ -110,16 +142,11 @@ class Agreement:
         # Compared across ranks only where there are several: the step values, one digest
         # slot per rank, and the gradients of the parameters at ``replicated`` positions.
         several = holders.size > 1
-        self.entries = compared_entries(groups) if several else []
-        # The entries read again at every step (:meth:`stage`): those of the ``per_step``
-        # keys, and the keys no option declares (schedulers' bookkeeping among them).
-        self._volatile = [i for i, e in enumerate(self.entries) if e.key in per_step or not e.key]
-        self._volatile_entries = [self.entries[i] for i in self._volatile]
-        self._last_stage: tuple[list[float], list[str]] | None = None
+        self.group_entries = GroupEntries(compared_entries(groups) if several else [], per_step)
         self.replicated = list(replicated) if several else []
         self._replicated_slot = {p: j for j, p in enumerate(self.replicated)}
         slots = holders.size if several else 0
-        k, r = len(self.entries), len(self.replicated)
+        k, r = len(self.group_entries.entries), len(self.replicated)
         # All-reduced (MAX) together. The host stages ``values`` to ``digests`` (the step
         # values, negated, and one options digest slot per rank); ``verdict`` to ``failed``
         # decide found_inf; ``values`` to the end is compared across ranks.
@@ -151,7 +178,7 @@ class Agreement:
         self.report = Report(
             self.names,
             self.muon_names,
-            self.entries,
+            self.group_entries.entries,
             [self.names[i] for i in self.replicated],
             holders.ranks,
             self._compared_layout,
@@ -171,15 +198,7 @@ class Agreement:
         those keys can change are read again."""
         if not self.stage_size:
             return []
-        if unchanged and self._last_stage is not None:
-            values, shown = list(self._last_stage[0]), list(self._last_stage[1])
-            fresh = compared_values(groups, self._volatile_entries)
-            for i, value, text in zip(self._volatile, *fresh, strict=True):
-                values[i], shown[i] = value, text
-        else:
-            values, shown = compared_values(groups, self.entries)
-        self._last_stage = (values, shown)
-        self.report.shown = shown
+        values, self.report.shown = self.group_entries.read(groups, unchanged)
         digests = [0.0] * self.holders.size
         # Every entry's text: a digest of all the group options and step counts.
         digests[self.holders.index(rank)] = _digest("\n".join(self.report.shown))
@@ -206,6 +225,7 @@ class Agreement:
         grads: Sequence[torch.Tensor | None],
         inputs: StepInputs,
         redo: torch.Tensor | None = None,
+        backend: str = "torch",
     ) -> None:
         """Fill the flags for this step's local gradients and agree on them over all ranks.
 
@@ -217,7 +237,8 @@ class Agreement:
         phase's: its program clears them before its first Newton–Schulz result
         (:meth:`clear_results`), which a step started during backward had before this.
         ``redo`` (one element, > 0) asks every rank to start those buckets again
-        (:meth:`redo_asked`).
+        (:meth:`redo_asked`). ``backend``: the optimizer's; where it allows Triton on CUDA the
+        norms and verdicts take one fused form (:meth:`_fused`).
         """
         flag, compare = self._flag, self._compare
         flag["present"].copy_(inputs.present)
@@ -230,7 +251,7 @@ class Agreement:
         flag["verdict"].zero_()
         compare["norms"].fill_(-math.inf)
         compare["negated_norms"].fill_(-math.inf)
-        self._flag_grads(grads, inputs)
+        self._flag_grads(grads, inputs, backend)
         if self.holders.size > 1:
             dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
         torch.amax(self._checked, dim=0, out=self.found_inf)
@@ -249,7 +270,9 @@ class Agreement:
             self._differs = differs
         self._set_keep()
 
-    def _flag_grads(self, grads: Sequence[torch.Tensor | None], inputs: StepInputs) -> None:
+    def _flag_grads(
+        self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, backend: str
+    ) -> None:
         """This rank's verdict on each local gradient (non-finite, or above its norm limit)
         and, for replicas, its norm to compare across ranks."""
         flag, compare = self._flag, self._compare
@@ -259,19 +282,35 @@ class Agreement:
             if len(present) < len(grads):
                 positions = tuple([i for i, g in enumerate(grads) if g is not None])
             index, replicated = self._index(positions)
-            norms = torch.stack(torch._foreach_norm(present, 2, dtype=torch.float64))
-            limits = inputs.norm_limit.index_select(0, index).double()
-            finite = torch.isfinite(norms)
-            bad = torch.where(
-                finite,
-                (norms > limits).to(self.flags.dtype) * TOO_LARGE,
-                torch.full_like(norms, NONFINITE, dtype=self.flags.dtype),
-            )
-            flag["verdict"].index_copy_(0, index, bad)
+            if self._fused(present, backend):
+                from muon_dist.kernels.triton_reduce import norm_verdicts_triton
+
+                norms = norm_verdicts_triton(
+                    present, index, inputs.norm_limit, flag["verdict"], TOO_LARGE, NONFINITE
+                )
+            else:
+                norms = torch.stack(torch._foreach_norm(present, 2, dtype=torch.float64))
+                limits = inputs.norm_limit.index_select(0, index).double()
+                bad = torch.where(
+                    torch.isfinite(norms),
+                    (norms > limits).to(self.flags.dtype) * TOO_LARGE,
+                    torch.full_like(norms, NONFINITE, dtype=self.flags.dtype),
+                )
+                flag["verdict"].index_copy_(0, index, bad)
             if replicated is not None:
+                finite = torch.isfinite(norms)
                 mine = torch.where(finite, norms, -math.inf).index_select(0, replicated[0])
                 compare["norms"].index_copy_(0, replicated[1], mine.to(self.flags.dtype))
                 compare["negated_norms"].index_copy_(0, replicated[1], (-mine).to(self.flags.dtype))
+
+    def _fused(self, grads: Sequence[torch.Tensor], backend: str) -> bool:
+        """Whether the gradients' norms and verdicts take the fused Triton form: under a
+        ``backend`` that allows it, on CUDA, every gradient contiguous in a dtype it reads."""
+        return (
+            fused_launches(backend, grads[0])
+            and tables_allowed(self.device)
+            and all(g.is_contiguous() and g.dtype in _NORM_DTYPES for g in grads)
+        )
 
     def ranks_differ(self) -> bool:
         """Whether the ranks' options differed in the last :meth:`decide`: a host read, made

@@ -146,3 +146,38 @@ def test_writes_into_out() -> None:
         triton_reduce.matrix_sums_triton(x, out=torch.empty(4))
     with pytest.raises(ValueError, match="a matrix or a stack"):
         triton_reduce.matrix_sums_triton(torch.ones(5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_tensor_norms_and_verdicts_match_torch(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float64 norms of tensors of 0 to 5000 elements, each summed over several programs of
+    several blocks, and the verdict at each one's position: non-finite (a NaN, an inf),
+    above its limit, or neither, as the agreement's torch form decides."""
+    monkeypatch.setattr(triton_reduce, "_NORM_BLOCK", 64)
+    monkeypatch.setattr(triton_reduce, "_PARTS", 4)
+    generator = torch.Generator().manual_seed(3)
+    sizes = [5000, 0, 1, 300, 64, 257, 4100, 900]
+    tensors = [torch.randn(n, generator=generator).to(dtype) for n in sizes]
+    tensors[3][7] = float("nan")
+    tensors[6][4000] = float("inf")
+    tensors[7].mul_(1e4)  # above its limit below
+    positions = torch.tensor([9, 0, 2, 5, 1, 7, 3, 4])
+    limits = torch.full((10,), 1e3)
+    limits[7] = float("inf")  # an AdamW parameter: no limit
+    limits[4] = 1e3  # tensors[7], whose norm is about 3e5
+    verdicts = torch.full((10,), -1.0)
+    norms = triton_reduce.norm_verdicts_triton(tensors, positions, limits, verdicts, 2.0, 1.0)
+
+    expected = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64))
+    torch.testing.assert_close(norms, expected, rtol=1e-13, atol=0, equal_nan=True)
+    verdict = torch.where(
+        torch.isfinite(expected),
+        (expected > limits[positions].double()).float() * 2.0,
+        torch.ones_like(expected, dtype=torch.float32),
+    )
+    assert torch.equal(verdicts[positions], verdict)
+    assert verdicts[positions].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 2.0]
+    untouched = [i for i in range(10) if i not in positions.tolist()]
+    assert verdicts[untouched].eq(-1.0).all()
