@@ -485,6 +485,8 @@ def _autocast_off() -> contextlib.ExitStack[bool | None]:
     """Autocast disabled for every device type where it is on: the step's dtypes are its
     settings' (``ns_dtype``, ``comm_dtype``), never an enclosing autocast region's."""
     stack = contextlib.ExitStack()
+    if not torch._C._is_any_autocast_enabled():  # one call where no autocast is on
+        return stack
     for device_type in _AUTOCAST_DEVICES:
         if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
