@@ -389,6 +389,11 @@ def print_table(report: dict[str, Any]) -> None:
         f"({report['ns_flops'] / 1e12:.3g} TFLOP / {report['world_size']} ranks)",
         f"per rank: params+grads+momentum {state:.2f} GiB; bucket budget "
         f"{report['options']['bucket_mb']:g} MiB",
+        *(
+            [f"the timing's syncs and barriers around an empty step: {report['timing_ms']:.3f} ms"]
+            if "timing_ms" in report  # reports written before it was measured lack it
+            else []
+        ),
         f"first-step parity muon_dist vs all-gather: update rel {parity['update_rel']:.2e}, "
         f"shard rel {parity['shard_rel']:.2e} (tolerance {parity['tolerance']:.0e}) -> "
         f"{'OK' if parity['ok'] else 'FAIL'}",
@@ -610,6 +615,8 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
     tflops = statistics.fmean(all_ranks(matmul_tflops(args.matmul_size, device)))
     flops, matrices = ns_flops(groups, args.ns_steps)
     floor_ms = flops / world / (tflops * 1e12) * 1e3
+    # What the timing itself adds to every median: its syncs and barriers around no step.
+    timing_ms = statistics.median(time_steps(lambda: None, args.warmup, args.steps, device)) * 1e3
     log("checking first-step parity of muon_dist and the all-gather baseline")
     first_method = args.ns_methods[0]
     parity = check_parity(
@@ -679,6 +686,7 @@ def run(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> int
         "matmul_tflops": tflops,
         "ns_flops": flops,
         "floor_ms": floor_ms,
+        "timing_ms": timing_ms,
         "state_gib_per_rank": all_ranks(state_bytes / GIB),
         "parity": parity,
         "methods": methods,

@@ -66,6 +66,7 @@ def _report(captured: bool) -> dict[str, Any]:
         "parity": {"update_rel": 1e-3, "shard_rel": 1e-4, "tolerance": 2e-2, "ok": True},
         "methods": methods,
         "run": RUN,
+        **({"timing_ms": 0.04} if captured else {}),
     }
 
 
@@ -91,7 +92,10 @@ def test_from_json_records_the_rows_under_the_run_it_keeps(
     report = _report(captured)
     path.write_text(json.dumps(report))
     recorded = _main(monkeypatch, "--from-json", str(path), "--write-table")
-    assert "muon_dist auto inflight=3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "muon_dist auto inflight=3" in out
+    # What the timing adds, where the run measured it (reports before it did not).
+    assert ("around an empty step: 0.040 ms" in out) == ("timing_ms" in report)
     expected = [("step", bench_step.table_rows(report), RUN)]
     if captured:
         expected.append(("host", [bench_step.host_row(report, report["methods"][2])], RUN))
