@@ -8,9 +8,9 @@ device from pinned memory: pinning a fresh buffer per copy costs more than the c
 copy from pageable memory would wait for the whole stream. A :class:`PinnedStaging` buffer
 is rewritten only once the copy that last read it is done (an event).
 
-A captured step (:class:`StepStaging`) has buffers of its own: its graph's copies read them
-at every replay, so nothing else may rewrite them, and the capture itself may neither pin
-memory nor wait on a copy it captured.
+A captured step (:class:`StepStaging`) keeps its tables in device memory, written once
+after the capture: a replay copies none of them, nothing else rewrites them, and the capture
+itself neither pins memory nor waits on a copy.
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ class PinnedStaging:
         """``values`` as an int64 tensor on ``device``, its copy queued on the current
         stream (after waiting, rarely, for this buffer's previous copy to be done).
 
-        While a graph is captured (a captured step's round, :class:`StepStaging`) there is
-        nothing to wait for and nothing may wait: the capture began after a device
-        synchronize, so the warm-up's copies are done, and no copy is recorded, since the
-        graph reads this buffer at every replay and nothing rewrites it."""
+        While a graph is captured there is nothing to wait for and nothing may wait: the
+        capture began after a device synchronize, so the earlier copies are done, and no
+        copy is recorded, since the graph reads this buffer at every replay."""
         values = np.asarray(values, dtype=np.int64)
         capturing = torch.cuda.is_current_stream_capturing()
         if self._copied is not None and not capturing:
