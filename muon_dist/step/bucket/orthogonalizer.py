@@ -13,6 +13,7 @@ from muon_dist.kernels.graphs import GraphCache
 from muon_dist.kernels.streams import side_stream
 from muon_dist.options.settings import ExecutionSettings
 from muon_dist.plan.bucket_map import StackSpec
+from muon_dist.plan.build import ns_cost
 from muon_dist.plan.indices import TensorIndex
 from muon_dist.rules.ops import mask_stack_, matrix_sums
 from muon_dist.step.agree.failures import Failures
@@ -137,8 +138,7 @@ class Orthogonalizer:
         if not self._owner(spec).beside:
             return None
         batch, rows, cols = spec.shape
-        small, large = min(rows, cols), max(rows, cols)
-        return float(batch * (4 * small * small * large + 2 * small**3))
+        return batch * ns_cost(rows, cols, steps=1)
 
     def finite(self) -> torch.Tensor:
         """Per matrix of every stack: whether its last result was finite (a new tensor)."""

@@ -36,11 +36,14 @@ def _groups() -> list[dict[str, Any]]:
     ]
 
 
-def _set(key: str, value: Any) -> Callable[[list[dict[str, Any]]], None]:
+Edit = Callable[[list[dict[str, Any]]], None]
+
+
+def _set(key: str, value: Any) -> Edit:
     return lambda groups: groups[0].__setitem__(key, value)
 
 
-UNCHANGED: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+UNCHANGED: dict[str, Edit] = {
     "nothing": lambda groups: None,
     "lr (a scheduler)": _set("lr", 0.01),
     "step counts": _set("steps", 7),
@@ -51,7 +54,7 @@ UNCHANGED: dict[str, Callable[[list[dict[str, Any]]], None]] = {
     "equal names, another list": _set("param_names", ["a", "b"]),
 }
 
-CHANGED: dict[str, Callable[[list[dict[str, Any]]], None]] = {
+CHANGED: dict[str, Edit] = {
     "an option": _set("momentum", 0.9),
     "an int for a float of equal value": _set("momentum", 1),
     "-0.0 for 0.0": lambda groups: groups[1].__setitem__("weight_decay", -0.0),
@@ -71,21 +74,24 @@ CHANGED: dict[str, Callable[[list[dict[str, Any]]], None]] = {
 }
 
 
-@pytest.mark.parametrize("name", UNCHANGED)
-def test_what_needs_no_checks_again(name: str) -> None:
+def _edited(edit: Edit) -> tuple[list[dict[str, Any]], GroupWatch]:
+    """Groups recorded by a new watch, then edited by ``edit``."""
     groups = _groups()
     watch = GroupWatch(SKIPPED)
     watch.record(groups)
-    UNCHANGED[name](groups)
+    edit(groups)
+    return groups, watch
+
+
+@pytest.mark.parametrize("name", UNCHANGED)
+def test_what_needs_no_checks_again(name: str) -> None:
+    groups, watch = _edited(UNCHANGED[name])
     assert watch.unchanged(groups)
 
 
 @pytest.mark.parametrize("name", CHANGED)
 def test_every_change_the_checks_would_see_is_noticed(name: str) -> None:
-    groups = _groups()
-    watch = GroupWatch(SKIPPED)
-    watch.record(groups)
-    CHANGED[name](groups)
+    groups, watch = _edited(CHANGED[name])
     assert not watch.unchanged(groups)
     watch.record(groups)  # checked again: unchanged from then on
     assert watch.unchanged(groups)
