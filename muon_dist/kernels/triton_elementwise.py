@@ -18,6 +18,7 @@ import triton.language as tl
 
 from muon_dist.kernels.availability import on_device
 from muon_dist.kernels.tables import address_table, tables_allowed
+from muon_dist.kernels.triton_reduce import TL_DTYPES
 
 _BLOCK = 4096
 _WARPS = 8
@@ -588,7 +589,6 @@ def decay_and_update_triton(
     flat.copy_back()
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Programs per tensor of a many-tensor launch; each takes every _PROGRAMS-th block of its
 # tensor, so a small tensor's surplus programs return at once.
 _PROGRAMS = 1024
@@ -650,9 +650,9 @@ def momentum_inputs_triton(
         lambda key: {
             "beta": float(beta),
             "mix": float(mix or 0.0),
-            "GRAD": _TL_DTYPES[key[0]],
-            "MOMENTUM": _TL_DTYPES[key[1]],
-            "OUT": _TL_DTYPES[key[2]],
+            "GRAD": TL_DTYPES[key[0]],
+            "MOMENTUM": TL_DTYPES[key[1]],
+            "OUT": TL_DTYPES[key[2]],
             "NESTEROV": mix is not None,
             "STORE": store,
         },
@@ -704,9 +704,9 @@ def decay_and_updates_triton(
         device,
         lambda key: {
             "beta": float(key[3] or 0.0),
-            "PARAM": _TL_DTYPES[key[0]],
-            "UPDATE": _TL_DTYPES[key[1]],
-            "MOMENTUM": _TL_DTYPES[key[2]],
+            "PARAM": TL_DTYPES[key[0]],
+            "UPDATE": TL_DTYPES[key[1]],
+            "MOMENTUM": TL_DTYPES[key[2]],
             "FEEDBACK": key[3] is not None,
         },
     )
@@ -829,7 +829,7 @@ def add_slice_l1_triton(
             _slice_l1_tiles_kernel[(len(rows), min(blocks, _PROGRAMS))](
                 address_table(rows, norms.device),
                 norms,
-                X=_TL_DTYPES[dtype],
+                X=TL_DTYPES[dtype],
                 LAYOUT=layout,
                 BLOCK_S=_SLICE_BLOCK,
                 BLOCK_L=64,

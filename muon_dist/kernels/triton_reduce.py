@@ -180,7 +180,8 @@ def inverse_norms_triton(Y: torch.Tensor, norm_scale: float, eps: float) -> torc
 # Programs per tensor of the many-tensor norms, each summing every _PARTS-th block.
 _PARTS = 32
 _NORM_BLOCK = 1024
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# The dtypes the Triton passes read and write (here and in triton_elementwise.py).
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -263,7 +264,7 @@ def norm_verdicts_triton(
             _square_parts_kernel[(len(rows), _PARTS)](
                 address_table(rows, device),
                 parts,
-                X=_TL_DTYPES[dtype],
+                X=TL_DTYPES[dtype],
                 PARTS=_PARTS,
                 BLOCK=_NORM_BLOCK,
                 num_warps=4,

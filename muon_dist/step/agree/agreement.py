@@ -41,8 +41,6 @@ from muon_dist.step.shard.scalars import Segments, StepInputs
 # Group entries that are no option and are compared as numbers: the step counts.
 _COUNTS = ("steps", "skipped_steps")
 _BOOKKEEPING = ("params", "param_names", "algorithm", *_COUNTS)
-# The gradient dtypes whose norms the fused form reads.
-_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A digest takes 24 bits, which a float32 holds exactly.
 _DIGEST_BITS = 0xFFFFFF
 
@@ -306,11 +304,11 @@ class Agreement:
     def _fused(self, grads: Sequence[torch.Tensor], backend: str) -> bool:
         """Whether the gradients' norms and verdicts take the fused Triton form: under a
         ``backend`` that allows it, on CUDA, every gradient contiguous in a dtype it reads."""
-        return (
-            fused_launches(backend, grads[0])
-            and tables_allowed(self.device)
-            and all(g.is_contiguous() and g.dtype in _NORM_DTYPES for g in grads)
-        )
+        if not (fused_launches(backend, grads[0]) and tables_allowed(self.device)):
+            return False
+        from muon_dist.kernels.triton_reduce import TL_DTYPES  # imports Triton
+
+        return all(g.is_contiguous() and g.dtype in TL_DTYPES for g in grads)
 
     def ranks_differ(self) -> bool:
         """Whether the ranks' options differed in the last :meth:`decide`: a host read, made
