@@ -82,7 +82,7 @@ class Report:
         self._host = torch.zeros_like(self._buffer, device="cpu", pin_memory=pinned)
         # A numpy view of the host copy: reading it is a plain memory read, made once here.
         self._host_view = self._host.numpy() if pinned else self._buffer.numpy()
-        self._read = {
+        self._segments = {
             **self.layout.views(self._host_view),
             "ends": self._host_view[self.layout.bounds("crashed", "found_inf")],
         }
@@ -129,7 +129,7 @@ class Report:
         step, self._pending = self._pending, None
         if self._event is not None:
             self._event.synchronize()
-        read = self._read
+        read = self._segments
         crashed, failed, found_inf = read["ends"]
         results = read["bad_results"]
         if not found_inf and not crashed and not results.any():
