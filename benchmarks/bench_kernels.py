@@ -8,8 +8,14 @@ against a float64 standard iteration on a few matrices of the batch. Exits 1 if 
 or Gram variant's error is over 1.5x the torch bf16 standard's or any output is NaN, so it
 doubles as the GPU bf16 correctness gate.
 
+``--graphs`` times every variant as replays of a CUDA graph captured from it (each call's
+launches cost the host nothing, as in a captured optimizer step or a replayed stack), where
+the default times calls launched one by one; its rows are printed and kept by ``--json``,
+not written to the kernels table, whose rows are launched calls.
+
     python benchmarks/bench_kernels.py [--steps 5] [--coefficients quintic] [--json out.json]
         [--cold-cache] [--write-table] [--shapes 1024x4096,32x1536x4096] [--gram-restarts 3]
+        [--graphs]
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def ns_flops(shape: tuple[int, ...], steps: int) -> float:
     return math.prod(shape[:-2]) * steps * (4 * m * m * n + 2 * m**3)
 
 
-def first_call_seconds(fn: Callable[[], torch.Tensor]) -> float:
+def first_call_seconds(fn: Callable[[], object]) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
@@ -82,8 +88,27 @@ VARIANTS = {
 CHECKED = ("torch", "triton", "gram_torch", "gram_triton")
 
 
+def replayed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after warm-up calls on a side stream, which compile
+    and tune its kernels): the returned call replays it."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def bench_shape(
-    shape: tuple[int, ...], steps: int, coefficients: str, restarts: tuple[int, ...]
+    shape: tuple[int, ...],
+    steps: int,
+    coefficients: str,
+    restarts: tuple[int, ...],
+    in_graphs: bool = False,
 ) -> dict:
     X = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
@@ -97,14 +122,18 @@ def bench_shape(
             backend=backend,
             method=method,
             gram_restarts=restarts,
-            graphs=graphs,
+            graphs=None if in_graphs else graphs,
         )
 
-    runs = {name: variant(*spec) for name, spec in VARIANTS.items()}
+    runs: dict[str, Callable[[], object]] = {
+        name: variant(*spec) for name, spec in VARIANTS.items()
+    }
     row: dict = {"shape": list(shape), "flop": ns_flops(shape, steps)}
     row["first_call_s"] = first_call_seconds(runs["triton"]) + first_call_seconds(
         runs["gram_triton"]
     )
+    if in_graphs:
+        runs = {name: replayed(run) for name, run in runs.items()}
     # Backends take turns, in a rotating order, so clock or thermal drift favours none.
     samples: dict[str, list[float]] = {backend: [] for backend in runs}
     order = list(runs)
@@ -190,7 +219,17 @@ def main() -> int:
         default=",".join(map(str, DEFAULT_RESTARTS)),
         help="steps before which the Gram iteration restarts, comma-separated ('' for none)",
     )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="time each variant as replays of a CUDA graph captured from it",
+    )
     args = parser.parse_args()
+    if args.graphs and args.write_table:
+        parser.error(
+            "--graphs with --write-table: the kernels table holds calls launched one by one; "
+            "keep graph replays with --json PATH instead"
+        )
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
@@ -203,7 +242,7 @@ def main() -> int:
     torch.manual_seed(0)
     rows = []
     for shape in shapes:
-        rows.append(bench_shape(shape, args.steps, args.coefficients, restarts))
+        rows.append(bench_shape(shape, args.steps, args.coefficients, restarts, args.graphs))
         print(
             f"done {shape}: {rows[-1]['torch_ms']:.3f} / {rows[-1]['triton_ms']:.3f} ms", flush=True
         )
@@ -215,6 +254,7 @@ def main() -> int:
         "steps": args.steps,
         "coefficients": args.coefficients,
         "gram_restarts": restarts,
+        "timed": "graph replays" if args.graphs else "launched calls",
     }
     if args.json:
         with open(args.json, "w") as f:
