@@ -39,6 +39,7 @@ from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import prefer_gram, prefer_triton, replays_from_graph
 from muon_dist.kernels.gram import DEFAULT_RESTARTS
 from muon_dist.kernels.graphs import GraphCache
+from muon_dist.kernels.streams import side_stream
 
 SHAPES: list[tuple[int, ...]] = [
     (1024, 4096),
@@ -91,7 +92,7 @@ CHECKED = ("torch", "triton", "gram_torch", "gram_triton")
 def replayed(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` captured in a CUDA graph (after warm-up calls on a side stream, which compile
     and tune its kernels): the returned call replays it."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side = side_stream(torch.device("cuda"), "bench_kernels warm-up")  # one for every call
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
