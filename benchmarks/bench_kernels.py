@@ -36,7 +36,7 @@ import triton.testing
 
 from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import Coefficients
-from muon_dist.kernels.dispatch import prefer_gram, prefer_triton, replays_from_graph
+from muon_dist.kernels.dispatch import auto_uses_triton, prefer_gram, replays_from_graph
 from muon_dist.kernels.gram import DEFAULT_RESTARTS
 from muon_dist.kernels.graphs import GraphCache
 from muon_dist.kernels.streams import side_stream
@@ -147,9 +147,8 @@ def bench_shape(
         row[f"{backend}_ms"] = statistics.median(times)
         row[f"{backend}_tflops"] = row["flop"] / row[f"{backend}_ms"] / 1e9
     row["speedup"] = row["torch_ms"] / row["triton_ms"]
-    batch = math.prod(shape[:-2])
     gram = prefer_gram(shape[-2], shape[-1])
-    backend = "triton" if prefer_triton(shape[-2], shape[-1], batch) else "torch"
+    backend = "triton" if auto_uses_triton(X, X.dtype, from_graph=True) else "torch"
     graphed = "+graph" if replays_from_graph(X) else ""
     row["auto_picks"] = f"{'gram' if gram else 'std'}/{backend}{graphed}"
 

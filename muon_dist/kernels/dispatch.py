@@ -81,11 +81,19 @@ def _matrices(X: torch.Tensor) -> tuple[int, int, int]:
     return rows, cols, X.numel() // max(rows * cols, 1)
 
 
-def _auto_uses_triton(X: torch.Tensor, dtype: torch.dtype) -> bool:
+def auto_uses_triton(X: torch.Tensor, dtype: torch.dtype, from_graph: bool) -> bool:
+    """Whether ``backend="auto"`` runs the stack ``X`` on the Triton kernels: where
+    :func:`prefer_triton` says so, and for every stack of at most
+    :data:`~muon_dist.kernels.graphs.GRAPH_MAX_BYTES` that runs ``from_graph`` (replayed,
+    or captured by the caller). In a graph a launch costs the host nothing, and there the
+    Triton kernels (fused epilogues, half the Gram tiles) beat torch's on small stacks too.
+    The choice depends on the stack and the caller alone, so a captured step and its eager
+    twin (whose small stacks replay from a cache) run the same kernels."""
     # Cheapest checks first: small matrices are launch-bound, so microseconds show there.
     if X.ndim < 2 or not X.is_cuda or dtype not in TRITON_DTYPES:
         return False
-    return prefer_triton(*_matrices(X)) and triton_available()
+    graphed = from_graph and X.numel() * X.element_size() <= GRAPH_MAX_BYTES
+    return (graphed or prefer_triton(*_matrices(X))) and triton_available()
 
 
 # Long-to-short side ratio from which "auto" takes the Gram iteration for CUDA matrices:
@@ -122,12 +130,15 @@ def newton_schulz(
     gram_restarts: Sequence[int] = DEFAULT_RESTARTS,
     graphs: GraphCache | None = None,
     graphed: bool = False,
+    captured: bool = False,
 ) -> torch.Tensor:
     """Orthogonalize a matrix or a batch of matrices (any leading dims); returns ``dtype``.
 
     ``backend``: "torch" runs the torch backend; "triton" the Triton kernels (CUDA tensors, or
     CPU tensors under TRITON_INTERPRET=1); "auto" takes Triton for CUDA tensors where
-    ``prefer_triton`` says it is faster, torch otherwise. ``method``: "standard" iterates on
+    ``prefer_triton`` says it is faster or the stack runs from a graph (a ``graphs`` cache,
+    or ``captured``: the caller captures this call into a CUDA graph of its own) and is at
+    most ``GRAPH_MAX_BYTES``, torch otherwise. ``method``: "standard" iterates on
     the matrix, "gram" on its short side's Gram matrix (:mod:`muon_dist.kernels.gram`),
     restarting before the steps in ``gram_restarts``; "auto" takes Gram for CUDA tensors
     where ``prefer_gram`` says it is faster (rectangular ones), standard otherwise. Under
@@ -140,7 +151,8 @@ def newton_schulz(
     validate_method(method)
     restarts = validate_restarts(gram_restarts)
     gram = method == "gram" or (method == "auto" and _auto_uses_gram(X, dtype))
-    triton = backend == "triton" or (backend == "auto" and _auto_uses_triton(X, dtype))
+    from_graph = captured or graphs is not None
+    triton = backend == "triton" or (backend == "auto" and auto_uses_triton(X, dtype, from_graph))
 
     def run(Z: torch.Tensor) -> torch.Tensor:
         if gram:

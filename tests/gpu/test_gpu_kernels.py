@@ -179,11 +179,30 @@ def test_launch_bound_stacks_replay_from_a_graph() -> None:
     again = newton_schulz(X, graphs=cache)
     assert len(cache) == 1
     assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
-    assert torch.equal(first, newton_schulz(X, backend="torch", method="gram"))
+    # In a graph its launches cost nothing, so "auto" runs the Triton kernels there.
+    assert torch.equal(first, newton_schulz(X, backend="triton", method="gram"))
     Y = torch.randn_like(X)
     assert torch.equal(
-        newton_schulz(Y, graphs=cache), newton_schulz(Y, backend="torch", method="gram")
+        newton_schulz(Y, graphs=cache), newton_schulz(Y, backend="triton", method="gram")
     )
+
+
+def test_auto_takes_triton_for_small_stacks_only_from_a_graph() -> None:
+    """A launch-bound stack runs torch's kernels when launched eagerly and the Triton ones
+    when it runs from a graph: replayed from a cache, or captured by the caller
+    (``captured``), so a captured step and its eager twin run the same kernels. A stack
+    above ``GRAPH_MAX_BYTES`` below the FLOP threshold keeps torch's either way."""
+    from muon_dist.kernels.graphs import GRAPH_MAX_BYTES, GraphCache
+
+    X = torch.randn(64, 896, 256, device="cuda", dtype=torch.bfloat16)
+    eager = newton_schulz(X)
+    assert torch.equal(eager, newton_schulz(X, backend="torch"))
+    triton_result = newton_schulz(X, backend="triton")
+    assert torch.equal(newton_schulz(X, captured=True), triton_result)
+    assert torch.equal(newton_schulz(X, graphs=GraphCache()), triton_result)
+    big = torch.randn(18, 3072, 768, device="cuda", dtype=torch.bfloat16)
+    assert big.numel() * big.element_size() > GRAPH_MAX_BYTES
+    assert torch.equal(newton_schulz(big, captured=True), newton_schulz(big, backend="torch"))
 
 
 def test_graphed_stacks_of_any_size_replay_from_a_graph() -> None:
@@ -220,7 +239,7 @@ def test_full_graph_cache_runs_new_shapes_eagerly(monkeypatch: pytest.MonkeyPatc
     stacks = [torch.randn(1, 256, n, device="cuda", dtype=torch.bfloat16) for n in (512, 640, 768)]
     for _ in range(3):
         for X in stacks:
-            eager = newton_schulz(X, backend="torch", method="gram")
+            eager = newton_schulz(X, backend="triton", method="gram")
             assert torch.equal(newton_schulz(X, graphs=cache), eager)
     assert captures == [512, 640]
 
@@ -449,11 +468,14 @@ def test_fused_write_equals_the_torch_form_bitwise(update_dtype: torch.dtype) ->
     assert all(torch.equal(a, b) for a, b in zip(fused, params, strict=True))
 
 
-def test_fused_step_equals_the_torch_step_bitwise() -> None:
+def test_fused_step_equals_the_torch_step_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three fp32 steps of Muon with the fused passes on every piece (the CUDA default)
-    and with torch's forms (``backend="torch"``) agree in every bit: small stacks, whose
-    Newton–Schulz is torch's in both."""
+    and with torch's forms (``backend="torch"``) agree in every bit, Newton–Schulz held to
+    torch's in both (small stacks replayed from graphs would take the Triton kernels)."""
     import muon_dist
+    from muon_dist.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "auto_uses_triton", lambda *args: False)
 
     shapes = [(256, 256), (64, 256), (896, 256), (256, 896), (4, 48, 32)]
     runs = []

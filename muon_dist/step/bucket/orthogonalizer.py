@@ -163,6 +163,7 @@ class Orthogonalizer:
                 method=recipe.method,
                 graphs=self.graphs,
                 graphed=owner.graphed,
+                captured=settings.cuda_graph is True,
             )
 
         def run(x: torch.Tensor, part: int | None = None) -> torch.Tensor:
