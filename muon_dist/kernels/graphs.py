@@ -16,7 +16,9 @@ optimizer's step owns one): they are freed with it, never kept by the process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+import gc
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +75,28 @@ class GraphCache:
         return entry.static_output.clone()
 
 
+@contextlib.contextmanager
+def capturing(
+    graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None
+) -> Iterator[None]:
+    """``torch.cuda.graph`` in "thread_local" mode (other threads, such as NCCL's watchdog,
+    may call CUDA meanwhile), with Python's cyclic garbage collector paused.
+
+    A collection during a capture can finalize garbage whose destructor calls the CUDA
+    driver (a dropped Triton kernel unloads its module), which invalidates the capture; torch
+    collects before capturing only under ``torch.compiler.config.force_cudagraph_gc``.
+    The garbage waits for the next collection after the capture instead.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _capture(X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Graphed:
     with torch.cuda.device(X.device):
         static_input = X.clone(memory_format=torch.contiguous_format)
@@ -82,7 +106,6 @@ def _capture(X: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Gr
             fn(static_input)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads' allocations or collectives may run meanwhile.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with capturing(graph):
             static_output = fn(static_input)
     return _Graphed(static_input, static_output, graph)

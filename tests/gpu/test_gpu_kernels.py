@@ -630,3 +630,41 @@ def test_matrix_reductions_past_2_31_elements() -> None:
     x[-1, -1, -1] = 2.0
     assert matrix_sums_triton(x)[-1].item() == 2.0**27
     assert matrix_sums_triton(x, squares=True)[-1].item() == 2.0**28
+
+
+def test_a_collection_during_capture_cannot_invalidate_it() -> None:
+    """Garbage whose destructor calls the CUDA driver (a loaded Triton kernel dropped in a
+    reference cycle unloads its module) is not finalized inside a capture: ``capturing``
+    pauses the collector, even one set to run at nearly every allocation, and restores it."""
+    import gc
+
+    import triton
+    import triton.language as tl
+
+    from muon_dist.kernels.graphs import capturing
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def fill(out_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        offsets = tl.arange(0, BLOCK)
+        tl.store(out_ptr + offsets, 1.0, mask=offsets < n)
+
+    ones = torch.zeros(64, device="cuda")
+    fill[(1,)](ones, 64, BLOCK=64)
+    X = torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16)
+    expected = newton_schulz(X, backend="triton")  # compiled and tuned before the capture
+    torch.cuda.synchronize()
+    cycle: list[object] = [fill]
+    cycle.append(cycle)
+    del fill, cycle
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            result = newton_schulz(X, backend="triton")
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*threshold)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(result, expected) and bool(ones.eq(1).all())

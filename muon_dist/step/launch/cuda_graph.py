@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from muon_dist.comm.groups import CommGroups
+from muon_dist.kernels.graphs import capturing
 from muon_dist.kernels.streams import side_stream
 from muon_dist.kernels.tables import StepStaging
 from muon_dist.options.settings import ExecutionSettings
@@ -187,12 +188,7 @@ class StepGraph:
         """Capture ``body`` reading ``grads``, which the graph keeps (no copy this step)."""
         graph = torch.cuda.CUDAGraph()
         try:
-            # "thread_local": the NCCL watchdog thread polls events while this thread
-            # captures; "global" would fail the capture on its calls.
-            capturing = torch.cuda.graph(
-                graph, stream=self._stream, capture_error_mode="thread_local"
-            )
-            with capturing, self._staging.round():
+            with capturing(graph, self._stream), self._staging.round():
                 body()
         except Exception as exc:
             if self.fallback is None:
