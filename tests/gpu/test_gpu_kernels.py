@@ -632,10 +632,22 @@ def test_matrix_reductions_past_2_31_elements() -> None:
     assert matrix_sums_triton(x, squares=True)[-1].item() == 2.0**28
 
 
+def _captured_garbage() -> None:
+    """A captured graph dropped in a reference cycle: only the cyclic collector frees it,
+    and freeing it destroys its executable graph and releases its memory pool."""
+    graph = torch.cuda.CUDAGraph()
+    x = torch.zeros(8, device="cuda")
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    cycle: list[object] = [graph, x]
+    cycle.append(cycle)
+
+
 def test_a_collection_during_capture_cannot_invalidate_it() -> None:
     """Garbage whose destructor calls the CUDA driver (a loaded Triton kernel dropped in a
-    reference cycle unloads its module) is not finalized inside a capture: ``capturing``
-    pauses the collector, even one set to run at nearly every allocation, and restores it."""
+    reference cycle unloads its module; a dropped graph destroys its executable) is not
+    finalized inside a capture: ``capturing`` pauses the collector, even one set to run at
+    nearly every allocation, and restores it."""
     import gc
 
     import triton
@@ -656,6 +668,7 @@ def test_a_collection_during_capture_cannot_invalidate_it() -> None:
     cycle: list[object] = [fill]
     cycle.append(cycle)
     del fill, cycle
+    _captured_garbage()
     threshold = gc.get_threshold()
     gc.set_threshold(1)
     try:
