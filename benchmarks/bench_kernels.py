@@ -124,6 +124,7 @@ def bench_shape(
             method=method,
             gram_restarts=restarts,
             graphs=None if in_graphs else graphs,
+            captured=in_graphs,
         )
 
     runs: dict[str, Callable[[], object]] = {
