@@ -38,7 +38,7 @@ from muon_dist.kernels import newton_schulz, newton_schulz_torch
 from muon_dist.kernels.coefficients import Coefficients
 from muon_dist.kernels.dispatch import auto_uses_triton, prefer_gram, replays_from_graph
 from muon_dist.kernels.gram import DEFAULT_RESTARTS
-from muon_dist.kernels.graphs import GraphCache
+from muon_dist.kernels.graphs import GraphCache, capturing
 from muon_dist.kernels.streams import side_stream
 
 SHAPES: list[tuple[int, ...]] = [
@@ -99,7 +99,7 @@ def replayed(fn: Callable[[], object]) -> Callable[[], None]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         fn()
     return graph.replay
 
