@@ -1,4 +1,4 @@
-"""Replay Newton–Schulz calls from cached CUDA graphs.
+"""Replay Newton–Schulz calls from cached CUDA graphs; the one way the library captures.
 
 A small stack (one 1024×4096 matrix) is bound by the host launching its ~30 kernels one by
 one, longer than the GPU takes to run them. Replaying a graph captured on the first call
@@ -11,7 +11,8 @@ user capturing the whole optimizer step) runs eagerly, since that capture alread
 the launches.
 
 The graphs and their memory belong to a :class:`GraphCache`, which the caller owns (an
-optimizer's step owns one): they are freed with it, never kept by the process.
+optimizer's step owns one): they are freed with it, never kept by the process. Every
+capture, these and the step's own graph, goes through :func:`capturing`.
 """
 
 from __future__ import annotations
