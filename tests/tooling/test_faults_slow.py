@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 from repo_paths import ROOT
+from torch.distributed import TCPStore
 from train_launch import LAUNCH_TIMEOUT_S, SCRIPT, TINY, launch, launch_env, losses
 
 HSDP = [*TINY, "--replicate", "2"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 RESUMED = re.compile(r"\[muon\] resumed \S*(step_\d+) ")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return int(s.getsockname()[1])
 
 
 def _finish(job: subprocess.Popen[bytes], log: Path) -> str:
@@ -58,8 +52,13 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run on two torchrun agents (``--nnodes 2``, one rank each, c10d
     rendezvous on localhost), checkpointed at step 6."""
     tmp = tmp_path_factory.mktemp("faults")
-    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_free_port()}"]
-    cmd = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", *rendezvous, "--rdzv-id", "two"]
+    # The rendezvous store lives here, on a port the kernel picks and the store holds, and
+    # both agents are its clients (is_host=false): a port found free and closed again could
+    # be taken by another test's connections before an agent listened on it (EADDRINUSE).
+    store = TCPStore("localhost", 0, 2, True, wait_for_workers=False)
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{store.port}"]
+    rendezvous += ["--rdzv-conf", "is_host=false", "--rdzv-id", "two"]
+    cmd = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", *rendezvous]
     cmd += [str(SCRIPT), *HSDP, "--out", str(tmp / "two_nodes"), "--ckpt-dir", str(tmp / "ckpt")]
     cmd += ["--ckpt-every", "6", "--save-final", str(tmp / "two_nodes.pt")]
     logs = [tmp / f"node{n}.log" for n in range(2)]
@@ -68,6 +67,7 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
         with log.open("wb") as out:
             jobs.append(subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=out, stderr=out))
     output = "".join(_finish(job, log) for job, log in zip(jobs, logs, strict=True))
+    del store  # both agents have exited
     assert "world 2 on cpu (gloo), mesh {'replicate': 2, 'shard': 1}" in output
     return tmp
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 import torch.multiprocessing as mp
 from dist_harness import PRELOAD
 from repo_paths import ROOT
+from torch.distributed import TCPStore
 
 SCRIPT = ROOT / "examples" / "train.py"
 TINY = [
@@ -81,18 +81,22 @@ def launch(nproc: int | None, args: Sequence[str]) -> str:
 
 def launch_forked(nproc: int | None, args: Sequence[str], logs: Path, script: Path = SCRIPT) -> str:
     """:func:`launch`'s run, its ranks forked with torch imported (the module's docstring):
-    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and a rendezvous on a free local port, as torchrun
-    sets them, or none of them when ``nproc`` is None. Each rank writes its output to
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and the rendezvous store, as torchrun sets them,
+    or none of them when ``nproc`` is None. Each rank writes its output to
     ``logs/rank<R>.log``; returns them all, rank 0's first. ``script``: another script run
-    the same way (a benchmark's)."""
+    the same way (a benchmark's).
+
+    This process hosts the store, as torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``:
+    every rank is its client), on a port the kernel picks and the store holds: a port found
+    free and then closed could be taken, before rank 0 listened on it, by another test's
+    connections (the ephemeral range), which failed the run with ``EADDRINUSE``."""
     logs.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # dist_harness's: one server per test process
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as dist_harness starts the server
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = int(s.getsockname()[1])
     world = nproc or 1
+    store = None if nproc is None else TCPStore("localhost", 0, world, True, wait_for_workers=False)
+    port = 0 if store is None else store.port
     paths = [logs / f"rank{rank}.log" for rank in range(world)]
     procs = [
         ctx.Process(target=_forked_rank, args=(rank, nproc, port, list(args), paths[rank], script))
@@ -106,6 +110,7 @@ def launch_forked(nproc: int | None, args: Sequence[str], logs: Path, script: Pa
         if proc.exitcode is None:
             proc.kill()
             proc.join()
+    del store  # every rank has exited
     output = "".join(path.read_text() for path in paths if path.exists())
     codes = [proc.exitcode for proc in procs]
     if any(code != 0 for code in codes):
@@ -121,6 +126,7 @@ def _forked_rank(
     if nproc is not None:
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
         env.update(LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="localhost", MASTER_PORT=str(port))
+        env.update(TORCHELASTIC_USE_AGENT_STORE=str(True))
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)
