@@ -97,8 +97,8 @@ def _site() -> str:
 
 class Grads:
     """Gradients like the parameters': two sets of random local shards, handed out in turn
-    as new DTensors (a fresh tensor every step, as backward leaves them), or, where
-    ``kept``, one set given once and kept."""
+    as new DTensors (a fresh tensor every step, as FSDP2's backward leaves them: wrapped in
+    the parameter's own sharding spec), or, where ``kept``, one set given once and kept."""
 
     def __init__(self, params: Sequence[DTensor], kept: bool) -> None:
         self.params, self.kept = list(params), kept
@@ -115,14 +115,8 @@ class Grads:
         locals_ = self.locals[self.turn % len(self.locals)]
         self.turn += 1
         for p, local in zip(self.params, locals_, strict=True):
-            p.grad = DTensor.from_local(
-                local,
-                p.device_mesh,
-                p.placements,
-                run_check=False,
-                shape=p.shape,
-                stride=p.stride(),
-            )
+            # As FSDP2's backward wraps a reduced gradient: in its parameter's own spec.
+            p.grad = DTensor(local, p._spec, requires_grad=False)
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, muon_dist.Muon, Grads]:

@@ -47,16 +47,24 @@ def check_grad(name: str, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 class GradCheck:
     """:func:`check_grad` of one parameter, its layout read once: a gradient that lies like
     it costs a few comparisons and no operation (``p.to_local()`` of a parameter takes a
-    new view); any other gradient takes the whole check, which names what differs."""
+    new view); any other gradient takes the whole check, which names what differs.
+
+    FSDP2 wraps every gradient it reduces in its parameter's own sharding spec (the same
+    object): such a gradient lies like the parameter by construction (the same mesh,
+    placements and global shape, and a DTensor's local shard is its spec's), so an identity
+    test is its whole check."""
 
     def __init__(self, name: str, p: torch.Tensor) -> None:
         self.name, self.param = name, p
         self.mesh = p.device_mesh if isinstance(p, DTensor) else None  # None: not sharded
         self.placements = tuple(p.placements) if isinstance(p, DTensor) else ()
+        self.spec = p._spec if isinstance(p, DTensor) else None
         self.shape = local(p).shape
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         """The local shard of ``grad``, checked as :func:`check_grad` checks it."""
+        if isinstance(grad, DTensor) and grad._spec is self.spec:
+            return grad._local_tensor
         if grad.layout == torch.strided:
             if isinstance(grad, DTensor):
                 shard = grad._local_tensor
@@ -95,10 +103,14 @@ class GradReader:
             present = self._present  # None: never read, or a hook read a new gradient since
             fresh = present is None or not all(map(operator.is_, grads, self._sources))
             if present is None or fresh:
+                # After zero_grad(set_to_none=True) every gradient is new: no call per
+                # parameter beyond its check.
+                sources, unwrapped, checks = self._sources, self._unwrapped, self._checks
                 for index, grad in enumerate(grads):
-                    if grad is not self._sources[index]:
-                        self._take(index, grad)
-                present = self._present = [g is not None for g in self._unwrapped]
+                    if grad is not sources[index]:
+                        unwrapped[index] = None if grad is None else checks[index](grad)
+                        sources[index] = grad
+                present = self._present = [g is not None for g in unwrapped]
         return list(self._unwrapped), present, fresh
 
     def one(self, index: int) -> torch.Tensor | None:
