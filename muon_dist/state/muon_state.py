@@ -57,9 +57,11 @@ class MuonState:
         self.scores = {j: state[self.params[j]]["magma_score"] for j in self.magma}
         self._spans = {}
 
-    def forget_grad(self, j: int) -> None:
-        """Tensor j's gradient changed: its flat view is taken again."""
-        self._flat_grads[j] = None
+    def forget_grads(self, changed: Sequence[int]) -> None:
+        """These tensors' gradients changed: their flat views are taken again."""
+        flats = self._flat_grads
+        for j in changed:
+            flats[j] = None
 
     def advance_momenta(
         self,

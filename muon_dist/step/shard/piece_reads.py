@@ -46,10 +46,18 @@ class LocalGrads:
         changed = local != self.local
         if changed:
             self.local = local
-        sources = self._sources
-        for j, grad in enumerate(grads):
-            if grad is None or grad is not sources[j]:
-                self.set_one(j, grad)
+        # After zero_grad(set_to_none=True) every gradient is new: no call per tensor.
+        sources, views, tensors = self._sources, self._views, self.tensors
+        taken = [j for j, grad in enumerate(grads) if grad is None or grad is not sources[j]]
+        for j in taken:
+            grad = grads[j]
+            if grad is None:
+                grad = torch.zeros_like(self._shards[j])
+            sources[j] = tensors[j] = grad
+            if views[j]:
+                views[j] = {}
+        if taken:
+            self._state.forget_grads(taken)
         return changed
 
     def set_one(self, j: int, grad: torch.Tensor | None) -> None:
@@ -60,7 +68,7 @@ class LocalGrads:
             self._sources[j] = grad
             if self._views[j]:
                 self._views[j] = {}
-            self._state.forget_grad(j)
+            self._state.forget_grads((j,))
         self.tensors[j] = grad
 
     def _piece(self, j: int, key: tuple[int, int], slices: Slices) -> torch.Tensor:
