@@ -160,8 +160,7 @@ def _sym_product_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
 
 @functools.cache
 def _unit_scales(batch: int, device: torch.device) -> torch.Tensor:
-    """Scales of 1 for products without one, made per call: a kept tensor made inside a
-    capture would live in that graph's private memory pool."""
+    """Scales of 1 for products without one, kept per batch size and device."""
     return torch.ones(batch, dtype=torch.float32, device=device)
 
 
