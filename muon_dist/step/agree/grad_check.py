@@ -5,7 +5,7 @@ gradient, each gradient tensor checked once."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -103,25 +103,30 @@ class GradReader:
             present = self._present  # None: never read, or a hook read a new gradient since
             fresh = present is None or not all(map(operator.is_, grads, self._sources))
             if present is None or fresh:
-                # After zero_grad(set_to_none=True) every gradient is new: no call per
-                # parameter beyond its check.
-                sources, unwrapped, checks = self._sources, self._unwrapped, self._checks
-                for index, grad in enumerate(grads):
-                    if grad is not sources[index]:
-                        unwrapped[index] = None if grad is None else checks[index](grad)
-                        sources[index] = grad
-                present = self._present = [g is not None for g in unwrapped]
+                sources = self._sources
+                self._take([i for i, grad in enumerate(grads) if grad is not sources[i]], grads)
+                present = self._present = [g is not None for g in self._unwrapped]
         return list(self._unwrapped), present, fresh
 
     def one(self, index: int) -> torch.Tensor | None:
         """Parameter ``index``'s local gradient (a gradient hook's read)."""
         grad = self.params[index].grad
         if grad is not self._sources[index]:
-            self._take(index, grad)
+            self._take((index,), {index: grad})
             self._present = None
         return self._unwrapped[index]
 
-    def _take(self, index: int, grad: torch.Tensor | None) -> None:
-        """Check and unwrap parameter ``index``'s new gradient ``grad``, and keep both."""
-        unwrapped = None if grad is None else self._checks[index](grad)
-        self._sources[index], self._unwrapped[index] = grad, unwrapped
+    def _take(
+        self,
+        taken: Sequence[int],
+        grads: Sequence[torch.Tensor | None] | Mapping[int, torch.Tensor | None],
+    ) -> None:
+        """Check and unwrap the new gradients ``grads[i]`` of the parameters ``taken``, and
+        keep both, with no call per parameter beyond its check: after
+        ``zero_grad(set_to_none=True)`` every gradient is new. A refused gradient is kept
+        as not taken, so the next read checks it again."""
+        sources, unwrapped, checks = self._sources, self._unwrapped, self._checks
+        for i in taken:
+            grad = grads[i]
+            unwrapped[i] = None if grad is None else checks[i](grad)
+            sources[i] = grad

@@ -10,7 +10,7 @@ advances is its record's answer for the mode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +46,25 @@ class LocalGrads:
         changed = local != self.local
         if changed:
             self.local = local
-        # After zero_grad(set_to_none=True) every gradient is new: no call per tensor.
+        sources = self._sources
+        self._take(
+            [j for j, grad in enumerate(grads) if grad is None or grad is not sources[j]], grads
+        )
+        return changed
+
+    def set_one(self, j: int, grad: torch.Tensor | None) -> None:
+        """Take tensor j's gradient (None: absent, read as zeros)."""
+        if grad is None or grad is not self._sources[j]:
+            self._take((j,), {j: grad})
+
+    def _take(
+        self,
+        taken: Sequence[int],
+        grads: Sequence[torch.Tensor | None] | Mapping[int, torch.Tensor | None],
+    ) -> None:
+        """Take the new gradients ``grads[j]`` of the tensors ``taken`` (None: zeros), with
+        no call per tensor: after ``zero_grad(set_to_none=True)`` every gradient is new."""
         sources, views, tensors = self._sources, self._views, self.tensors
-        taken = [j for j, grad in enumerate(grads) if grad is None or grad is not sources[j]]
         for j in taken:
             grad = grads[j]
             if grad is None:
@@ -58,18 +74,6 @@ class LocalGrads:
                 views[j] = {}
         if taken:
             self._state.forget_grads(taken)
-        return changed
-
-    def set_one(self, j: int, grad: torch.Tensor | None) -> None:
-        """Take tensor j's gradient (None: absent, read as zeros)."""
-        if grad is None:
-            grad = torch.zeros_like(self._shards[j])
-        if grad is not self._sources[j]:
-            self._sources[j] = grad
-            if self._views[j]:
-                self._views[j] = {}
-            self._state.forget_grads((j,))
-        self.tensors[j] = grad
 
     def _piece(self, j: int, key: tuple[int, int], slices: Slices) -> torch.Tensor:
         view = self._views[j].get(key)
