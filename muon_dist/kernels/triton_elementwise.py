@@ -26,6 +26,8 @@ _WARPS = 8
 # into one fused multiply-add unless the kernel asks for it (``tl.fma``), so each pass
 # rounds where its torch form does and the two forms agree bitwise in fp32.
 _UNFUSED = {"num_warps": _WARPS, "enable_fp_fusion": False}
+# A step's scalars per loop iteration of their one program (a few hundred in all).
+_SCALARS_BLOCK = 256
 
 
 @triton.jit
@@ -496,6 +498,83 @@ def _row_factors_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotat
         tl.store(factor_ptr + first + offsets, ratio / denom, mask=mask)
 
 
+@triton.jit
+def _step_scalars_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
+    lr_ptr,
+    wd_ptr,
+    keep_in_ptr,
+    found_inf_ptr,
+    group_of_ptr,
+    plain_ptr,
+    cautious_mask_ptr,
+    piece_tensor_ptr,
+    neg_scale_ptr,
+    class_group_ptr,
+    class_neg_scale_ptr,
+    stack_tensor_ptr,
+    keep_ptr,
+    decay_ptr,
+    cautious_ptr,
+    step_ptr,
+    ok_ptr,
+    group_decay_ptr,
+    class_step_ptr,
+    dropped_ptr,
+    tensors,
+    pieces,
+    groups,
+    classes,
+    matrices,
+    DROP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Every scalar of :func:`muon_dist.rules.ops.stage_scalars_` in one program: a step
+    has a few hundred of them, so one launch beats one per op. Each product is rounded in
+    the order the torch form rounds it (no fused multiply-add: ``_UNFUSED``)."""
+    ok = tl.load(found_inf_ptr) == 0.0
+    ok_value = ok.to(tl.float32)
+    tl.store(ok_ptr, ok)
+    for start in range(0, tensors, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        mask = at < tensors
+        kept = tl.load(keep_in_ptr + at, mask=mask, other=0) != 0
+        tl.store(keep_ptr + at, kept, mask=mask)
+        group = tl.load(group_of_ptr + at, mask=mask, other=0)
+        lr = tl.load(lr_ptr + group, mask=mask, other=0.0)
+        rate = lr * tl.load(wd_ptr + group, mask=mask, other=0.0) * kept.to(tl.float32)
+        plain = tl.load(plain_ptr + at, mask=mask, other=0.0)
+        tl.store(decay_ptr + at, 1.0 - rate * plain, mask=mask)
+        cautious = tl.load(cautious_mask_ptr + at, mask=mask, other=0.0)
+        tl.store(cautious_ptr + at, rate * cautious, mask=mask)
+    for start in range(0, pieces, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        mask = at < pieces
+        tensor = tl.load(piece_tensor_ptr + at, mask=mask, other=0)
+        kept = tl.load(keep_in_ptr + tensor, mask=mask, other=0) != 0
+        lr = tl.load(lr_ptr + tl.load(group_of_ptr + tensor, mask=mask, other=0), mask=mask)
+        scale = tl.load(neg_scale_ptr + at, mask=mask, other=0.0)
+        tl.store(step_ptr + at, lr * kept.to(tl.float32) * scale, mask=mask)
+    for start in range(0, groups, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        mask = at < groups
+        lr = tl.load(lr_ptr + at, mask=mask, other=0.0)
+        rate = lr * tl.load(wd_ptr + at, mask=mask, other=0.0) * ok_value
+        tl.store(group_decay_ptr + at, 1.0 - rate, mask=mask)
+    for start in range(0, classes, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        mask = at < classes
+        lr = tl.load(lr_ptr + tl.load(class_group_ptr + at, mask=mask, other=0), mask=mask)
+        scale = tl.load(class_neg_scale_ptr + at, mask=mask, other=0.0)
+        tl.store(class_step_ptr + at, lr * ok_value * scale, mask=mask)
+    if DROP:
+        for start in range(0, matrices, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            mask = at < matrices
+            tensor = tl.load(stack_tensor_ptr + at, mask=mask, other=0)
+            kept = tl.load(keep_in_ptr + tensor, mask=mask, other=0) != 0
+            tl.store(dropped_ptr + at, kept == 0, mask=mask)
+
+
 def _grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, _BLOCK),)
 
@@ -874,3 +953,47 @@ def row_factors_triton(
             num_warps=4,
         )
     return factors
+
+
+def step_scalars_triton(
+    sources: dict[str, torch.Tensor],
+    layout: dict[str, torch.Tensor],
+    out: dict[str, torch.Tensor],
+    drop: bool,
+) -> None:
+    """Fused form of :func:`muon_dist.rules.ops.stage_scalars_`, one launch of one program.
+    Its tensors by name (each contiguous, all on one device): ``sources`` ``lr``,
+    ``weight_decay``, ``keep`` and ``found_inf``; ``layout`` and ``out`` the fields of
+    ``ScalarLayout`` and ``StepScalars``."""
+    dropped = out["dropped"]
+    with on_device(sources["lr"].device):
+        _step_scalars_kernel[(1,)](
+            sources["lr"],
+            sources["weight_decay"],
+            sources["keep"],
+            sources["found_inf"],
+            layout["group_of"],
+            layout["plain_mask"],
+            layout["cautious_mask"],
+            layout["piece_tensor"],
+            layout["neg_scale"],
+            layout["class_group"],
+            layout["class_neg_scale"],
+            layout["stack_tensor"],
+            out["keep"],
+            out["decay"],
+            out["cautious"],
+            out["step"],
+            out["ok"],
+            out["group_decay"],
+            out["class_step"],
+            dropped,
+            out["keep"].numel(),
+            out["step"].numel(),
+            out["group_decay"].numel(),
+            out["class_step"].numel(),
+            dropped.numel(),
+            DROP=drop,
+            BLOCK=_SCALARS_BLOCK,
+            **_UNFUSED,
+        )

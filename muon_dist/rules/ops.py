@@ -18,6 +18,7 @@ input is zero, which orthogonalizes to zero.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +59,81 @@ def step_size(
     if index is not None:
         lr_kept = lr_kept.index_select(0, index)
     return torch.mul(lr_kept, neg_scale, out=out)
+
+
+@dataclass(frozen=True)
+class ScalarLayout:
+    """Where a step's scalars take their values from, fixed per plan: per Muon tensor its
+    group (``group_of``) and whether its decay is cautious (``cautious_mask``, 1.0 or 0.0;
+    ``plain_mask`` its complement); per piece its tensor and ``−lr_scale``; per step class
+    (pieces of one group and lr scale) its group and ``−lr_scale``; per stacked matrix its
+    tensor."""
+
+    group_of: torch.Tensor  # long, per tensor
+    plain_mask: torch.Tensor  # fp32, per tensor
+    cautious_mask: torch.Tensor  # fp32, per tensor
+    piece_tensor: torch.Tensor  # long, per piece
+    neg_scale: torch.Tensor  # fp32, per piece
+    class_group: torch.Tensor  # long, per step class
+    class_neg_scale: torch.Tensor  # fp32, per step class
+    stack_tensor: torch.Tensor  # long, per stacked matrix
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """What the update rule reads of one step, in device memory: per Muon tensor the agreed
+    ``keep``, the decay factor (1 where cautious) and the cautious rate; per piece its step;
+    ``ok`` (nothing found non-finite); per group the decay factor and per step class the
+    step of tensors with a local gradient (kept exactly when the step is); per stacked
+    matrix whether the step drops it."""
+
+    keep: torch.Tensor  # bool, per tensor
+    decay: torch.Tensor
+    cautious: torch.Tensor
+    step: torch.Tensor  # per piece
+    ok: torch.Tensor  # bool, one element
+    group_decay: torch.Tensor
+    class_step: torch.Tensor
+    dropped: torch.Tensor  # bool, per stacked matrix
+
+
+def stage_scalars_(
+    lr: torch.Tensor,
+    weight_decay: torch.Tensor,
+    keep: torch.Tensor,
+    found_inf: torch.Tensor,
+    layout: ScalarLayout,
+    out: StepScalars,
+    *,
+    drop: bool,
+    fused: bool,
+) -> None:
+    """Fill ``out`` from the groups' ``lr`` and ``weight_decay`` and the agreed ``keep``
+    (per tensor) and ``found_inf`` by ``layout`` (:func:`decay_rate`, :func:`decay_factor`,
+    :func:`step_size`); ``drop``: mark the stacked matrices of unkept tensors in
+    ``out.dropped`` too. The torch form is about twenty launches of a few elements each;
+    the fused form (bitwise equal: each product rounded where torch rounds it) is one."""
+    if fused:
+        from muon_dist.kernels.triton_elementwise import step_scalars_triton
+
+        sources = {"lr": lr, "weight_decay": weight_decay, "keep": keep, "found_inf": found_inf}
+        step_scalars_triton(sources, vars(layout), vars(out), drop)
+        return
+    out.keep.copy_(keep)
+    kept = out.keep.float()
+    tensor_lr = lr.index_select(0, layout.group_of)
+    rate = decay_rate(tensor_lr, weight_decay.index_select(0, layout.group_of), kept)
+    decay_factor(rate * layout.plain_mask, out=out.decay)
+    torch.mul(rate, layout.cautious_mask, out=out.cautious)
+    step_size(tensor_lr, kept, layout.neg_scale, index=layout.piece_tensor, out=out.step)
+    torch.eq(found_inf, 0, out=out.ok)
+    ok = out.ok.float()
+    decay_factor(decay_rate(lr, weight_decay, ok), out=out.group_decay)
+    class_lr = lr.index_select(0, layout.class_group)
+    step_size(class_lr, ok, layout.class_neg_scale, out=out.class_step)
+    if drop:
+        torch.index_select(out.keep, 0, layout.stack_tensor, out=out.dropped)
+        out.dropped.logical_not_()
 
 
 def advance_momentum(

@@ -86,7 +86,7 @@ def bind(
     # Per matrix of every stack, in plan order, its Muon tensor.
     stacks = [stack for m in maps for stack in m.stacks]
     stack_tensor = [entries[i].tensor_index for stack in stacks for i in stack.views]
-    scalars = _scalars(tensors, group_count, stack_tensor)
+    scalars = _scalars(tensors, group_count, stack_tensor, settings.backend)
     forms = _forms(plan, tensors, wings, muon_state.momenta, settings.backend)
     grads = LocalGrads(tensors.shards, muon_state)
     pieces = PieceIO(forms, tensors.shards, muon_state, grads, scalars, settings.backend)
@@ -238,7 +238,7 @@ def _step_classes(
 
 
 def _scalars(
-    tensors: MuonTensors, group_count: int, stack_tensor: Sequence[TensorIndex]
+    tensors: MuonTensors, group_count: int, stack_tensor: Sequence[TensorIndex], backend: str
 ) -> MuonScalars:
     """A phase's device scalars."""
     entries = tensors.entries
@@ -253,6 +253,7 @@ def _scalars(
         stack_tensor=stack_tensor,
         group_count=group_count,
         device=tensors.device,
+        backend=backend,
     )
 
 

@@ -124,8 +124,7 @@ class StepProgram:
                 phase.failures.reset()
                 agreement.clear_results()
             case Stage.SCALARS:
-                scalars.stage(agreement.keep, agreement.found_inf, phase.inputs)
-                scalars.drop_unkept()
+                scalars.stage(agreement.keep, agreement.found_inf, phase.inputs, drop=True)
             case Stage.DROP_NONE:
                 scalars.drop_none()
             case Stage.ADVANCE:
@@ -146,7 +145,7 @@ class StepProgram:
                 agreement.skip_on_results()
             case Stage.COMMIT:
                 held = phase.transaction.end()
-                scalars.stage(agreement.keep, agreement.found_inf, phase.inputs)
+                scalars.stage(agreement.keep, agreement.found_inf, phase.inputs, drop=False)
                 self._at_commit.run(pieces, scalars)
                 pieces.commit(held)
             case Stage.FINISH:

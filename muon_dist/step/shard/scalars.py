@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from muon_dist.kernels.tables import HostMirror
-from muon_dist.rules.ops import decay_factor, decay_rate, step_size
+from muon_dist.rules.forms import fused_launches
+from muon_dist.rules.ops import ScalarLayout, StepScalars, stage_scalars_
 
 # Newton–Schulz divides its input by the Frobenius norm, whose square overflows fp32 above
 # about 1.84e19 (3.4e38 ** 0.5); the limit leaves room for Polar Express's 1.02 factor.
@@ -88,6 +89,8 @@ class StepInputs:
     group_of: np.ndarray[Any, Any]  # each parameter's group index
     mirror: HostMirror  # where the host writes the values, segment by segment
     staged: dict[str, np.ndarray[Any, Any]]  # the mirror's segments by name
+    # The presence flags ``staged`` holds, as last written (None: another value since).
+    staged_present: list[list[bool] | None] = field(default_factory=lambda: [None])
 
     @classmethod
     def allocate(
@@ -108,7 +111,12 @@ class StepInputs:
         mirror = HostMirror(buffer)
         return cls(
             buffer,
-            **views,
+            lr=views["lr"],
+            weight_decay=views["weight_decay"],
+            present=views["present"],
+            norm_limit=views["norm_limit"],
+            failed=views["failed"],
+            compared=views["compared"],
             lr_of_group=tuple(views["lr"].unbind(0)),
             group_of=np.asarray(group_of, dtype=np.int64),
             mirror=mirror,
@@ -131,26 +139,32 @@ class StepInputs:
         if failed_rank is None:
             staged["lr"][:] = [float(g["lr"]) for g in groups]
             staged["weight_decay"][:] = [float(g["weight_decay"]) for g in groups]
-            staged["present"][:] = present
+            # A list of bools costs numpy a conversion per entry; it rarely changes.
+            if present != self.staged_present[0]:
+                staged["present"][:] = present
+                self.staged_present[0] = list(present)
             staged["norm_limit"][:] = np.array([norm_limit(g) for g in groups])[self.group_of]
             staged["failed"][:] = 0.0
             staged["compared"][:] = compared
         else:
             for name in ("lr", "weight_decay", "present", "compared"):
                 staged[name][:] = 0.0
+            self.staged_present[0] = None
             staged["norm_limit"][:] = math.inf
             staged["failed"][:] = float(failed_rank + 1)
 
 
 class MuonScalars:
     """What the update rule reads per Muon tensor, piece, group and step class, derived on
-    the device from :class:`StepInputs` and the agreement, with one-element views made
-    once so the step takes no new view of them.
+    the device from :class:`StepInputs` and the agreement (:func:`stage_scalars_`), with
+    one-element views made once so the step takes no new view of them.
 
     ``group_of[j]`` is Muon tensor j's group index, ``piece_tensor[i]`` piece i's tensor,
     ``neg_scale[i]`` its ``−lr_scale``; pieces of one group and lr scale form a step
     class (``class_group``, ``class_neg_scale``), whose pieces share one step where kept.
     ``stack_tensor`` names each stacked matrix's tensor (masks of dropped matrices).
+    ``backend``: the optimizer's; where it allows Triton on CUDA the scalars take one
+    fused launch (:func:`fused_launches`).
     """
 
     def __init__(
@@ -165,60 +179,66 @@ class MuonScalars:
         stack_tensor: Sequence[int],
         group_count: int,
         device: torch.device,
+        backend: str,
     ) -> None:
         def tensor(values: Sequence[float | int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(list(values), dtype=dtype, device=device)
 
         tensors = len(group_of)
-        self._group_of = tensor(group_of, torch.long)
-        self._cautious_mask = tensor([float(c) for c in cautious], torch.float32)
-        self._plain_mask = 1.0 - self._cautious_mask
-        self._piece_tensor = tensor(piece_tensor, torch.long)
-        self._neg_scale = tensor(neg_scale, torch.float32)
-        self._class_group = tensor(class_group, torch.long)
-        self._class_neg_scale = tensor(class_neg_scale, torch.float32)
-        self._stack_tensor = tensor(stack_tensor, torch.long)
-        # The agreed mask, copied in; per stacked matrix, whether the step drops it.
-        self.keep = torch.ones(tensors, dtype=torch.bool, device=device)
+        cautious_mask = tensor([float(c) for c in cautious], torch.float32)
+        self._layout = ScalarLayout(
+            group_of=tensor(group_of, torch.long),
+            plain_mask=1.0 - cautious_mask,
+            cautious_mask=cautious_mask,
+            piece_tensor=tensor(piece_tensor, torch.long),
+            neg_scale=tensor(neg_scale, torch.float32),
+            class_group=tensor(class_group, torch.long),
+            class_neg_scale=tensor(class_neg_scale, torch.float32),
+            stack_tensor=tensor(stack_tensor, torch.long),
+        )
+        self._out = StepScalars(
+            # The agreed mask, copied in; per stacked matrix, whether the step drops it.
+            keep=torch.ones(tensors, dtype=torch.bool, device=device),
+            # Per tensor: decay factor (1 where cautious) and cautious rate; per piece: step.
+            decay=torch.ones(tensors, device=device),
+            cautious=torch.zeros(tensors, device=device),
+            step=torch.zeros(len(piece_tensor), device=device),
+            ok=torch.ones((), dtype=torch.bool, device=device),  # not found_inf
+            # Per group and per step class, for tensors with a local gradient (kept exactly
+            # when the step is): the decay factor and the step.
+            group_decay=torch.ones(group_count, device=device),
+            class_step=torch.zeros(len(class_group), device=device),
+            dropped=torch.zeros(len(stack_tensor), dtype=torch.bool, device=device),
+        )
+        self._fused = fused_launches(backend, self._out.keep)
+        out = self._out
+        self.keep, self.dropped, self.ok = out.keep, out.dropped, out.ok
+        self.decay, self.cautious, self.step = out.decay, out.cautious, out.step
+        self.group_decay, self.class_step = out.group_decay, out.class_step
         self.keep_of = self.keep.unbind(0)
-        self.dropped = torch.zeros(len(stack_tensor), dtype=torch.bool, device=device)
-        self.ok = torch.ones((), dtype=torch.bool, device=device)  # not found_inf
-        # Per tensor: decay factor (1 where cautious) and cautious rate; per piece: step.
-        self.decay = torch.ones(tensors, device=device)
         self.decay_of = self.decay.unbind(0)
-        self.cautious = torch.zeros(tensors, device=device)
         self.cautious_of = self.cautious.unbind(0)
-        self.step = torch.zeros(len(piece_tensor), device=device)
         self.step_of = self.step.unbind(0)
-        # Per group and per step class, for tensors with a local gradient (kept exactly
-        # when the step is): the decay factor and the step.
-        self.group_decay = torch.ones(group_count, device=device)
         self.group_decay_of = self.group_decay.unbind(0)
-        self.class_step = torch.zeros(len(class_group), device=device)
         self.class_step_of = self.class_step.unbind(0)
         # Magma's per-row steps of its pieces, set by the step after its scores advance.
         self.magma_step_of: dict[int, torch.Tensor] = {}
 
-    def stage(self, keep: torch.Tensor, found_inf: torch.Tensor, inputs: StepInputs) -> None:
-        """This step's scalars from the agreed ``keep`` and ``found_inf``."""
-        self.keep.copy_(keep)
-        kept = self.keep.float()
-        lr = inputs.lr.index_select(0, self._group_of)
-        rate = decay_rate(lr, inputs.weight_decay.index_select(0, self._group_of), kept)
-        decay_factor(rate * self._plain_mask, out=self.decay)
-        torch.mul(rate, self._cautious_mask, out=self.cautious)
-        step_size(lr, kept, self._neg_scale, index=self._piece_tensor, out=self.step)
-        torch.eq(found_inf, 0, out=self.ok)
-        ok = self.ok.float()
-        decay_factor(decay_rate(inputs.lr, inputs.weight_decay, ok), out=self.group_decay)
-        class_lr = inputs.lr.index_select(0, self._class_group)
-        step_size(class_lr, ok, self._class_neg_scale, out=self.class_step)
-
-    def drop_unkept(self) -> None:
-        """Mark the stacked matrices of the tensors the staged ``keep`` drops (zeroed before
-        Newton–Schulz)."""
-        torch.index_select(self.keep, 0, self._stack_tensor, out=self.dropped)
-        self.dropped.logical_not_()
+    def stage(
+        self, keep: torch.Tensor, found_inf: torch.Tensor, inputs: StepInputs, drop: bool
+    ) -> None:
+        """This step's scalars from the agreed ``keep`` and ``found_inf``; ``drop``: mark
+        the stacked matrices of the tensors it does not keep (zeroed before Newton–Schulz)."""
+        stage_scalars_(
+            inputs.lr,
+            inputs.weight_decay,
+            keep,
+            found_inf,
+            self._layout,
+            self._out,
+            drop=drop,
+            fused=self._fused,
+        )
 
     def drop_none(self) -> None:
         """Drop no stacked matrix (a step whose buckets start before the agreement)."""
