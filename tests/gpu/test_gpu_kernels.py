@@ -685,30 +685,8 @@ def test_a_collection_during_capture_cannot_invalidate_it() -> None:
 
 @pytest.mark.parametrize("found_inf", [0.0, 1.0])
 def test_step_scalars_in_one_launch_equal_the_torch_form_bitwise(found_inf: float) -> None:
-    from step_scalars import scalar_operands, unwritten_scalars
-
-    from muon_dist.rules import ops
+    from step_scalars import assert_bitwise_equal, both_forms
 
     sizes = (300, 517, 5, 9, 1200)
-    sources, layout = scalar_operands(*sizes, seed=1, device="cuda")
-    found = torch.tensor(found_inf, device="cuda")
-    expected, fused = (
-        unwritten_scalars(*sizes, device="cuda"),
-        unwritten_scalars(*sizes, device="cuda"),
-    )
-    for out, form in ((expected, False), (fused, True)):
-        ops.stage_scalars_(
-            sources["lr"],
-            sources["weight_decay"],
-            sources["keep"],
-            found,
-            layout,
-            out,
-            drop=True,
-            fused=form,
-        )
-    for name, want in vars(expected).items():
-        got = getattr(fused, name)
-        if want.is_floating_point():  # bitwise: -0.0 is not 0.0
-            got, want = got.view(torch.int32), want.view(torch.int32)
-        assert torch.equal(got, want), name
+    _, _, expected, fused = both_forms(sizes, found_inf, drop=True, seed=1, device="cuda")
+    assert_bitwise_equal(expected, fused)

@@ -63,3 +63,40 @@ def unwritten_scalars(
         dropped=torch.ones(matrices, dtype=torch.bool),
     )
     return ops.StepScalars(**{name: t.to(device) for name, t in vars(out).items()})
+
+
+def both_forms(
+    sizes: tuple[int, int, int, int, int],
+    found_inf: float,
+    *,
+    drop: bool,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> tuple[dict[str, torch.Tensor], ops.ScalarLayout, ops.StepScalars, ops.StepScalars]:
+    """A step's scalars staged by the torch form and by the fused form from the same
+    operands (:func:`scalar_operands` of ``sizes``): sources, layout, torch's, fused."""
+    sources, layout = scalar_operands(*sizes, seed=seed, device=device)
+    found = torch.tensor(found_inf, device=device)
+    torch_form, fused_form = unwritten_scalars(*sizes, device), unwritten_scalars(*sizes, device)
+    for out, fused in ((torch_form, False), (fused_form, True)):
+        ops.stage_scalars_(
+            sources["lr"],
+            sources["weight_decay"],
+            sources["keep"],
+            found,
+            layout,
+            out,
+            drop=drop,
+            fused=fused,
+        )
+    return sources, layout, torch_form, fused_form
+
+
+def assert_bitwise_equal(expected: ops.StepScalars, got: ops.StepScalars) -> None:
+    """Every output of ``got`` has ``expected``'s dtype and bits (-0.0 is not 0.0)."""
+    for name, want in vars(expected).items():
+        have = getattr(got, name)
+        assert have.dtype == want.dtype, name
+        if want.is_floating_point():
+            have, want = have.view(torch.int32), want.view(torch.int32)
+        assert torch.equal(have, want), name

@@ -11,7 +11,7 @@ momentum); tests/gpu/test_gpu_kernels.py holds the GPU's to torch's.
 
 import pytest
 import torch
-from step_scalars import scalar_operands, unwritten_scalars
+from step_scalars import assert_bitwise_equal, both_forms
 
 from muon_dist.kernels.availability import interpret_mode
 from muon_dist.rules import ops
@@ -397,35 +397,8 @@ def test_strided_pieces_take_the_fused_passes_through_contiguous_copies() -> Non
 def test_step_scalars_in_one_launch_equal_the_torch_form_bitwise(
     sizes: tuple[int, int, int, int, int], found_inf: float, drop: bool
 ) -> None:
-    sources, layout = scalar_operands(*sizes, seed=sum(sizes))
-    found = torch.tensor(found_inf)
-    expected, fused = unwritten_scalars(*sizes), unwritten_scalars(*sizes)
-    ops.stage_scalars_(
-        sources["lr"],
-        sources["weight_decay"],
-        sources["keep"],
-        found,
-        layout,
-        expected,
-        drop=drop,
-        fused=False,
-    )
-    ops.stage_scalars_(
-        sources["lr"],
-        sources["weight_decay"],
-        sources["keep"],
-        found,
-        layout,
-        fused,
-        drop=drop,
-        fused=True,
-    )
-    for name, want in vars(expected).items():
-        got = getattr(fused, name)
-        assert got.dtype == want.dtype, name
-        if want.is_floating_point():  # bitwise: -0.0 is not 0.0
-            got, want = got.view(torch.int32), want.view(torch.int32)
-        assert torch.equal(got, want), name
+    sources, layout, expected, fused = both_forms(sizes, found_inf, drop=drop, seed=sum(sizes))
+    assert_bitwise_equal(expected, fused)
     if not drop:
         assert fused.dropped.all(), "drop=False leaves the dropped marks alone"
     assert bool(fused.ok) == (found_inf == 0.0)
