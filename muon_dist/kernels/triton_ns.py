@@ -54,8 +54,7 @@ def newton_schulz_triton(
     # Fold the normalisation into the first step's epilogues (see absorb_identity_): the
     # Gram matrix takes 1/s², B takes 1/s, and every B its a·I. The norm comes from the
     # stack, not the Gram trace, since the Gram epilogue already needs it.
-    inverse = inverse_norms_triton(Y, schedule.norm_scale, eps)
-    gram_scale = inverse.square()
+    inverse, gram_scale = inverse_norms_triton(Y, schedule.norm_scale, eps)
     batch, m = Y.size(0), min(Y.size(-2), Y.size(-1))
     with on_device(Y.device):
         A = Y.new_empty(batch, m, m)
@@ -112,7 +111,7 @@ def newton_schulz_gram_triton(
 
     Y = as_stack(X, dtype)
     tall = Y.size(-2) > Y.size(-1)
-    inverse = inverse_norms_triton(Y, schedule.norm_scale, eps)
+    inverse, inverse_squared = inverse_norms_triton(Y, schedule.norm_scale, eps)
     batch, m = Y.size(0), min(Y.size(-2), Y.size(-1))
     with on_device(Y.device):
         R = Y.new_empty(batch, m, m, dtype=gram_work_dtype(dtype))
@@ -120,7 +119,7 @@ def newton_schulz_gram_triton(
         left = Y.new_empty(batch, m, m)
         for segment in schedule_segments:
             first_segment = segment.start == 0
-            gram_scale = inverse.square() if first_segment else None
+            gram_scale = inverse_squared if first_segment else None
             sym_product(Y.mT if tall else Y, out=R, scale=gram_scale)
             Q: torch.Tensor | None = None
             for index in segment:

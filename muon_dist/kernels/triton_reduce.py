@@ -66,6 +66,7 @@ def _chunk_sums_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotati
 def _matrix_totals_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations itself
     partials_ptr,
     out_ptr,
+    squares_ptr,
     chunks,
     norm_scale,
     eps,
@@ -73,7 +74,8 @@ def _matrix_totals_kernel(  # type: ignore[no-untyped-def]  # Triton reads annot
     BLOCK: tl.constexpr,
 ):
     """``out[i]`` = the sum of matrix i's ``chunks`` partials, in a fixed order; with
-    INVERSE_NORM, ``1 / (norm_scale·√sum + eps)`` (IEEE square root and division)."""
+    INVERSE_NORM, ``1 / (norm_scale·√sum + eps)`` (IEEE square root and division), and its
+    square in ``squares[i]``."""
     matrix = tl.program_id(0).to(tl.int64)
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, chunks, BLOCK):
@@ -82,6 +84,7 @@ def _matrix_totals_kernel(  # type: ignore[no-untyped-def]  # Triton reads annot
     value = tl.sum(total, axis=0)
     if INVERSE_NORM:
         value = tl.div_rn(1.0, tl.sqrt_rn(value) * norm_scale + eps)
+        tl.store(squares_ptr + matrix, value * value)
     tl.store(out_ptr + matrix, value)
 
 
@@ -111,9 +114,10 @@ def _reduce(
     squares: bool,
     out: torch.Tensor | None,
     inverse: tuple[float, float] | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 1 over the chunks of every matrix of ``x``, pass 2 over their partials into
-    ``out`` (fp32, one per matrix); ``inverse`` = (norm_scale, eps) for inverse norms."""
+    ``out`` (fp32, one per matrix); ``inverse`` = (norm_scale, eps) for inverse norms, whose
+    squares fill the second tensor returned (else empty)."""
     if x.ndim < 2:
         raise ValueError(f"a matrix or a stack of matrices is needed, got shape {tuple(x.shape)}")
     k, per_matrix = math.prod(x.shape[:-2]), x.shape[-2] * x.shape[-1]
@@ -121,8 +125,9 @@ def _reduce(
         out = torch.empty(k, dtype=torch.float32, device=x.device)
     elif out.shape != (k,) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous fp32 tensor of shape ({k},)")
+    squared = torch.empty(k if inverse is not None else 0, dtype=torch.float32, device=x.device)
     if k == 0:
-        return out
+        return out, squared
     chunk, chunks = _chunking(per_matrix)
     partials = torch.empty(k * chunks, dtype=torch.float32, device=x.device)
     norm_scale, eps = inverse if inverse is not None else (1.0, 0.0)
@@ -143,6 +148,7 @@ def _reduce(
         _matrix_totals_kernel[(k,)](
             partials,
             out,
+            squared,
             chunks,
             float(norm_scale),
             float(eps),
@@ -150,7 +156,7 @@ def _reduce(
             BLOCK=_TOTALS_BLOCK,
             num_warps=4,
         )
-    return out
+    return out, squared
 
 
 def matrix_sums_triton(
@@ -163,12 +169,14 @@ def matrix_sums_triton(
     another, fixed order, so within fp32 rounding of torch's, not bitwise. A plain sum is
     non-finite exactly when an entry is, or when the sum overflows.
     """
-    return _reduce(x, squares, out)
+    return _reduce(x, squares, out)[0]
 
 
-def inverse_norms_triton(Y: torch.Tensor, norm_scale: float, eps: float) -> torch.Tensor:
+def inverse_norms_triton(
+    Y: torch.Tensor, norm_scale: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`muon_dist.kernels.torch_ns.inverse_norms` of a bf16, fp16 or fp32 stack, in
-    fp32, in two launches.
+    fp32, and their squares (bitwise ``inverse.square()``), in two launches.
 
     The sum of squares runs in another order than ``torch.linalg.vector_norm``'s, and the
     scale and ``eps`` may be applied with one rounding (a fused multiply-add) instead of two:

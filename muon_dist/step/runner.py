@@ -127,6 +127,7 @@ class StepRunner:
             groups,
             [i for i, p in enumerate(self.params) if _held_whole(p, comm.holders.size)],
             _PER_STEP,
+            settings.backend,
         )
         self.inputs = StepInputs.allocate(
             len(groups), self._group_of, self.agreement.stage_size, self.device
@@ -352,7 +353,7 @@ class StepRunner:
         muon_grads = [grads[i] for i in self.muon_positions]
         early = self.early if mode.early else None
         asks = None if early is None else self._redo(early, muon_grads, refusal)
-        self.agreement.decide(grads, self.inputs, redo=asks, backend=self.settings.backend)
+        self.agreement.decide(grads, self.inputs, redo=asks)
         # A rank asked that every rank start the buckets the hooks started again.
         runner = self.previous if self.previous is not None and self._mirrors() else self
         if early is not None and self.agreement.redo_asked() and runner.early is not None:

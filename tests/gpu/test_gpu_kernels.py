@@ -570,8 +570,9 @@ def test_fused_stack_mask_matches_masked_fill() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_matrix_reductions_match_float64(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
     """Per-matrix sums and sums of squares within fp32 rounding of float64 (a bound from
-    Σ|x|), the inverse norms within fp32 rounding of float64's, the same bits on a second
-    call, and the optimizer's fused finiteness sums equal to the kernel's."""
+    Σ|x|), the inverse norms within fp32 rounding of float64's and their squares bitwise
+    torch's, the same bits on a second call, and the optimizer's fused finiteness sums equal
+    to the kernel's."""
     from muon_dist.kernels.triton_reduce import inverse_norms_triton, matrix_sums_triton
     from muon_dist.rules.ops import matrix_sums
 
@@ -581,10 +582,11 @@ def test_matrix_reductions_match_float64(shape: tuple[int, int, int], dtype: tor
         got = matrix_sums_triton(x, squares)
         assert bool(((got.double() - exact.sum(1)).abs() <= 1e-5 * exact.abs().sum(1)).all())
         assert torch.equal(got, matrix_sums_triton(x, squares))
-    norms = inverse_norms_triton(x, 1.02, 1e-7)
+    norms, squared = inverse_norms_triton(x, 1.02, 1e-7)
     exact = 1.0 / (1.02 * values.square().sum(1).sqrt() + 1e-7)
     torch.testing.assert_close(norms.double(), exact, rtol=1e-6, atol=0)
-    assert torch.equal(norms, inverse_norms_triton(x, 1.02, 1e-7))
+    assert torch.equal(norms, inverse_norms_triton(x, 1.02, 1e-7)[0])
+    assert torch.equal(squared, norms.square())
     fused = torch.empty(shape[0], device="cuda")
     matrix_sums(x, fused, "triton")
     assert torch.equal(fused, matrix_sums_triton(x))
@@ -690,3 +692,11 @@ def test_step_scalars_in_one_launch_equal_the_torch_form_bitwise(found_inf: floa
     sizes = (300, 517, 5, 9, 1200)
     _, _, expected, fused = both_forms(sizes, found_inf, drop=True, seed=1, device="cuda")
     assert_bitwise_equal(expected, fused)
+
+
+@pytest.mark.parametrize("case", ["nothing found", "a value differs", "a bad result"])
+def test_agreement_decisions_in_one_launch_equal_the_torch_forms_bitwise(case: str) -> None:
+    from agreement_flags import count_both_forms, settle_both_forms
+
+    settle_both_forms(case, 2500, device="cuda")
+    count_both_forms(with_dropped=True, device="cuda")

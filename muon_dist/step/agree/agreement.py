@@ -35,6 +35,7 @@ from muon_dist.comm.groups import Peers
 from muon_dist.kernels.tables import tables_allowed
 from muon_dist.options.schema import OPTIONS
 from muon_dist.rules.forms import fused_launches
+from muon_dist.step.agree.decisions import count_bad_, settle_
 from muon_dist.step.agree.report import NONFINITE, TOO_LARGE, Compared, Report
 from muon_dist.step.shard.scalars import Segments, StepInputs
 
@@ -120,7 +121,9 @@ class GroupEntries:
 class Agreement:
     """Device flags of one step: presence and finiteness per parameter, ``keep`` per Muon
     parameter, ``found_inf``, the non-finite Newton–Schulz results per Muon parameter, and
-    the ranks' agreement on step values, options and replicas' gradients."""
+    the ranks' agreement on step values, options and replicas' gradients. ``backend``: the
+    optimizer's; where it allows Triton on CUDA, the gradients' norms and the decisions
+    taken from the flags run as fused launches."""
 
     def __init__(
         self,
@@ -131,10 +134,9 @@ class Agreement:
         groups: Sequence[dict[str, Any]],
         replicated: Sequence[int],
         per_step: Collection[str] = (),
+        backend: str = "torch",
     ) -> None:
         count = len(names)
-        self.names = list(names)
-        self.muon_names = [self.names[i] for i in muon_positions]
         self.device = device
         self.holders = holders
         # Compared across ranks only where there are several: the step values, one digest
@@ -145,42 +147,53 @@ class Agreement:
         self._replicated_slot = {p: j for j, p in enumerate(self.replicated)}
         slots = holders.size if several else 0
         k, r = len(self.group_entries.entries), len(self.replicated)
-        # All-reduced (MAX) together. The host stages ``values`` to ``digests`` (the step
-        # values, negated, and one options digest slot per rank); ``verdict`` to ``failed``
-        # decide found_inf; ``values`` to the end is compared across ranks.
+        # The flags compared across ranks. The host stages ``values`` to ``digests`` (the
+        # step values, negated, and one options digest slot per rank).
         self._compared_layout = Segments.of(
             values=k, negated=k, digests=slots, norms=r, negated_norms=r
         )
+        # Every device flag of a step in one buffer, which the report copies to the host
+        # whole. ``present`` to ``compared`` are all-reduced (MAX) by :meth:`decide`,
+        # ``verdict`` to ``failed`` decide found_inf; the result flags (per Muon parameter
+        # its non-finite Newton–Schulz results, and a rank whose own work of the step
+        # raised: rank + 1) by :meth:`agree_on_results`.
         self._layout = Segments.of(
             present=count,  # 1.0 where a rank has the gradient
             verdict=count,  # TOO_LARGE or NONFINITE per gradient
             failed=1,  # a rank that refused its inputs: rank + 1
             redo=1,  # 1.0 where a rank's buckets started early must start again (backward.py)
             compared=self._compared_layout.numel,
+            bad_results=len(muon_positions),
+            crashed=1,
+            found_inf=1,  # exactly 1.0 when found
         )
         self.flags = torch.zeros(self._layout.numel, device=device)
         self._flag = self._layout.views(self.flags)
-        self._compared = self._flag["compared"]
-        self._compare = self._compared_layout.views(self._compared)
+        self._decided = self.flags[self._layout.bounds("present", "compared")]
+        compared = self._flag["compared"]
+        self._compare = self._compared_layout.views(compared)
         self.stage_size = 2 * k + slots
-        self.found_inf = torch.zeros((), device=device)  # exactly 1.0 when found
+        self.found_inf = self._flag["found_inf"].view(())
         self._differs = torch.zeros((), dtype=torch.bool, device=device)
         self.keep = torch.zeros(len(muon_positions), dtype=torch.bool, device=device)
-        # Result flags, all-reduced together: per Muon parameter its non-finite
-        # Newton–Schulz results, and a rank whose own work of the step raised (rank + 1).
-        self._results = torch.zeros(len(muon_positions) + 1, device=device)
-        self.bad_results, self.crashed = self._results.split_with_sizes([len(muon_positions), 1])
-        self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
-        self._staged = self._compared[self._compared_layout.bounds("values", "digests")]
+        self._results = self.flags[self._layout.bounds("bad_results", "crashed")]
+        # What a step's outcome sets found_inf from: after the agreement, and after the
+        # results' agreement (with found_inf itself).
         self._checked = self.flags[self._layout.bounds("verdict", "failed")]
+        self._results_and_found = self.flags[self._layout.bounds("bad_results", "found_inf")]
+        self._muon_index = torch.tensor(list(muon_positions), dtype=torch.long, device=device)
+        self._staged = compared[self._compared_layout.bounds("values", "digests")]
+        # The decisions taken from the flags take their one-launch forms (decisions.py).
+        self._fused_flags = fused_launches(backend, self.flags)
         self.report = Report(
-            self.names,
-            self.muon_names,
+            list(names),
+            [names[i] for i in muon_positions],
             self.group_entries.entries,
-            [self.names[i] for i in self.replicated],
+            [names[i] for i in self.replicated],
             holders.ranks,
             self._compared_layout,
-            device,
+            self._layout,
+            self.flags,
         )
         self._indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
@@ -223,7 +236,6 @@ class Agreement:
         grads: Sequence[torch.Tensor | None],
         inputs: StepInputs,
         redo: torch.Tensor | None = None,
-        backend: str = "torch",
     ) -> None:
         """Fill the flags for this step's local gradients and agree on them over all ranks.
 
@@ -235,8 +247,7 @@ class Agreement:
         phase's: its program clears them before its first Newton–Schulz result
         (:meth:`clear_results`), which a step started during backward had before this.
         ``redo`` (one element, > 0) asks every rank to start those buckets again
-        (:meth:`redo_asked`). ``backend``: the optimizer's; where it allows Triton on CUDA the
-        norms and verdicts take one fused form (:meth:`_fused`).
+        (:meth:`redo_asked`).
         """
         flag, compare = self._flag, self._compare
         flag["present"].copy_(inputs.present)
@@ -249,28 +260,22 @@ class Agreement:
         flag["verdict"].zero_()
         compare["norms"].fill_(-math.inf)
         compare["negated_norms"].fill_(-math.inf)
-        self._flag_grads(grads, inputs, backend)
+        self._flag_grads(grads, inputs)
         if self.holders.size > 1:
-            dist.all_reduce(self.flags, op=dist.ReduceOp.MAX, group=self.holders.group)
-        torch.amax(self._checked, dim=0, out=self.found_inf)
-        self.found_inf.clamp_(max=1.0)
-        if self._compared.numel():
-            # max + (-min) > 0 where ranks differ; -inf + -inf where no rank has a value.
-            spread = torch.cat(
-                [
-                    compare["values"] + compare["negated"],
-                    compare["norms"] + compare["negated_norms"],
-                ]
-            )
-            digests = compare["digests"]
-            differs = (spread > 0).any() | (digests.amax() > digests.amin())
-            torch.maximum(self.found_inf, differs.to(self.found_inf.dtype), out=self.found_inf)
-            self._differs = differs
-        self._set_keep()
+            dist.all_reduce(self._decided, op=dist.ReduceOp.MAX, group=self.holders.group)
+        compared = self._compared_layout.numel > 0
+        settle_(
+            self._checked,
+            flag["present"],
+            self._muon_index,
+            self.found_inf,
+            self.keep,
+            compare if compared else None,
+            self._differs if compared else None,
+            fused=self._fused_flags,
+        )
 
-    def _flag_grads(
-        self, grads: Sequence[torch.Tensor | None], inputs: StepInputs, backend: str
-    ) -> None:
+    def _flag_grads(self, grads: Sequence[torch.Tensor | None], inputs: StepInputs) -> None:
         """This rank's verdict on each local gradient (non-finite, or above its norm limit)
         and, for replicas, its norm to compare across ranks."""
         flag, compare = self._flag, self._compare
@@ -280,7 +285,7 @@ class Agreement:
             if len(present) < len(grads):
                 positions = tuple([i for i, g in enumerate(grads) if g is not None])
             index, replicated = self._index(positions)
-            if self._fused(present, backend):
+            if self._fused(present):
                 from muon_dist.kernels.triton_reduce import norm_verdicts_triton
 
                 norms = norm_verdicts_triton(
@@ -301,10 +306,10 @@ class Agreement:
                 compare["norms"].index_copy_(0, replicated[1], mine.to(self.flags.dtype))
                 compare["negated_norms"].index_copy_(0, replicated[1], (-mine).to(self.flags.dtype))
 
-    def _fused(self, grads: Sequence[torch.Tensor], backend: str) -> bool:
+    def _fused(self, grads: Sequence[torch.Tensor]) -> bool:
         """Whether the gradients' norms and verdicts take the fused Triton form: under a
-        ``backend`` that allows it, on CUDA, every gradient contiguous in a dtype it reads."""
-        if not (fused_launches(backend, grads[0]) and tables_allowed(self.device)):
+        backend that allows it, on CUDA, every gradient contiguous in a dtype it reads."""
+        if not (self._fused_flags and tables_allowed(self.device)):
             return False
         from muon_dist.kernels.triton_reduce import TL_DTYPES  # imports Triton
 
@@ -330,20 +335,20 @@ class Agreement:
         """Zero the result flags before the step's first Newton–Schulz result."""
         self._results.zero_()
 
-    def _set_keep(self) -> None:
-        present = self._flag["present"].index_select(0, self._muon_index)
-        torch.logical_and(present > 0, self.found_inf == 0, out=self.keep)
-
-    def count_bad_results(self, tensors: torch.Tensor, bad: torch.Tensor) -> None:
-        """Add ``bad`` (1.0 per non-finite result) to the Muon parameters ``tensors`` name."""
-        self.bad_results.index_add_(0, tensors, bad)
+    def count_bad_results(
+        self, sums: torch.Tensor, tensors: torch.Tensor, dropped: torch.Tensor | None = None
+    ) -> None:
+        """Count, per Muon parameter, its matrices whose Newton–Schulz result is not finite:
+        those whose fp32 ``sums`` are not, leaving out the ones ``dropped`` marks where
+        given; ``tensors`` names each matrix's Muon parameter."""
+        count_bad_(sums, tensors, self._flag["bad_results"], dropped, fused=self._fused_flags)
 
     def record_failure(self, rank: int, tensors: torch.Tensor) -> None:
         """Flag an exception of ``rank``'s own work on the Muon parameters ``tensors``: the
         other ranks learn of it in :meth:`agree_on_results` instead of waiting in a
         collective this rank never joins."""
-        self.crashed.fill_(float(rank + 1))
-        self._results.index_fill_(0, tensors, 1.0)
+        self._flag["crashed"].fill_(float(rank + 1))
+        self._flag["bad_results"].index_fill_(0, tensors, 1.0)
 
     def agree_on_results(self) -> None:
         """All-reduce the result flags."""
@@ -353,16 +358,15 @@ class Agreement:
     def skip_on_results(self) -> None:
         """A transactional step: the agreed result flags also set ``found_inf`` and clear
         ``keep``, so the still-pending writes leave everything alone."""
-        torch.maximum(self.found_inf, self._results.amax(), out=self.found_inf)
-        self.found_inf.clamp_(max=1.0)
-        self._set_keep()
+        settle_(
+            self._results_and_found,
+            self._flag["present"],
+            self._muon_index,
+            self.found_inf,
+            self.keep,
+            fused=self._fused_flags,
+        )
 
     def publish(self) -> None:
         """Queue the host copy of this step's outcome (part of a captured step)."""
-        self.report.fill(
-            self._flag["verdict"],
-            self._results,
-            self._flag["failed"],
-            self.found_inf,
-            self._compared,
-        )
+        self.report.copy()

@@ -50,7 +50,9 @@ class Outcome:
 class Report:
     """A step's outcome as the host reads it: per parameter its gradient's verdict, per
     Muon parameter its non-finite results, the ranks that failed or crashed, and what the
-    ranks compared. ``compared`` lays out the compared part of the agreement's flags."""
+    ranks compared. ``flags`` is the agreement's buffer of every flag of a step, laid out
+    by ``layout`` (segments ``verdict``, ``bad_results``, ``crashed``, ``failed``,
+    ``found_inf`` and ``compared``); ``compared`` lays out its compared part."""
 
     def __init__(
         self,
@@ -60,55 +62,31 @@ class Report:
         replicated_names: Sequence[str],
         ranks: Sequence[int],
         compared: Segments,
-        device: torch.device,
+        layout: Segments,
+        flags: torch.Tensor,
     ) -> None:
         self.names, self.muon_names, self.entries = list(names), list(muon_names), list(entries)
         self.shown: list[str] = []  # this rank's compared entries as text, as last staged
         self._replicated_names = list(replicated_names)
         self._ranks = list(ranks)
         self._compared_layout = compared
-        self.layout = Segments.of(
-            verdict=len(names),
-            bad_results=len(muon_names),
-            crashed=1,
-            failed=1,
-            found_inf=1,
-            compared=compared.numel,
-        )
-        self._buffer = torch.zeros(self.layout.numel, device=device)
-        self._views = self.layout.views(self._buffer)
-        self._results = self._buffer[self.layout.bounds("bad_results", "crashed")]
-        pinned = device.type == "cuda"
-        self._host = torch.zeros_like(self._buffer, device="cpu", pin_memory=pinned)
-        # A numpy view of the host copy: reading it is a plain memory read, made once here.
-        self._host_view = self._host.numpy() if pinned else self._buffer.numpy()
-        self._segments = {
-            **self.layout.views(self._host_view),
-            "ends": self._host_view[self.layout.bounds("crashed", "found_inf")],
-        }
+        self._flags = flags
+        pinned = flags.device.type == "cuda"
+        self._host = torch.zeros_like(flags, device="cpu", pin_memory=pinned)
+        # A numpy view of the host copy (on the CPU, of the flags themselves, read before
+        # the next step): reading it is a plain memory read, made once here.
+        self._segments = layout.views(self._host.numpy() if pinned else flags.numpy())
         self._event = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
         self._pending: int | None = None  # step number whose report is queued, unread
 
-    def fill(
-        self,
-        verdict: torch.Tensor,
-        results: torch.Tensor,
-        failed: torch.Tensor,
-        found_inf: torch.Tensor,
-        compared: torch.Tensor,
-    ) -> None:
-        """Copy the step's flags in and queue their host copy (part of a captured step)."""
-        views = self._views
-        views["verdict"].copy_(verdict)
-        self._results.copy_(results)
-        views["failed"].copy_(failed)
-        views["found_inf"].copy_(found_inf.view(1))
-        views["compared"].copy_(compared)
+    def copy(self) -> None:
+        """Queue the host copy of the step's flags (part of a captured step): one copy of
+        the whole buffer, no device work."""
         if self._event is not None:
-            self._host.copy_(self._buffer, non_blocking=True)
+            self._host.copy_(self._flags, non_blocking=True)
 
     def queued(self, step: int) -> None:
-        """Mark the copy queued by :meth:`publish` as the outcome of ``step`` (host side)."""
+        """Mark the copy queued by :meth:`copy` as the outcome of ``step`` (host side)."""
         if self._event is not None:
             self._event.record()
         self._pending = step
@@ -130,7 +108,7 @@ class Report:
         if self._event is not None:
             self._event.synchronize()
         read = self._segments
-        crashed, failed, found_inf = read["ends"]
+        crashed, failed, found_inf = (read[key][0] for key in ("crashed", "failed", "found_inf"))
         results = read["bad_results"]
         if not found_inf and not crashed and not results.any():
             return None

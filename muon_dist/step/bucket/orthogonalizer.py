@@ -140,9 +140,11 @@ class Orthogonalizer:
         batch, rows, cols = spec.shape
         return batch * ns_cost(rows, cols, steps=1)
 
-    def finite(self) -> torch.Tensor:
-        """Per matrix of every stack: whether its last result was finite (a new tensor)."""
-        return torch.isfinite(self._sums)
+    @property
+    def sums(self) -> torch.Tensor:
+        """Per matrix of every stack, the fp32 sum of its last result: finite exactly when
+        the result is."""
+        return self._sums
 
     def __call__(self, stack: torch.Tensor, spec: StackSpec) -> torch.Tensor:
         """Newton–Schulz on a ``[k, rows, cols]`` stack by its recipe, with its owner part."""

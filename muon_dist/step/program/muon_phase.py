@@ -135,11 +135,12 @@ class StepProgram:
                 for wing in phase.unique_wings:
                     wing.start()
             case Stage.AGREE | Stage.AGREE_KEPT:
-                finite = phase.orthogonalizer.finite()
-                if stage is Stage.AGREE_KEPT:
-                    finite.logical_or_(scalars.dropped)
-                bad = finite.logical_not_().float()
-                agreement.count_bad_results(phase.orthogonalizer.stack_tensor, bad)
+                orthogonalizer = phase.orthogonalizer
+                agreement.count_bad_results(
+                    orthogonalizer.sums,
+                    orthogonalizer.stack_tensor,
+                    scalars.dropped if stage is Stage.AGREE_KEPT else None,
+                )
                 agreement.agree_on_results()
             case Stage.SKIP:
                 agreement.skip_on_results()

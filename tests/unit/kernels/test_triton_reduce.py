@@ -70,11 +70,13 @@ def test_default_blocks_match_float64(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("shape", [(1, 50, 70), (3, 70, 33)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_inverse_norms_match_torch(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """``1/(s·‖Y‖+eps)`` within fp32 rounding of torch's and of the float64 value."""
+    """``1/(s·‖Y‖+eps)`` within fp32 rounding of torch's and of the float64 value, and its
+    square bitwise torch's square of it."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-    got = triton_reduce.inverse_norms_triton(x, 1.02, 1e-7)
+    got, squared = triton_reduce.inverse_norms_triton(x, 1.02, 1e-7)
     exact = 1.0 / (1.02 * x.double().square().sum((-2, -1)).sqrt() + 1e-7)
-    assert got.dtype == torch.float32
+    assert got.dtype == squared.dtype == torch.float32
+    assert torch.equal(squared, got.square())
     torch.testing.assert_close(got, inverse_norms(x, 1.02, 1e-7), rtol=1e-6, atol=0)
     torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
 
@@ -86,8 +88,9 @@ def test_zero_matrices() -> None:
     x[1] = 0.0
     assert triton_reduce.matrix_sums_triton(x)[1].item() == 0.0
     assert triton_reduce.matrix_sums_triton(x, squares=True)[1].item() == 0.0
-    got = triton_reduce.inverse_norms_triton(x, 1.02, 1e-7)
+    got, squared = triton_reduce.inverse_norms_triton(x, 1.02, 1e-7)
     assert torch.equal(got[1], inverse_norms(x, 1.02, 1e-7)[1])
+    assert torch.equal(squared, got.square())
     assert torch.equal(triton_reduce.matrix_sums_triton(torch.ones(2, 0, 5)), torch.zeros(2))
     assert triton_reduce.matrix_sums_triton(torch.ones(0, 4, 5)).shape == (0,)
 
@@ -106,7 +109,7 @@ def test_non_finite_entries_give_non_finite_sums(dtype: torch.dtype) -> None:
     assert torch.equal(torch.isfinite(triton_reduce.matrix_sums_triton(x)), finite)
     squares = triton_reduce.matrix_sums_triton(x, squares=True)
     assert torch.equal(torch.isfinite(squares), finite)
-    got = triton_reduce.inverse_norms_triton(x, 1.0, 1e-7)
+    got, _ = triton_reduce.inverse_norms_triton(x, 1.0, 1e-7)
     expected = inverse_norms(x, 1.0, 1e-7)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, equal_nan=True)
 
