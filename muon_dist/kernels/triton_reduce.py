@@ -114,10 +114,11 @@ def _reduce(
     squares: bool,
     out: torch.Tensor | None,
     inverse: tuple[float, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    squared: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Pass 1 over the chunks of every matrix of ``x``, pass 2 over their partials into
     ``out`` (fp32, one per matrix); ``inverse`` = (norm_scale, eps) for inverse norms, whose
-    squares fill the second tensor returned (else empty)."""
+    squares go to ``squared`` (fp32, one per matrix)."""
     if x.ndim < 2:
         raise ValueError(f"a matrix or a stack of matrices is needed, got shape {tuple(x.shape)}")
     k, per_matrix = math.prod(x.shape[:-2]), x.shape[-2] * x.shape[-1]
@@ -125,9 +126,8 @@ def _reduce(
         out = torch.empty(k, dtype=torch.float32, device=x.device)
     elif out.shape != (k,) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous fp32 tensor of shape ({k},)")
-    squared = torch.empty(k if inverse is not None else 0, dtype=torch.float32, device=x.device)
     if k == 0:
-        return out, squared
+        return out
     chunk, chunks = _chunking(per_matrix)
     partials = torch.empty(k * chunks, dtype=torch.float32, device=x.device)
     norm_scale, eps = inverse if inverse is not None else (1.0, 0.0)
@@ -148,7 +148,7 @@ def _reduce(
         _matrix_totals_kernel[(k,)](
             partials,
             out,
-            squared,
+            out if squared is None else squared,  # stored to only with INVERSE_NORM
             chunks,
             float(norm_scale),
             float(eps),
@@ -156,7 +156,7 @@ def _reduce(
             BLOCK=_TOTALS_BLOCK,
             num_warps=4,
         )
-    return out, squared
+    return out
 
 
 def matrix_sums_triton(
@@ -169,7 +169,7 @@ def matrix_sums_triton(
     another, fixed order, so within fp32 rounding of torch's, not bitwise. A plain sum is
     non-finite exactly when an entry is, or when the sum overflows.
     """
-    return _reduce(x, squares, out)[0]
+    return _reduce(x, squares, out)
 
 
 def inverse_norms_triton(
@@ -182,7 +182,8 @@ def inverse_norms_triton(
     scale and ``eps`` may be applied with one rounding (a fused multiply-add) instead of two:
     within fp32 rounding of torch's result, not bitwise equal to it.
     """
-    return _reduce(Y, True, None, (norm_scale, eps))
+    squared = torch.empty(math.prod(Y.shape[:-2]), dtype=torch.float32, device=Y.device)
+    return _reduce(Y, True, None, (norm_scale, eps), squared), squared
 
 
 # Programs per tensor of the many-tensor norms, each summing every _PARTS-th block.
