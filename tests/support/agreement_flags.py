@@ -3,6 +3,7 @@ fused forms of its decisions (:mod:`muon_dist.step.agree.decisions`) to their to
 on the CPU and on a GPU."""
 
 import torch
+from bits import assert_same_bits
 
 from muon_dist.step.agree.decisions import count_bad_, settle_
 from muon_dist.step.agree.report import NONFINITE, TOO_LARGE
@@ -31,14 +32,9 @@ FOUND_AT_AGREEMENT = {
 }
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bit patterns (−0.0 and 0.0 differ), bools as they are."""
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
 def assert_bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor], what: object) -> None:
     for x, y in zip(a, b, strict=True):
-        assert x.dtype == y.dtype and torch.equal(bits(x), bits(y)), what
+        assert_same_bits(x, y, what)
 
 
 class Flags:

@@ -2,6 +2,7 @@
 that hold its fused form to its torch form, on the CPU and on a GPU."""
 
 import torch
+from bits import assert_same_bits
 
 from muon_dist.rules import ops
 
@@ -95,8 +96,4 @@ def both_forms(
 def assert_bitwise_equal(expected: ops.StepScalars, got: ops.StepScalars) -> None:
     """Every output of ``got`` has ``expected``'s dtype and bits (-0.0 is not 0.0)."""
     for name, want in vars(expected).items():
-        have = getattr(got, name)
-        assert have.dtype == want.dtype, name
-        if want.is_floating_point():
-            have, want = have.view(torch.int32), want.view(torch.int32)
-        assert torch.equal(have, want), name
+        assert_same_bits(getattr(got, name), want, name)
